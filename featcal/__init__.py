@@ -1,0 +1,1 @@
+"""FeatCal core: configuration, model adapters, merging and the closed-form calibration math."""

@@ -1,0 +1,115 @@
+"""The closed-form FeatCal solves of DESIGN.md §2, on per-task moments, in float64."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+import featcal_kernels
+
+
+@dataclass(frozen=True)
+class Hyper:
+    lam: float
+    rho: float
+    alpha: float
+    eps: float
+
+
+@dataclass
+class LinearMoments:
+    """Weighted uncentred moments of one linear module's inputs for one task (sums already divided by Σw)."""
+
+    c_ss: torch.Tensor  # E_w[x_s x_sᵀ]   [in, in]
+    c_se: torch.Tensor  # E_w[x_s x_eᵀ]   [in, in]
+    mu_s: torch.Tensor  # E_w[x_s]        [in]
+    mu_e: torch.Tensor  # E_w[x_e]        [in]
+
+    def c_st(self, alpha: float) -> torch.Tensor:
+        return alpha * self.c_se + (1.0 - alpha) * self.c_ss
+
+    def mu_t(self, alpha: float) -> torch.Tensor:
+        return alpha * self.mu_e + (1.0 - alpha) * self.mu_s
+
+    def normaliser(self) -> float:
+        """n_t = ‖C_ss‖_F, so λ is a ratio comparable across layers and tasks."""
+        n = float(torch.linalg.matrix_norm(self.c_ss))
+        return n if n > 0 else 1.0
+
+
+@dataclass
+class NormMoments:
+    """Per-dimension moments of the merged side's normalised norm input z_s for one task."""
+
+    m: torch.Tensor  # E_w[z_s]
+    e: torch.Tensor  # E_w[z_s²]
+
+
+def anchor(merged: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor:
+    """A(θ) = ρ·θ_m + (1−ρ)·θ0."""
+    return rho * merged.double() + (1.0 - rho) * base.double()
+
+
+@dataclass
+class LinearSolution:
+    weight: torch.Tensor
+    damping: float
+
+
+def solve_linear_weight(
+    moments: Sequence[LinearMoments], expert_weights: Sequence[torch.Tensor],
+    merged: torch.Tensor, base: torch.Tensor, hp: Hyper,
+) -> LinearSolution:
+    """Wᵀ = (Σ_t C_ss/n_t + (λ+ε)I)⁻¹ (Σ_t (C_st/n_t) W_tᵀ + λ A(W)ᵀ); weights are [out, in]."""
+    d = merged.shape[1]
+    a = torch.zeros(d, d, dtype=torch.float64)
+    b = hp.lam * anchor(merged, base, hp.rho).T
+    for mom, w_t in zip(moments, expert_weights, strict=True):
+        n = mom.normaliser()
+        a += mom.c_ss / n
+        b += (mom.c_st(hp.alpha) / n) @ w_t.double().T
+    a += hp.lam * torch.eye(d, dtype=torch.float64)
+    sol = featcal_kernels.ridge_solve(a, b, damping=hp.eps)
+    return LinearSolution(weight=sol.x.T.contiguous(), damping=sol.damping)
+
+
+def solve_linear_bias(
+    moments: Sequence[LinearMoments], expert_weights: Sequence[torch.Tensor], expert_biases: Sequence[torch.Tensor],
+    weight: torch.Tensor, merged: torch.Tensor, base: torch.Tensor, hp: Hyper,
+) -> torch.Tensor:
+    """b = [Σ_t (b_t + W_t μ_t − W μ_s)/n_t + λ A(b)] / (Σ_t 1/n_t + λ), after the weight is solved."""
+    num = hp.lam * anchor(merged, base, hp.rho)
+    den = hp.lam
+    w = weight.double()
+    for mom, w_t, b_t in zip(moments, expert_weights, expert_biases, strict=True):
+        inv_n = 1.0 / mom.normaliser()
+        num = num + inv_n * (b_t.double() + w_t.double() @ mom.mu_t(hp.alpha) - w @ mom.mu_s)
+        den += inv_n
+    return num / den
+
+
+def solve_norm_affine(
+    moments: Sequence[NormMoments], expert_gammas: Sequence[torch.Tensor], expert_betas: Sequence[torch.Tensor] | None,
+    merged_gamma: torch.Tensor, base_gamma: torch.Tensor,
+    merged_beta: torch.Tensor | None, base_beta: torch.Tensor | None, hp: Hyper,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per dimension, min Σ_t E‖γ⊙z + β − (γ_t⊙z + β_t)‖² + λ(‖γ−A(γ)‖² + ‖β−A(β)‖²): a 2×2 system (1×1 without β)."""
+    reg = hp.lam + hp.eps
+    sum_e = sum(m.e for m in moments)
+    rhs_g = hp.lam * anchor(merged_gamma, base_gamma, hp.rho)
+    for mom, g_t in zip(moments, expert_gammas, strict=True):
+        rhs_g = rhs_g + mom.e * g_t.double()
+    if expert_betas is None:
+        return rhs_g / (sum_e + reg), None
+    sum_m = sum(m.m for m in moments)
+    rhs_b = hp.lam * anchor(merged_beta, base_beta, hp.rho)
+    for mom, g_t, b_t in zip(moments, expert_gammas, expert_betas, strict=True):
+        rhs_g = rhs_g + mom.m * b_t.double()
+        rhs_b = rhs_b + mom.m * g_t.double() + b_t.double()
+    a11, a12, a22 = sum_e + reg, sum_m, len(moments) + reg
+    det = a11 * a22 - a12 * a12
+    gamma = (a22 * rhs_g - a12 * rhs_b) / det
+    beta = (a11 * rhs_b - a12 * rhs_g) / det
+    return gamma, beta

@@ -1,0 +1,169 @@
+"""The run configuration: one YAML file, validated by pydantic so every bad field is named."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the offending field named in the message."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class MergeConfig(_Strict):
+    method: Literal["task_arithmetic", "ties", "average"] = "task_arithmetic"
+    scaling: float = Field(0.3, gt=0, description="s in θ0 + s·merged task vector (ignored by average)")
+    ties_top_k: float = Field(0.2, gt=0, le=1, description="fraction of each task vector kept, per tensor")
+    ties_merge: Literal["sum", "mean"] = "sum"
+
+
+class DataSource(_Strict):
+    path: str = Field(description="datasets directory (save_to_disk), a data file, or a hub name")
+    split: str = "train"
+    column: str | None = Field(None, description="raw input column (text/image); default: detected")
+    text_pair_column: str | None = None
+    label_column: str | None = None
+
+
+class CalibrationConfig(_Strict):
+    data: dict[str, DataSource]
+    examples_per_task: int = Field(256, ge=1)
+    batch_size: int = Field(16, ge=1)
+    max_length: int = Field(128, ge=2, description="text: truncate to this many tokens")
+    seed: int = 42
+
+
+class FeatCalConfig(_Strict):
+    lam: float = Field(0.05, alias="lambda", ge=0)
+    rho: float = 2.2
+    alpha: float = Field(0.25, ge=0, le=1)
+    eps: float = Field(1.0e-8, gt=0, description="initial Cholesky damping; grows ×10 on failure")
+    calibrate_bias: bool = True
+    calibrate_norm: bool = True
+    pooled_token_weight: float | None = Field(0.01, ge=0, le=1)
+
+
+class EvaluationConfig(_Strict):
+    enabled: bool = True
+    data: dict[str, DataSource] = Field(default_factory=dict)
+    batch_size: int = Field(32, ge=1)
+    max_examples: int | None = Field(None, ge=1)
+
+
+class RuntimeConfig(_Strict):
+    keep_activations: bool = False
+    threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's choice")
+
+
+class RunConfig(_Strict):
+    base: str
+    experts: dict[str, str]
+    merge: MergeConfig = Field(default_factory=MergeConfig)
+    calibration: CalibrationConfig
+    featcal: FeatCalConfig = Field(default_factory=FeatCalConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+
+    @field_validator("experts")
+    @classmethod
+    def _at_least_one_expert(cls, experts: dict[str, str]) -> dict[str, str]:
+        if not experts:
+            raise ValueError("needs at least one task: {task_name: checkpoint}")
+        for task in experts:
+            if not task or "/" in task or task.startswith("."):
+                raise ValueError(f"task name {task!r} must be a non-empty name without '/' or leading '.'")
+        return experts
+
+    @model_validator(mode="after")
+    def _every_task_has_data(self) -> RunConfig:
+        missing = sorted(set(self.experts) - set(self.calibration.data))
+        if missing:
+            raise ValueError(f"calibration.data has no entry for task(s) {missing}; every expert needs calibration data")
+        extra = sorted(set(self.calibration.data) - set(self.experts))
+        if extra:
+            raise ValueError(f"calibration.data names task(s) {extra} that are not in experts")
+        extra = sorted(set(self.evaluation.data) - set(self.experts))
+        if extra:
+            raise ValueError(f"evaluation.data names task(s) {extra} that are not in experts")
+        return self
+
+    @property
+    def tasks(self) -> list[str]:
+        """Tasks in a fixed order (sorted) so every reduction over tasks is deterministic."""
+        return sorted(self.experts)
+
+    def slice(self, *sections: str) -> dict[str, Any]:
+        """The parts of the config a stage depends on, for its cache key."""
+        dumped = self.model_dump(mode="json", by_alias=True)
+        return {name: dumped[name] for name in sections}
+
+    def fingerprint(self) -> str:
+        return digest_of(self.model_dump(mode="json", by_alias=True))
+
+
+def digest_of(obj: Any) -> str:
+    """A stable short hash of JSON-able data (sorted keys)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _apply_override(raw: dict[str, Any], assignment: str) -> None:
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected KEY.PATH=VALUE, e.g. featcal.lambda=0.1")
+    dotted, value = assignment.split("=", 1)
+    keys = dotted.strip().split(".")
+    node = raw
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {assignment!r}: {key!r} is not a section")
+    node[keys[-1]] = yaml.safe_load(value)
+
+
+def _resolve_paths(cfg: RunConfig, root: Path) -> RunConfig:
+    """Relative paths in the YAML are relative to the YAML file, as a user reading it expects."""
+
+    def resolve(path: str) -> str:
+        candidate = root / path
+        return str(candidate.resolve()) if not Path(path).is_absolute() and candidate.exists() else path
+
+    cfg.base = resolve(cfg.base)
+    cfg.experts = {t: resolve(p) for t, p in cfg.experts.items()}
+    for source in [*cfg.calibration.data.values(), *cfg.evaluation.data.values()]:
+        source.path = resolve(source.path)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path}: expected a mapping at the top level, got {type(raw).__name__}")
+    for assignment in overrides:
+        _apply_override(raw, assignment)
+    return config_from_dict(raw, root=path.parent, source=str(path))
+
+
+def config_from_dict(raw: dict[str, Any], root: Path, source: str = "config") -> RunConfig:
+    try:
+        cfg = RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            lines.append(f"  {field}: {err['msg']} (got {err.get('input')!r})")
+        raise ConfigError(f"{source} is invalid:\n" + "\n".join(lines)) from None
+    return _resolve_paths(cfg, root.resolve())

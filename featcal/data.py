@@ -1,0 +1,141 @@
+"""Task data: load a split, pick the calibration examples, and turn rows into model inputs."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+
+from featcal.config import DataSource
+
+log = logging.getLogger("featcal")
+
+TEXT_COLUMNS = ("text", "sentence", "sentence1", "question", "premise")
+IMAGE_COLUMNS = ("image", "img")
+FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+class DataError(ValueError):
+    pass
+
+
+def load_split(source: DataSource, where: str) -> datasets.Dataset:
+    """`where` names the config field (e.g. calibration.data.sentiment) for error messages."""
+    path = Path(source.path)
+    try:
+        if path.is_dir():
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.DatasetDict):
+                if source.split not in loaded:
+                    raise DataError(f"{where}.split: {source.split!r} is not a split of {path} (has {sorted(loaded)})")
+                return loaded[source.split]
+            return loaded
+        if path.is_file():
+            builder = FILE_BUILDERS.get(path.suffix)
+            if builder is None:
+                raise DataError(f"{where}.path: {path} has suffix {path.suffix!r}; expected one of {sorted(FILE_BUILDERS)}")
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        return datasets.load_dataset(source.path, split=source.split)
+    except DataError:
+        raise
+    except Exception as exc:  # datasets raises many types; name the field and the path either way
+        raise DataError(f"{where}.path: cannot load {source.path!r} split {source.split!r}: {exc}") from exc
+
+
+def pick_examples(ds: datasets.Dataset, n: int, seed: int, where: str) -> datasets.Dataset:
+    """A seeded random subset of n rows; fewer rows than asked is said loudly and recorded by the caller."""
+    if len(ds) == 0:
+        raise DataError(f"{where}: the split has no rows")
+    if len(ds) < n:
+        log.warning("%s: only %d rows available, %d asked for; using all of them", where, len(ds), n)
+        n = len(ds)
+    order = np.random.default_rng(seed).permutation(len(ds))[:n]
+    return ds.select(sorted(order.tolist()))
+
+
+class InputBuilder:
+    """Turns dataset rows into padded model inputs with the base checkpoint's tokenizer or image processor."""
+
+    def __init__(self, base_dir: str, input_names: tuple[str, ...], source: DataSource, max_length: int,
+                 columns: list[str], where: str):
+        self.where = where
+        self.is_text = "input_ids" in input_names
+        self.max_length = max_length
+        self.pair_column = source.text_pair_column
+        self.ready = [c for c in ("input_ids", "pixel_values") if c in columns and c in input_names]
+        if self.ready:
+            self.column = None
+            self.processor = None
+            self.pad_id = _pad_token_id(base_dir)
+            return
+        self.column = source.column or next((c for c in (*TEXT_COLUMNS, *IMAGE_COLUMNS) if c in columns), None)
+        if self.column is None or self.column not in columns:
+            raise DataError(
+                f"{where}.column: no model input column found; the data has columns {columns}, expected "
+                f"ready inputs ({', '.join(input_names)}) or a raw column such as {TEXT_COLUMNS + IMAGE_COLUMNS}"
+            )
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        try:
+            if "pixel_values" in input_names:
+                self.processor = AutoImageProcessor.from_pretrained(base_dir, local_files_only=True)
+            else:
+                self.processor = AutoTokenizer.from_pretrained(base_dir, local_files_only=True)
+        except Exception as exc:
+            raise DataError(f"{where}: raw column {self.column!r} needs the base's tokenizer/processor: {exc}") from exc
+        self.pad_id = getattr(self.processor, "pad_token_id", None) or 0
+
+    def text_inputs(self, rows: dict[str, list]) -> dict[str, torch.Tensor]:
+        """Unpadded token lists → tensors padded to the longest row of these rows."""
+        if "input_ids" in self.ready:
+            ids = [list(r)[: self.max_length] for r in rows["input_ids"]]
+            masks = rows.get("attention_mask")
+            masks = [list(m)[: self.max_length] for m in masks] if masks else [[1] * len(r) for r in ids]
+            types = rows.get("token_type_ids")
+            types = [list(t)[: self.max_length] for t in types] if types else [[0] * len(r) for r in ids]
+            width = max(len(r) for r in ids)
+            pad = lambda seqs, v: torch.tensor([s + [v] * (width - len(s)) for s in seqs], dtype=torch.long)  # noqa: E731
+            return {"input_ids": pad(ids, self.pad_id), "attention_mask": pad(masks, 0), "token_type_ids": pad(types, 0)}
+        pair = rows[self.pair_column] if self.pair_column else None
+        enc = self.processor(rows[self.column], pair, padding=True, truncation=True, max_length=self.max_length,
+                             return_tensors="pt")
+        enc = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+        enc.setdefault("token_type_ids", torch.zeros_like(enc["input_ids"]))
+        return enc
+
+    def image_inputs(self, rows: dict[str, list]) -> dict[str, torch.Tensor]:
+        if "pixel_values" in self.ready:
+            return {"pixel_values": torch.tensor(np.asarray(rows["pixel_values"], dtype=np.float32))}
+        return {"pixel_values": self.processor(rows[self.column], return_tensors="pt")["pixel_values"].float()}
+
+    def __call__(self, rows: dict[str, list]) -> dict[str, torch.Tensor]:
+        return self.text_inputs(rows) if self.is_text else self.image_inputs(rows)
+
+
+def _pad_token_id(base_dir: str) -> int:
+    import json
+
+    config = json.loads((Path(base_dir) / "config.json").read_text())
+    return int(config.get("pad_token_id") or 0)
+
+
+def pad_to(inputs: dict[str, torch.Tensor], width: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad token inputs to a fixed width so every chunk of a task has the same sequence length."""
+    out = {}
+    for name, value in inputs.items():
+        if name == "pixel_values":
+            out[name] = value
+            continue
+        fill = pad_id if name == "input_ids" else 0
+        extra = width - value.shape[1]
+        out[name] = torch.nn.functional.pad(value, (0, extra), value=fill) if extra > 0 else value
+    return out
+
+
+def row_batches(ds: datasets.Dataset, batch_size: int) -> Iterator[dict[str, list]]:
+    for start in range(0, len(ds), batch_size):
+        yield ds[start:start + batch_size]

@@ -1,0 +1,123 @@
+"""Model skeletons on the meta device, and real copies of single submodules loaded from a checkpoint.
+
+Only the submodule being worked on (one block, or the embeddings) ever holds real memory, so the
+resident size is one block per model side, never a whole model per expert.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from featcal.adapters import Adapter, adapter_for
+from storage.checkpoint import CanonicalCheckpoint, CheckpointError
+
+
+class Skeleton:
+    """A full model built on the meta device: its module tree, with no memory behind the parameters."""
+
+    def __init__(self, config: PretrainedConfig):
+        self.config = config
+        self.adapter: Adapter = adapter_for(config)
+        cls = getattr(transformers, self.adapter.architecture)
+        with torch.device("meta"):
+            self.model = cls(config)
+        self.model.eval()
+        self.body = self.adapter.body(self.model)
+
+    @classmethod
+    def from_checkpoint(cls, directory: str | Path) -> Skeleton:
+        return cls(AutoConfig.from_pretrained(directory))
+
+    def block_template(self, layer: int) -> nn.Module:
+        return self.adapter.blocks(self.body)[layer]
+
+    def materialize(self, path: str, state: Mapping[str, torch.Tensor]) -> nn.Module:
+        """A real, standalone copy of body submodule `path`, with `state` (names relative to it) loaded strictly."""
+        module = copy.deepcopy(self.body.get_submodule(path)).to_empty(device="cpu")
+        # Non-persistent buffers (position ids, ...) are not in checkpoints: let the model's own init rebuild them.
+        for sub in module.modules():
+            if any(True for _ in sub.named_buffers(recurse=False)):
+                self.model._init_weights(sub)
+        persistent = module.state_dict()
+        missing = sorted(set(persistent) - set(state))
+        unexpected = sorted(set(state) - set(persistent))
+        if missing or unexpected:
+            raise CheckpointError(
+                f"cannot load submodule {path!r}: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"unexpected tensors {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+            )
+        for name, tensor in state.items():
+            if tuple(tensor.shape) != tuple(persistent[name].shape):
+                raise CheckpointError(
+                    f"tensor {path}.{name}: shape {tuple(tensor.shape)} does not fit the model's "
+                    f"{tuple(persistent[name].shape)}"
+                )
+        module.load_state_dict({k: v.to(persistent[k].dtype) for k, v in state.items()}, strict=True)
+        return module.eval()
+
+    def block(self, layer: int, checkpoint: CanonicalCheckpoint) -> nn.Module:
+        prefix = self.adapter.block_prefix(layer)
+        return self.materialize(prefix.rstrip("."), checkpoint.with_prefix(prefix))
+
+    def embedding(self, checkpoint: CanonicalCheckpoint) -> dict[str, nn.Module]:
+        return {
+            name: self.materialize(name, checkpoint.with_prefix(f"{name}."))
+            for name in self.adapter.embedding_modules()
+        }
+
+
+def calibrated_modules(block: nn.Module) -> dict[str, nn.Module]:
+    """The modules FeatCal solves for inside a block: every linear map and every norm with an affine."""
+    found = {}
+    for name, module in block.named_modules():
+        if isinstance(module, nn.Linear) or is_norm(module):
+            found[name] = module
+    return found
+
+
+def is_norm(module: nn.Module) -> bool:
+    if isinstance(module, nn.LayerNorm):
+        return module.elementwise_affine
+    return type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), nn.Parameter)
+
+
+def norm_eps(module: nn.Module) -> float:
+    for attr in ("eps", "variance_epsilon"):
+        if hasattr(module, attr):
+            return float(getattr(module, attr))
+    raise ValueError(f"norm module {type(module).__name__} exposes no eps/variance_epsilon")
+
+
+def normalized(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The norm's input with the normalisation applied and the affine left out (z in DESIGN.md §2)."""
+    x = x.float()
+    eps = norm_eps(module)
+    if isinstance(module, nn.LayerNorm):
+        mean = x.mean(-1, keepdim=True)
+        var = x.var(-1, keepdim=True, unbiased=False)
+        return (x - mean) * torch.rsqrt(var + eps)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def task_model(expert_dir: str | Path, body_from: CanonicalCheckpoint | None = None) -> nn.Module:
+    """Expert `expert_dir` (its class, config and head), with its body replaced by `body_from` if given.
+
+    This is how a merged or calibrated checkpoint is used for one task: shared body, the task's own head."""
+    config = AutoConfig.from_pretrained(expert_dir, local_files_only=True)
+    adapter = adapter_for(config)
+    model = getattr(transformers, adapter.architecture).from_pretrained(expert_dir, local_files_only=True)
+    if body_from is not None:
+        body = adapter.body(model)
+        wanted = body.state_dict()
+        missing = [n for n in wanted if n not in body_from]
+        if missing:
+            raise CheckpointError(f"{body_from.directory} lacks body tensors {missing[:5]} of {expert_dir}")
+        body.load_state_dict({n: body_from.get(n).to(wanted[n].dtype) for n in wanted}, strict=True)
+    return model.eval()

@@ -1,0 +1,225 @@
+"""The calibration pipeline's order of stages, their cache keys, and what is deleted when.
+
+One function, `calibrate`, walks merge → prepare → (gram → solve → propagate) per block → assemble →
+evaluate. How each stage is called is the runner's business: directly in this process (tests,
+benchmarks) or as a Prefect task (flows/prefect_flow.py). Both paths share every line below.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from featcal.config import RunConfig, digest_of
+from storage.atomic import write_bytes, write_json
+from storage.fingerprint import fingerprint
+from storage.rundir import MissingOutput, Record, RunDir
+from tasks import assemble, calibration, evaluate, merge
+from tasks.context import CONFIG_NAME, context
+from tasks.preflight import preflight
+from tasks.record import execute
+
+log = logging.getLogger("featcal")
+
+STAGES = {
+    "merge": merge.run,
+    "prepare": calibration.prepare,
+    "gram": calibration.gram,
+    "solve": calibration.solve,
+    "propagate": calibration.propagate,
+    "assemble": assemble.run,
+    "evaluate": evaluate.run,
+}
+SOURCE_PACKAGES = ("featcal", "tasks", "storage", "featcal_kernels")
+
+
+def code_version() -> str:
+    """Digest of the code every stage runs: any change to it invalidates every cached stage."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for package in SOURCE_PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class StageCall:
+    kind: str
+    stage: str
+    label: str
+    key: str
+    needs: dict[str, str] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+Runner = Callable[[str, StageCall], Record]
+
+
+def direct_runner(run_dir: str, call: StageCall) -> Record:
+    return execute(run_dir, call.stage, call.key, STAGES[call.kind], call.needs, call.params)
+
+
+class Progress:
+    """Stage-level progress with elapsed time and an ETA, in the log (and so in the terminal and the UI)."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.started = total, 0, time.perf_counter()
+
+    def step(self, call: StageCall, record: Record, fresh: bool) -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self.started
+        eta = elapsed / self.done * (self.total - self.done)
+        how = f"{record['seconds']:.1f}s" if fresh else "cached"
+        log.info("[%3d/%d] %-32s %8s  elapsed %s  ETA %s", self.done, self.total, call.label, how,
+                 _clock(elapsed), _clock(eta))
+
+
+def _clock(seconds: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(seconds))
+
+
+class Pipeline:
+    def __init__(self, run_dir: Path, runner: Runner, on_stage: Callable[[StageCall, Record], None] | None = None):
+        self.run_dir = str(run_dir)
+        self.run = RunDir(run_dir)
+        self.ctx = context(run_dir)
+        self.cfg: RunConfig = self.ctx.cfg
+        self.runner = runner
+        self.on_stage = on_stage
+        self.code = code_version()
+        memo = self.run / "records" / "fingerprints.json"
+        self.inputs = {"base": fingerprint(self.cfg.base, memo)}
+        self.inputs.update({f"expert/{t}": fingerprint(p, memo) for t, p in self.cfg.experts.items()})
+        for section, sources in (("calibration", self.cfg.calibration.data), ("evaluation", self.cfg.evaluation.data)):
+            self.inputs.update({f"{section}/{t}": fingerprint(s.path, memo) for t, s in sources.items()})
+        L, T = self.ctx.num_blocks, len(self.ctx.tasks)
+        self.progress = Progress(1 + T + L * (T + 1) + (L - 1) * T + 1 + int(self.cfg.evaluation.enabled))
+
+    def key(self, *parts: Any) -> str:
+        return digest_of([self.code, *parts])
+
+    def call(self, call: StageCall) -> Record:
+        fresh = self.run.verified(call.stage, call.key) is None
+        record = self.runner(self.run_dir, call)
+        self.progress.step(call, record, fresh)
+        if self.on_stage is not None:
+            self.on_stage(call, record)
+        return record
+
+    def release(self, record: Record, rel: str) -> None:
+        if not self.cfg.runtime.keep_activations:
+            self.run.release(rel, record["outputs"][rel])
+
+    def stages(self) -> dict[str, Record]:
+        cfg, run, tasks, L = self.cfg, self.run, self.ctx.tasks, self.ctx.num_blocks
+        cal = cfg.slice("calibration")["calibration"]
+        merged = self.call(StageCall("merge", "merge", "merge", self.key(
+            "merge", cfg.slice("merge"), self.inputs["base"], [self.inputs[f"expert/{t}"] for t in tasks])))
+        merged_digest = merged["outputs"]["merged"]
+        # (record, rel) of the current block boundary per task and side: S (merged) and E (expert).
+        side: dict[tuple[str, str], tuple[Record, str]] = {}
+        prepared: dict[str, Record] = {}
+        for t in tasks:
+            prepared[t] = self.call(StageCall("prepare", f"prepare/{t}", f"prepare · {t}", self.key(
+                "prepare", t, {k: v for k, v in cal.items() if k != "data"}, cal["data"][t],
+                self.inputs[f"calibration/{t}"], self.inputs[f"expert/{t}"], merged_digest),
+                needs={"merged": "merge"}, params={"task": t}))
+            for s in ("merged", "expert"):
+                side[t, s] = (prepared[t], run.acts(t, 0, s))
+        blocks: list[Record] = []
+        featcal_cfg = cfg.slice("featcal")["featcal"]
+        for layer in range(L):
+            grams = {}
+            for t in tasks:
+                (s_rec, s_rel), (e_rec, e_rel) = side[t, "merged"], side[t, "expert"]
+                grams[t] = self.call(StageCall("gram", f"gram/l{layer:02d}/{t}", f"block {layer:02d} · gram · {t}", self.key(
+                    "gram", layer, t, s_rec["outputs"][s_rel], e_rec["outputs"][e_rel], merged_digest,
+                    self.inputs[f"expert/{t}"], featcal_cfg["pooled_token_weight"]),
+                    needs={s_rel: s_rec["stage"], e_rel: e_rec["stage"], run.inputs(t): prepared[t]["stage"],
+                           "merged": "merge"},
+                    params={"task": t, "layer": layer}))
+            solved = self.call(StageCall("solve", f"solve/l{layer:02d}", f"block {layer:02d} · solve", self.key(
+                "solve", layer, [grams[t]["outputs"][run.stats(t, layer)] for t in tasks], featcal_cfg,
+                merged_digest, self.inputs["base"], [self.inputs[f"expert/{t}"] for t in tasks]),
+                needs={**{run.stats(t, layer): grams[t]["stage"] for t in tasks}, "merged": "merge"},
+                params={"layer": layer}))
+            blocks.append(solved)
+            for t in tasks:
+                self.release(grams[t], run.stats(t, layer))
+            for t in tasks:
+                (s_rec, s_rel), (e_rec, e_rel) = side[t, "merged"], side[t, "expert"]
+                if layer < L - 1:
+                    block_rel = run.block(layer)
+                    prop = self.call(StageCall("propagate", f"propagate/l{layer:02d}/{t}",
+                                               f"block {layer:02d} · propagate · {t}", self.key(
+                        "propagate", layer, t, s_rec["outputs"][s_rel], solved["outputs"][block_rel]),
+                        needs={s_rel: s_rec["stage"], block_rel: solved["stage"], run.inputs(t): prepared[t]["stage"]},
+                        params={"task": t, "layer": layer}))
+                    side[t, "merged"] = (prop, run.acts(t, layer + 1, "merged"))
+                    side[t, "expert"] = (grams[t], run.acts(t, layer + 1, "expert"))
+                self.release(s_rec, s_rel)
+                self.release(e_rec, e_rel)
+        block_digests = [b["outputs"][run.block(i)] for i, b in enumerate(blocks)]
+        out = {"merge": merged, "assemble": self.call(StageCall("assemble", "assemble", "assemble calibrated checkpoint",
+                                                                self.key("assemble", merged_digest, block_digests),
+                                                                needs={run.block(i): b["stage"] for i, b in enumerate(blocks)}))}
+        if cfg.evaluation.enabled:
+            out["evaluate"] = self.call(StageCall("evaluate", "evaluate", "evaluate", self.key(
+                "evaluate", out["assemble"]["outputs"]["calibrated"], merged_digest, cfg.slice("evaluation"),
+                cal["seed"], cal["max_length"], self.inputs),
+                needs={"calibrated": "assemble", "merged": "merge"}))
+        return out
+
+    def run_all(self, max_rewinds: int = 64) -> dict[str, Record]:
+        for _ in range(max_rewinds):
+            try:
+                return self.stages()
+            except MissingOutput as exc:
+                log.warning("%s: running them again", exc)
+                for producer in exc.producers:
+                    self.run.invalidate(producer)
+                self.progress = Progress(self.progress.total)
+        raise RuntimeError(f"gave up after {max_rewinds} attempts to rebuild missing intermediates in {self.run.root}")
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "prefect", "zarr", "safetensors", "datasets", "numpy", "featcal"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def run_pipeline(cfg: RunConfig, run_dir: str | Path, runner: Runner = direct_runner,
+                 on_stage: Callable[[StageCall, Record], None] | None = None) -> dict[str, Record]:
+    """Validate, lock the run directory, run (or resume) every stage, and write the manifest."""
+    run = RunDir(run_dir)
+    preflight(cfg)
+    with run.lock():
+        resolved = yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False).encode()
+        if not (run / CONFIG_NAME).is_file() or (run / CONFIG_NAME).read_bytes() != resolved:
+            write_bytes(run / CONFIG_NAME, resolved)
+        pipeline = Pipeline(run.root, runner, on_stage)
+        manifest = {"config_fingerprint": cfg.fingerprint(), "code_version": pipeline.code, "versions": versions(),
+                    "inputs": pipeline.inputs, "status": "running", "started_at": time.time()}
+        write_json(run / "manifest.json", manifest)
+        records = pipeline.run_all()
+        stages = {}
+        for path in sorted((run / "records").glob("*.json")):
+            rec = run.record(path.stem.replace("__", "/"))
+            if rec and "key" in rec:
+                stages[rec["stage"]] = {"key": rec["key"], "seconds": rec["seconds"], "outputs": rec["outputs"]}
+        write_json(run / "manifest.json", {**manifest, "status": "complete", "finished_at": time.time(), "stages": stages})
+        return records

@@ -1,0 +1,63 @@
+"""`featcal plan`: what a run will do and roughly what it needs, without computing anything."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from featcal.config import RunConfig
+from featcal.modeling import Skeleton, calibrated_modules, is_norm
+from storage.checkpoint import CanonicalCheckpoint
+from tasks.preflight import preflight
+
+GIB = 1024**3
+
+
+def plan(cfg: RunConfig) -> dict[str, Any]:
+    adapter = preflight(cfg)
+    skeleton = Skeleton.from_checkpoint(cfg.experts[cfg.tasks[0]])
+    vision = adapter.text_or_vision_config()
+    hidden = vision.hidden_size
+    if "input_ids" in adapter.model_input_names():
+        tokens = cfg.calibration.max_length
+    else:
+        tokens = (vision.image_size // vision.patch_size) ** 2 + 1
+    modules = calibrated_modules(skeleton.block_template(0))
+    linear_in = [m.in_features for m in modules.values() if not is_norm(m)]
+    base = CanonicalCheckpoint(cfg.base, adapter)
+    model_bytes = sum(_numel(base.shape(n)) * 4 for n in base.names())
+    block_bytes = sum(p.numel() * 4 for p in skeleton.block_template(0).parameters())
+    n, bs, T = cfg.calibration.examples_per_task, cfg.calibration.batch_size, len(cfg.tasks)
+    boundary = n * tokens * hidden * 4  # one side of one boundary, float32
+    stats = sum(2 * d * d * 8 for d in linear_in)
+    chunk = bs * tokens * max([hidden, *linear_in]) * 4 * (2 + len(modules))
+    return {
+        "architecture": adapter.architecture,
+        "blocks": adapter.num_blocks(),
+        "modules_per_block": list(modules),
+        "tasks": {t: {"expert": cfg.experts[t], "examples": n} for t in cfg.tasks},
+        "tokens_per_example_max": tokens,
+        "stages": 1 + T + adapter.num_blocks() * (2 * T + 1) - T + 1 + int(cfg.evaluation.enabled),
+        "estimated_disk_gib": round((2 * model_bytes + 2 * 2 * T * boundary + T * stats
+                                     + adapter.num_blocks() * block_bytes) / GIB, 3),
+        "estimated_peak_ram_gib": round((3 * block_bytes + stats + 2 * chunk) / GIB + 1.0, 3),
+    }
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def render(p: dict[str, Any]) -> str:
+    lines = [
+        f"architecture      {p['architecture']}",
+        f"blocks            {p['blocks']}  (modules per block: {', '.join(p['modules_per_block'])})",
+        f"tasks             {', '.join(f'{t} ({v['examples']} ex)' for t, v in p['tasks'].items())}",
+        f"tokens/example    ≤ {p['tokens_per_example_max']}",
+        f"stages            {p['stages']}",
+        f"disk (estimate)   {p['estimated_disk_gib']} GiB  (merged + calibrated checkpoints, 2 live boundaries, stats)",
+        f"RAM (estimate)    {p['estimated_peak_ram_gib']} GiB  (3 blocks, one block's Grams, 2 chunks, +1 GiB runtime)",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""On-disk state of a run: atomic files, checkpoints, activation stores, stage records."""

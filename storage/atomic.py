@@ -1,0 +1,76 @@
+"""Atomic writes and content digests: a crash never leaves a half-written file under its final name."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_path(final: Path) -> Iterator[Path]:
+    """Yield a temporary sibling path (file or directory) that replaces `final` only if the block succeeds."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent)) / final.name
+    try:
+        yield tmp
+        if final.is_dir() and not final.is_symlink():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+    finally:
+        shutil.rmtree(tmp.parent, ignore_errors=True)
+
+
+def write_bytes(final: Path, data: bytes) -> None:
+    with atomic_path(final) as tmp:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+def write_json(final: Path, obj: Any) -> None:
+    write_bytes(final, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def digest(path: Path) -> str:
+    """Content digest of a file, or of a directory tree (relative names and bytes, in sorted order)."""
+    path = Path(path)
+    h = hashlib.blake2b(digest_size=16)
+    if path.is_dir():
+        for child in sorted(p for p in path.rglob("*") if p.is_file()):
+            h.update(str(child.relative_to(path)).encode() + b"\0")
+            with open(child, "rb") as fh:
+                h.update(hashlib.file_digest(fh, "blake2b").digest())
+    else:
+        with open(path, "rb") as fh:
+            h.update(hashlib.file_digest(fh, "blake2b").digest())
+    return h.hexdigest()
+
+
+def remove(path: Path) -> None:
+    path = Path(path)
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()

@@ -1,0 +1,159 @@
+"""The run directory: where every stage writes, what each finished stage produced, and who holds it.
+
+Resume never trusts a database: a stage counts as done only when its record (key + output digests)
+is on disk *and* its outputs still match those digests, or were deliberately released once every
+consumer had finished with them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from storage.atomic import digest, read_json, remove, write_json
+
+Record = dict[str, Any]
+
+
+class RunDirLocked(RuntimeError):
+    pass
+
+
+class MissingOutput(RuntimeError):
+    """A stage's input is gone (released or corrupted): the stage that produced it must run again."""
+
+    def __init__(self, producers: list[str], paths: list[str]):
+        super().__init__(f"inputs {paths} are no longer on disk; their producers {producers} must run again")
+        self.producers = producers
+        self.paths = paths
+
+
+def _safe(stage: str) -> str:
+    return stage.replace("/", "__")
+
+
+class RunDir:
+    def __init__(self, root: str | Path):
+        self.root = Path(root).resolve()
+
+    def __truediv__(self, rel: str) -> Path:
+        return self.root / rel
+
+    # ---- layout (DESIGN.md §3) -------------------------------------------------------------
+    @staticmethod
+    def acts(task: str, layer: int, side: str) -> str:
+        return f"acts/{task}/l{layer:02d}/{side}"
+
+    @staticmethod
+    def inputs(task: str) -> str:
+        return f"acts/{task}/inputs"
+
+    @staticmethod
+    def stats(task: str, layer: int) -> str:
+        return f"stats/l{layer:02d}/{task}.safetensors"
+
+    @staticmethod
+    def block(layer: int) -> str:
+        return f"blocks/l{layer:02d}.safetensors"
+
+    # ---- lock ------------------------------------------------------------------------------
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """One run per directory: a second one is refused with who holds it (released even on kill -9)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / ".lock"
+        fh = open(path, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            fh.close()
+            raise RunDirLocked(f"run directory {self.root} is in use by {holder}; wait for it or use another --run-dir") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        fh.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+            fh.close()
+
+    # ---- records -----------------------------------------------------------------------------
+    def _record_path(self, stage: str) -> Path:
+        return self.root / "records" / f"{_safe(stage)}.json"
+
+    def _release_path(self, rel: str) -> Path:
+        return self.root / "records" / "released" / f"{_safe(rel)}.json"
+
+    def record(self, stage: str) -> Record | None:
+        path = self._record_path(stage)
+        if not path.is_file():
+            return None
+        try:
+            return read_json(path)
+        except (json.JSONDecodeError, OSError):
+            return None
+
+    def save_record(self, record: Record) -> None:
+        write_json(self._record_path(record["stage"]), record)
+
+    def invalidate(self, stage: str) -> None:
+        remove(self._record_path(stage))
+
+    def output_ok(self, rel: str, expected: str) -> bool:
+        released = self._release_path(rel)
+        if released.is_file() and read_json(released).get("digest") == expected:
+            return True
+        path = self.root / rel
+        return path.exists() and digest(path) == expected
+
+    def verified(self, stage: str, key: str) -> Record | None:
+        """The stage's record if it was made under `key` and every output is intact (or released)."""
+        rec = self.record(stage)
+        if rec is None or rec.get("key") != key:
+            return None
+        if all(self.output_ok(rel, d) for rel, d in rec["outputs"].items()):
+            return rec
+        return None
+
+    def release(self, rel: str, expected: str) -> None:
+        """Delete an intermediate nobody needs any more, leaving a marker that it existed with this digest."""
+        write_json(self._release_path(rel), {"digest": expected, "at": time.time()})
+        remove(self.root / rel)
+
+    def require(self, needs: dict[str, str]) -> None:
+        """Check inputs {rel: producer stage} exist before a stage reads them (their digests were
+        checked when the producer's record was verified)."""
+        gone = {rel: prod for rel, prod in needs.items() if not (self.root / rel).exists()}
+        if gone:
+            for rel in gone:
+                remove(self._release_path(rel))
+            raise MissingOutput(sorted(set(gone.values())), sorted(gone))
+
+    # ---- events (what actually ran, for progress and for tests of resume) --------------------
+    def event(self, stage: str, what: str, **info: Any) -> None:
+        line = json.dumps({"t": time.time(), "pid": os.getpid(), "stage": stage, "event": what, **info})
+        (self.root / "records").mkdir(parents=True, exist_ok=True)
+        with open(self.root / "records" / "events.jsonl", "a") as fh:
+            fh.write(line + "\n")
+
+    def events(self) -> list[dict[str, Any]]:
+        path = self.root / "records" / "events.jsonl"
+        if not path.is_file():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a kill is not an event
+        return out

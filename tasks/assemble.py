@@ -1,0 +1,35 @@
+"""Stage `assemble`: the merged checkpoint with every block replaced by its calibrated weights."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from storage.checkpoint import write_checkpoint
+from tasks.context import RunContext
+from tasks.merge import MERGED, head_file
+
+CALIBRATED = "calibrated"
+
+
+def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
+    merged = ctx.checkpoint(MERGED)
+    prefixes = [ctx.adapter.block_prefix(layer) for layer in range(ctx.num_blocks)]
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        layer_loaded, block = -1, {}
+        for name in merged.names():
+            layer = next((i for i, p in enumerate(prefixes) if name.startswith(p)), None)
+            if layer is None:
+                yield merged.file_name(name), merged.get(name)
+                continue
+            if layer != layer_loaded:  # one calibrated block in memory at a time
+                block, layer_loaded = load_file(ctx.run / ctx.run.block(layer)), layer
+            yield merged.file_name(name), block[name[len(prefixes[layer]):]]
+
+    heads = {head_file(t): load_file(ctx.run / MERGED / head_file(t)) for t in ctx.tasks}
+    write_checkpoint(ctx.run / CALIBRATED, tensors(), side_files_from=merged.directory, extra_files=heads)
+    return [CALIBRATED], {"blocks": ctx.num_blocks}

@@ -1,0 +1,57 @@
+"""What every stage needs, rebuilt from the run directory alone (so a stage can run in any process)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import yaml
+
+from featcal.config import RunConfig, config_from_dict
+from featcal.modeling import Skeleton
+from storage.checkpoint import CanonicalCheckpoint
+from storage.rundir import RunDir
+
+CONFIG_NAME = "run.yaml"
+
+
+class RunContext:
+    def __init__(self, run_dir: str | Path):
+        self.run = RunDir(run_dir)
+        raw = yaml.safe_load((self.run / CONFIG_NAME).read_text())
+        self.cfg: RunConfig = config_from_dict(raw, root=self.run.root, source=str(self.run / CONFIG_NAME))
+        self.skeleton = Skeleton.from_checkpoint(self.cfg.experts[self.cfg.tasks[0]])
+        self.adapter = self.skeleton.adapter
+        self._checkpoints: dict[str, CanonicalCheckpoint] = {}
+
+    @property
+    def tasks(self) -> list[str]:
+        return self.cfg.tasks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.adapter.num_blocks()
+
+    def checkpoint_dir(self, name: str) -> Path:
+        """`base`, `merged`, `calibrated`, or a task name (its expert)."""
+        if name == "base":
+            return Path(self.cfg.base)
+        if name in ("merged", "calibrated"):
+            return self.run / name
+        return Path(self.cfg.experts[name])
+
+    def checkpoint(self, name: str) -> CanonicalCheckpoint:
+        if name not in self._checkpoints:
+            self._checkpoints[name] = CanonicalCheckpoint(self.checkpoint_dir(name), self.adapter)
+        return self._checkpoints[name]
+
+
+@functools.lru_cache(maxsize=4)
+def _cached(run_dir: str, stamp: float) -> RunContext:
+    return RunContext(run_dir)
+
+
+def context(run_dir: str | Path) -> RunContext:
+    """One context per run directory and config version in each process (skeleton building is not free)."""
+    path = Path(run_dir).resolve()
+    return _cached(str(path), (path / CONFIG_NAME).stat().st_mtime)

@@ -1,0 +1,37 @@
+"""Stage `merge`: stream the experts into one merged checkpoint; heads stay per task under heads/."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from featcal.merging import merged_tensor
+from storage.checkpoint import write_checkpoint
+from tasks.context import RunContext
+
+MERGED = "merged"
+
+
+def head_file(task: str) -> str:
+    return f"heads/{task}.safetensors"
+
+
+def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
+    base = ctx.checkpoint("base")
+    experts = [ctx.checkpoint(t) for t in ctx.tasks]
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name in base.names():
+            if ctx.adapter.is_head(name):
+                yield base.file_name(name), base.get(name)
+                continue
+            yield base.file_name(name), merged_tensor(base.get(name), lambda: (e.get(name) for e in experts), ctx.cfg.merge)
+
+    heads = {
+        head_file(task): {n: e.get(n) for n in e.names() if ctx.adapter.is_head(n)}
+        for task, e in zip(ctx.tasks, experts)
+    }
+    write_checkpoint(ctx.run / MERGED, tensors(), side_files_from=base.directory, extra_files=heads)
+    return [MERGED], {"method": ctx.cfg.merge.method, "tensors": len(base.names())}

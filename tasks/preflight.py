@@ -1,0 +1,70 @@
+"""Checks made before any work starts, so a bad input fails in seconds with a clear message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoConfig
+
+from featcal.adapters import Adapter, adapter_for
+from featcal.config import RunConfig
+from featcal.data import InputBuilder, load_split
+from storage.checkpoint import CanonicalCheckpoint, CheckpointError
+
+
+def _config(path: str, field: str):
+    if not Path(path).is_dir():
+        raise CheckpointError(f"{field}: checkpoint directory {path} does not exist (hub ids are not reachable offline)")
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{field}: cannot read the config of {path}: {exc}") from exc
+
+
+def body_signature(ckpt: CanonicalCheckpoint, adapter: Adapter) -> dict[str, tuple[int, ...]]:
+    return {n: ckpt.shape(n) for n in ckpt.names() if not adapter.is_head(n)}
+
+
+def check_checkpoints(cfg: RunConfig) -> Adapter:
+    """Every expert must share the base's architecture family and body tensors (names and shapes)."""
+    first = cfg.tasks[0]
+    adapter = adapter_for(_config(cfg.experts[first], f"experts.{first}"))
+    base_cfg = _config(cfg.base, "base")
+    if adapter_for(base_cfg).model_types != adapter.model_types:
+        raise CheckpointError(f"base is a {base_cfg.model_type} model but experts.{first} is a {adapter.model_types[0]} model")
+    base = body_signature(CanonicalCheckpoint(cfg.base, adapter), adapter)
+    for task in cfg.tasks:
+        field = f"experts.{task}"
+        config = _config(cfg.experts[task], field)
+        if adapter_for(config).model_types != adapter.model_types:
+            raise CheckpointError(f"{field}: a {config.model_type} model, but experts.{first} is {adapter.model_types[0]}")
+        expert = body_signature(CanonicalCheckpoint(cfg.experts[task], adapter), adapter)
+        missing, extra = sorted(set(base) - set(expert)), sorted(set(expert) - set(base))
+        if missing or extra:
+            raise CheckpointError(
+                f"{field}: tensor names differ from the base: missing {missing[:5]}, not in base {extra[:5]}"
+                f"{' (and more)' if len(missing) > 5 or len(extra) > 5 else ''}"
+            )
+        for name, shape in expert.items():
+            if shape != base[name]:
+                raise CheckpointError(f"{field}: tensor {name} has shape {shape}, the base has {base[name]}")
+    return adapter
+
+
+def check_data(cfg: RunConfig, adapter: Adapter) -> None:
+    sections = [("calibration.data", cfg.calibration.data)]
+    if cfg.evaluation.enabled:
+        sections.append(("evaluation.data", cfg.evaluation.data))
+    for section, sources in sections:
+        for task, source in sources.items():
+            where = f"{section}.{task}"
+            ds = load_split(source, where)
+            InputBuilder(cfg.base, adapter.model_input_names(), source, cfg.calibration.max_length, ds.column_names, where)
+            if section == "evaluation.data" and source.label_column and source.label_column not in ds.column_names:
+                raise ValueError(f"{where}.label_column: {source.label_column!r} is not a column ({ds.column_names})")
+
+
+def preflight(cfg: RunConfig) -> Adapter:
+    adapter = check_checkpoints(cfg)
+    check_data(cfg, adapter)
+    return adapter

@@ -1,0 +1,36 @@
+"""Running one stage: skip it when its verified record exists, otherwise run it and record what it wrote."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from storage.atomic import digest
+from storage.rundir import Record
+from tasks.context import RunContext, context
+
+StageFn = Callable[..., tuple[list[str], dict[str, Any]]]
+
+
+def execute(run_dir: str, stage: str, key: str, fn: StageFn, needs: dict[str, str], params: dict[str, Any]) -> Record:
+    ctx: RunContext = context(run_dir)
+    done = ctx.run.verified(stage, key)
+    if done is not None:
+        return done
+    ctx.run.require(needs)
+    ctx.run.event(stage, "start")
+    started = time.perf_counter()
+    outputs, info = fn(ctx, **params)
+    seconds = time.perf_counter() - started
+    record = {
+        "stage": stage,
+        "key": key,
+        "outputs": {rel: digest(ctx.run / rel) for rel in outputs},
+        "info": info,
+        "seconds": round(seconds, 4),
+        "finished_at": time.time(),
+    }
+    ctx.run.save_record(record)
+    ctx.run.event(stage, "done", seconds=round(seconds, 4))
+    return record

@@ -1,0 +1,140 @@
+"""Each closed form of DESIGN.md §2 against a brute-force least-squares solve of the same objective."""
+
+import pytest
+import torch
+
+from featcal.closed_form import (
+    Hyper, LinearMoments, NormMoments, anchor, solve_linear_bias, solve_linear_weight, solve_norm_affine,
+)
+
+torch.manual_seed(0)
+D_IN, D_OUT, N, T = 6, 4, 200, 3
+
+
+def _task_data(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.randn(N, D_IN, generator=g, dtype=torch.float64) + 0.3
+    xe = xs @ (torch.eye(D_IN, dtype=torch.float64) + 0.3 * torch.randn(D_IN, D_IN, generator=g, dtype=torch.float64))
+    w = torch.rand(N, generator=g, dtype=torch.float64)
+    w[:10] = 0.0  # padding tokens
+    return xs, xe, w
+
+
+def _moments(xs, xe, w) -> LinearMoments:
+    sw = w.sum()
+    return LinearMoments(c_ss=(xs * w[:, None]).T @ xs / sw, c_se=(xs * w[:, None]).T @ xe / sw,
+                         mu_s=(w[:, None] * xs).sum(0) / sw, mu_e=(w[:, None] * xe).sum(0) / sw)
+
+
+@pytest.fixture(params=[0.0, 0.05, 1.5], ids=["no-anchor", "lambda-0.05", "lambda-1.5"])
+def problem(request):
+    hp = Hyper(lam=request.param, rho=2.2, alpha=0.25, eps=1e-14)
+    data = [_task_data(s) for s in range(T)]
+    g = torch.Generator().manual_seed(99)
+    w_t = [torch.randn(D_OUT, D_IN, generator=g, dtype=torch.float64) for _ in range(T)]
+    b_t = [torch.randn(D_OUT, generator=g, dtype=torch.float64) for _ in range(T)]
+    w_m, w_0 = torch.randn(D_OUT, D_IN, generator=g, dtype=torch.float64), torch.randn(D_OUT, D_IN, generator=g, dtype=torch.float64)
+    b_m, b_0 = torch.randn(D_OUT, generator=g, dtype=torch.float64), torch.randn(D_OUT, generator=g, dtype=torch.float64)
+    return hp, data, w_t, b_t, (w_m, w_0), (b_m, b_0)
+
+
+def _norm_of(xs, w):
+    sw = w.sum()
+    return float(torch.linalg.matrix_norm((xs * w[:, None]).T @ xs / sw))
+
+
+def test_linear_weight_matches_least_squares(problem):
+    hp, data, w_t, _, (w_m, w_0), _ = problem
+    rows, targets = [], []
+    for (xs, xe, w), wt in zip(data, w_t):
+        c = (w / w.sum() / _norm_of(xs, w)).sqrt()[:, None]
+        xt = hp.alpha * xe + (1 - hp.alpha) * xs
+        rows.append(c * xs)
+        targets.append(c * (xt @ wt.T))
+    if hp.lam > 0:
+        rows.append(hp.lam**0.5 * torch.eye(D_IN, dtype=torch.float64))
+        targets.append(hp.lam**0.5 * (hp.rho * w_m + (1 - hp.rho) * w_0).T)
+    brute = torch.linalg.lstsq(torch.cat(rows), torch.cat(targets)).solution.T
+    got = solve_linear_weight([_moments(*d) for d in data], w_t, w_m, w_0, hp)
+    torch.testing.assert_close(got.weight, brute, rtol=1e-8, atol=1e-9)
+
+
+def test_linear_bias_matches_least_squares(problem):
+    hp, data, w_t, b_t, (w_m, w_0), (b_m, b_0) = problem
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(D_OUT, D_IN, generator=g, dtype=torch.float64)
+    rows, targets = [], []
+    for (xs, xe, w), wt, bt in zip(data, w_t, b_t):
+        c = (w / w.sum() / _norm_of(xs, w)).sqrt()[:, None]
+        xt = hp.alpha * xe + (1 - hp.alpha) * xs
+        y = xt @ wt.T + bt - xs @ weight.T  # b must match y per token
+        rows.append(c * torch.ones(N, 1, dtype=torch.float64))
+        targets.append(c * y)
+    if hp.lam > 0:
+        rows.append(torch.full((1, 1), hp.lam**0.5, dtype=torch.float64))
+        targets.append(hp.lam**0.5 * anchor(b_m, b_0, hp.rho)[None])
+    brute = torch.linalg.lstsq(torch.cat(rows), torch.cat(targets)).solution[0]
+    got = solve_linear_bias([_moments(*d) for d in data], w_t, b_t, weight, b_m, b_0, hp)
+    torch.testing.assert_close(got, brute, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("with_beta", [True, False], ids=["layernorm", "rmsnorm"])
+def test_norm_affine_matches_least_squares(problem, with_beta):
+    hp = problem[0]
+    d = 5
+    g = torch.Generator().manual_seed(11)
+    zs = [torch.randn(N, d, generator=g, dtype=torch.float64) * 1.3 + 0.2 for _ in range(T)]
+    ws = [torch.rand(N, generator=g, dtype=torch.float64) for _ in range(T)]
+    gam_t = [torch.randn(d, generator=g, dtype=torch.float64) for _ in range(T)]
+    bet_t = [torch.randn(d, generator=g, dtype=torch.float64) for _ in range(T)]
+    gam_m, gam_0, bet_m, bet_0 = (torch.randn(d, generator=g, dtype=torch.float64) for _ in range(4))
+    expected_g, expected_b = torch.empty(d, dtype=torch.float64), torch.empty(d, dtype=torch.float64)
+    for j in range(d):  # each dimension is its own small least-squares problem
+        rows, targets = [], []
+        for z, w, gt, bt in zip(zs, ws, gam_t, bet_t):
+            c = (w / w.sum()).sqrt()
+            cols = [c * z[:, j]] + ([c] if with_beta else [])
+            rows.append(torch.stack(cols, 1))
+            targets.append(c * (gt[j] * z[:, j] + (bt[j] if with_beta else 0.0)))
+        if hp.lam > 0:
+            k = 2 if with_beta else 1
+            rows.append(hp.lam**0.5 * torch.eye(k, dtype=torch.float64))
+            a = [anchor(gam_m, gam_0, hp.rho)[j]] + ([anchor(bet_m, bet_0, hp.rho)[j]] if with_beta else [])
+            targets.append(hp.lam**0.5 * torch.stack(a))
+        sol = torch.linalg.lstsq(torch.cat(rows), torch.cat(targets)[:, None]).solution[:, 0]
+        expected_g[j] = sol[0]
+        if with_beta:
+            expected_b[j] = sol[1]
+    moms = [NormMoments(m=(w[:, None] * z).sum(0) / w.sum(), e=(w[:, None] * z * z).sum(0) / w.sum()) for z, w in zip(zs, ws)]
+    gamma, beta = solve_norm_affine(moms, gam_t, bet_t if with_beta else None, gam_m, gam_0,
+                                    bet_m if with_beta else None, bet_0 if with_beta else None, hp)
+    torch.testing.assert_close(gamma, expected_g, rtol=1e-8, atol=1e-10)
+    if with_beta:
+        torch.testing.assert_close(beta, expected_b, rtol=1e-8, atol=1e-10)
+    else:
+        assert beta is None
+
+
+def test_weight_solve_ignores_padding_tokens():
+    """Zero-weight tokens must not move the solution, whatever their values."""
+    hp = Hyper(lam=0.05, rho=2.2, alpha=0.25, eps=1e-14)
+    xs, xe, w = _task_data(0)
+    wt = torch.randn(D_OUT, D_IN, dtype=torch.float64)
+    w_m, w_0 = torch.randn(D_OUT, D_IN, dtype=torch.float64), torch.randn(D_OUT, D_IN, dtype=torch.float64)
+    clean = solve_linear_weight([_moments(xs, xe, w)], [wt], w_m, w_0, hp).weight
+    xs2, xe2 = xs.clone(), xe.clone()
+    xs2[:10] = 1e3
+    xe2[:10] = -1e3
+    noisy = solve_linear_weight([_moments(xs2, xe2, w)], [wt], w_m, w_0, hp).weight
+    torch.testing.assert_close(clean, noisy, rtol=1e-10, atol=1e-12)
+
+
+def test_single_task_alpha_one_recovers_linear_expert():
+    """T=1, α=1, λ→0 and x_e a linear image of x_s: the solve returns exactly W_t·M (the expert's map)."""
+    hp = Hyper(lam=0.0, rho=2.2, alpha=1.0, eps=1e-12)
+    xs, _, w = _task_data(3)
+    m = torch.randn(D_IN, D_IN, dtype=torch.float64)
+    xe = xs @ m.T
+    wt = torch.randn(D_OUT, D_IN, dtype=torch.float64)
+    got = solve_linear_weight([_moments(xs, xe, w)], [wt], wt * 0, wt * 0, hp).weight
+    torch.testing.assert_close(got, wt @ m, rtol=1e-7, atol=1e-9)
