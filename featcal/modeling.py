@@ -14,6 +14,7 @@ import torch
 import transformers
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
+from transformers.utils import logging as hf_logging
 
 from featcal.adapters import Adapter, adapter_for
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
@@ -112,6 +113,7 @@ def task_model(expert_dir: str | Path, body_from: CanonicalCheckpoint | None = N
     This is how a merged or calibrated checkpoint is used for one task: shared body, the task's own head."""
     config = AutoConfig.from_pretrained(expert_dir, local_files_only=True)
     adapter = adapter_for(config)
+    hf_logging.disable_progress_bar()  # one bar per model load drowns the pipeline's own progress
     model = getattr(transformers, adapter.architecture).from_pretrained(expert_dir, local_files_only=True)
     if body_from is not None:
         body = adapter.body(model)

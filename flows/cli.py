@@ -33,7 +33,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    # Our progress goes to the terminal through this handler, and to the Prefect UI through the API
+    # handler Prefect adds to the loggers named in PREFECT_LOGGING_EXTRA_LOGGERS.
+    console = logging.StreamHandler()
+    console.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
+    ours = logging.getLogger("featcal")
+    ours.setLevel(logging.INFO)
+    ours.addHandler(console)
+    ours.propagate = False
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     from featcal.config import ConfigError, load_config
     from storage.rundir import RunDirLocked
 
@@ -54,8 +62,6 @@ def main(argv: list[str] | None = None) -> int:
 
             run_pipeline(cfg, args.run_dir)
         else:
-            logging.getLogger("featcal").handlers.clear()
-            logging.getLogger("featcal").propagate = False  # Prefect's handler prints it, and sends it to the UI
             from flows.prefect_flow import featcal_flow
 
             featcal_flow(args.config, str(Path(args.run_dir).resolve()), args.overrides)

@@ -129,6 +129,10 @@ class RunDir:
         """Delete an intermediate nobody needs any more, leaving a marker that it existed with this digest."""
         write_json(self._release_path(rel), {"digest": expected, "at": time.time()})
         remove(self.root / rel)
+        parent = (self.root / rel).parent
+        while parent != self.root and parent.is_dir() and not any(parent.iterdir()):
+            parent.rmdir()
+            parent = parent.parent
 
     def require(self, needs: dict[str, str]) -> None:
         """Check inputs {rel: producer stage} exist before a stage reads them (their digests were

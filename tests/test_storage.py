@@ -1,0 +1,111 @@
+"""Run-directory storage: atomic writes, checkpoint layouts, activation arrays, records and the lock."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import BertConfig
+
+from featcal.adapters import adapter_for
+from storage.activations import ActivationError, iter_row_blocks, write_array
+from storage.atomic import atomic_path, digest
+from storage.checkpoint import CanonicalCheckpoint, CheckpointError, TensorFiles, write_checkpoint
+from storage.rundir import MissingOutput, RunDir, RunDirLocked
+
+
+def test_atomic_path_leaves_nothing_on_failure(tmp_path):
+    target = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with atomic_path(target) as tmp:
+            tmp.mkdir()
+            (tmp / "half").write_text("x")
+            raise RuntimeError("crash mid-write")
+    assert not target.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_digest_sees_content_changes(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a").write_bytes(b"123")
+    before = digest(tmp_path / "d")
+    (tmp_path / "d" / "a").write_bytes(b"124")
+    assert digest(tmp_path / "d") != before
+
+
+def test_sharded_checkpoint_round_trip(tmp_path):
+    tensors = [(f"t{i}", torch.full((100,), float(i))) for i in range(5)]
+    write_checkpoint(tmp_path / "ck", iter(tensors), extra_files={"heads/a.safetensors": {"w": torch.ones(2)}},
+                     max_shard_bytes=900)
+    files = TensorFiles(tmp_path / "ck")
+    assert (tmp_path / "ck" / "model.safetensors.index.json").is_file()
+    assert len({p.name for p in files.file_of.values()}) == 3
+    for name, t in tensors:
+        assert torch.equal(files.get(name), t)
+    assert (tmp_path / "ck" / "heads" / "a.safetensors").is_file()
+
+
+def test_canonical_names_across_prefixes(tmp_path):
+    adapter = adapter_for(BertConfig(architectures=["BertForSequenceClassification"]))
+    probe = adapter.probe_key
+    for name, prefix in (("bare", ""), ("prefixed", "bert.")):
+        (tmp_path / name).mkdir()
+        save_file({prefix + probe: torch.zeros(3), prefix + "encoder.x": torch.ones(1), "classifier.weight": torch.ones(2)},
+                  str(tmp_path / name / "model.safetensors"))
+    bare, prefixed = CanonicalCheckpoint(tmp_path / "bare", adapter), CanonicalCheckpoint(tmp_path / "prefixed", adapter)
+    assert bare.names() == prefixed.names() == sorted([probe, "encoder.x", "classifier.weight"])
+    assert prefixed.file_name("encoder.x") == "bert.encoder.x"
+    (tmp_path / "other").mkdir()
+    save_file({"vision_model.something": torch.zeros(1)}, str(tmp_path / "other" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="not a checkpoint of the BertAdapter family"):
+        CanonicalCheckpoint(tmp_path / "other", adapter)
+    with pytest.raises(CheckpointError, match="neither model.safetensors"):
+        TensorFiles(tmp_path)
+
+
+def test_activation_array_streams_and_checks_rows(tmp_path):
+    blocks = [np.arange(12, dtype=np.float32).reshape(3, 4), np.ones((2, 4), dtype=np.float32)]
+    write_array(tmp_path / "a", (5, 4), 3, "float32", blocks)
+    got = torch.cat(list(iter_row_blocks(tmp_path / "a", 2)))
+    assert torch.equal(got, torch.from_numpy(np.concatenate(blocks)))
+    with pytest.raises(ActivationError, match="wrote 3 rows, expected 5"):
+        write_array(tmp_path / "b", (5, 4), 3, "float32", blocks[:1])
+    assert not (tmp_path / "b").exists()
+
+
+def test_records_verify_release_and_require(tmp_path):
+    run = RunDir(tmp_path)
+    (tmp_path / "out").write_text("data")
+    rec = {"stage": "s/1", "key": "k", "outputs": {"out": digest(tmp_path / "out")}}
+    run.save_record(rec)
+    assert run.verified("s/1", "k") == rec
+    assert run.verified("s/1", "other-key") is None
+    run.release("out", rec["outputs"]["out"])
+    assert not (tmp_path / "out").exists()
+    assert run.verified("s/1", "k") == rec  # released deliberately: still done
+    with pytest.raises(MissingOutput) as err:
+        run.require({"out": "s/1"})
+    assert err.value.producers == ["s/1"]
+    assert run.verified("s/1", "k") is None  # once needed again, the release no longer counts
+    (tmp_path / "out").write_text("corrupted")
+    assert run.verified("s/1", "k") is None
+
+
+def test_second_run_on_one_directory_is_refused(tmp_path):
+    run = RunDir(tmp_path)
+    with run.lock():
+        with pytest.raises(RunDirLocked, match=f"pid"):
+            with RunDir(tmp_path).lock():
+                pass
+    with run.lock():  # released after the first holder finished
+        pass
+
+
+def test_events_skip_a_line_cut_by_a_kill(tmp_path):
+    run = RunDir(tmp_path)
+    run.event("a", "start")
+    with open(tmp_path / "records" / "events.jsonl", "a") as fh:
+        fh.write('{"stage": "b", "ev')
+    assert [e["stage"] for e in run.events()] == ["a"]
+    assert json.loads((tmp_path / "records" / "events.jsonl").read_text().splitlines()[0])["event"] == "start"
