@@ -1,0 +1,147 @@
+"""The whole pipeline on tiny real HF models: exactness, drift reduction, outputs, bad inputs."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from featcal.modeling import task_model
+from flows.pipeline import run_pipeline
+from storage.checkpoint import CanonicalCheckpoint, CheckpointError
+from storage.rundir import RunDir
+from tasks.context import context
+from tests.conftest import example_config
+
+ARCHS = ["bert", "clip"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def three_expert_run(request, tiny_example, tmp_path_factory):
+    arch = request.param
+    cfg = example_config(tiny_example, arch)
+    run_dir = tmp_path_factory.mktemp(f"run-{arch}")
+    records = run_pipeline(cfg, run_dir)
+    return arch, cfg, run_dir, records
+
+
+def test_calibration_reduces_drift_at_every_block(three_expert_run):
+    arch, cfg, run_dir, _ = three_expert_run
+    report = json.loads((run_dir / "report.json").read_text())
+    assert sorted(report["tasks"]) == cfg.tasks
+    for task, scores in report["tasks"].items():
+        merged, calibrated = scores["drift"]["merged"], scores["drift"]["calibrated"]
+        assert len(merged) == context(run_dir).num_blocks + 1
+        assert merged[0] == pytest.approx(calibrated[0])  # embeddings are not calibrated
+        for block, (m, c) in enumerate(zip(merged[1:], calibrated[1:]), start=1):
+            assert c < m, f"{arch}/{task}: boundary {block} drift {c:.4f} not below merged {m:.4f}"
+
+
+def test_report_files_and_accuracy_table(three_expert_run):
+    arch, cfg, run_dir, records = three_expert_run
+    report = json.loads((run_dir / "report.json").read_text())
+    for task in cfg.tasks:
+        acc = report["tasks"][task]["accuracy"]
+        assert set(acc) == {"base", "merged", "calibrated", "expert"}
+        assert all(0.0 <= v <= 1.0 for v in acc.values())
+    assert "gap_closed" in report["summary"]
+    md = (run_dir / "report.md").read_text()
+    assert all(f"| {t} |" in md for t in cfg.tasks)
+    assert (run_dir / "drift.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and manifest["versions"]["torch"].startswith("2.")
+    assert set(records) == {"merge", "assemble", "evaluate"}
+
+
+def test_calibrated_checkpoint_loads_with_from_pretrained(three_expert_run):
+    arch, cfg, run_dir, _ = three_expert_run
+    base_cls = getattr(transformers, json.loads((run_dir / "calibrated" / "config.json").read_text())["architectures"][0])
+    model = base_cls.from_pretrained(run_dir / "calibrated")
+    blocks = load_file(run_dir / "blocks" / "l00.safetensors")
+    ctx = context(run_dir)
+    loaded = ctx.adapter.blocks(ctx.adapter.body(model) if ctx.adapter.body_attr.get(type(model).__name__) else model)[0]
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, blocks[name]), name
+    task = cfg.tasks[0]
+    per_task = task_model(cfg.experts[task], CanonicalCheckpoint(run_dir / "calibrated", ctx.adapter))
+    head = load_file(run_dir / "calibrated" / "heads" / f"{task}.safetensors")
+    assert head and all(torch.equal(per_task.state_dict()[k], v) for k, v in head.items())
+
+
+def test_intermediates_are_released_but_records_kept(three_expert_run):
+    arch, cfg, run_dir, _ = three_expert_run
+    assert not (run_dir / "stats").exists() or not any((run_dir / "stats").rglob("*.safetensors"))
+    for task in cfg.tasks:
+        assert not any((run_dir / "acts" / task).glob("l*")), "block boundaries should be deleted after use"
+        assert (run_dir / "acts" / task / "inputs").is_dir()
+    run = RunDir(run_dir)
+    assert run.record("gram/l00/" + cfg.tasks[0])["outputs"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_single_expert_exactness(tiny_example, tmp_path, arch):
+    """T=1, α=1, λ→0: the calibrated model reproduces the expert's features (DESIGN.md §2).
+
+    `average` of one expert makes the merged statistics the expert's own, while the anchor (ρ=2.2 against
+    the base) points elsewhere: only a correct solve lands back on the expert."""
+    task = example_config(tiny_example, arch).tasks[0]
+    base_cfg = example_config(tiny_example, arch)
+    cfg = example_config(
+        tiny_example, arch,
+        experts={task: base_cfg.experts[task]},
+        calibration__data={task: base_cfg.calibration.data[task].model_dump()},
+        merge={"method": "average"},
+        featcal={"lambda": 1e-9, "alpha": 1.0, "rho": 2.2},
+        evaluation={"enabled": False},
+    )
+
+    def deviation(run_dir):
+        ctx = context(run_dir)
+        expert = task_model(cfg.experts[task])
+        calibrated = task_model(cfg.experts[task], CanonicalCheckpoint(run_dir / "calibrated", ctx.adapter))
+        from tasks.calibration import stored_inputs
+
+        worst = 0.0
+        for batch in stored_inputs(ctx, task):
+            inputs = {k: v for k, v in batch.items() if k in ctx.adapter.model_input_names()}
+            with torch.inference_mode():
+                a = expert(**inputs, output_hidden_states=True).hidden_states
+                b = calibrated(**inputs, output_hidden_states=True).hidden_states
+            worst = max(worst, max(float((x - y).norm() / y.norm()) for x, y in zip(b, a)))
+        return worst
+
+    run_pipeline(cfg, tmp_path / "exact")
+    assert deviation(tmp_path / "exact") < 1e-4
+    # The same run with a real λ is pulled towards the anchor: the check above can fail.
+    loose = cfg.model_copy(update={"featcal": cfg.featcal.model_copy(update={"lam": 0.5})})
+    run_pipeline(loose, tmp_path / "loose")
+    assert deviation(tmp_path / "loose") > 1e-3
+
+
+def test_mismatched_expert_is_refused_before_any_work(tiny_example, tmp_path):
+    cfg = example_config(tiny_example, "bert")
+    bad = tmp_path / "bad-expert"
+    bad.mkdir()
+    src = cfg.experts[cfg.tasks[1]]
+    for f in ("config.json",):
+        (bad / f).write_bytes((tiny_example / "bert" / "experts" / cfg.tasks[1] / f).read_bytes())
+    tensors = load_file(f"{src}/model.safetensors")
+    name = next(n for n in tensors if "intermediate.dense.weight" in n)
+    tensors[name] = tensors[name][:-1]
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(bad / "model.safetensors"))
+    cfg = cfg.model_copy(update={"experts": {**cfg.experts, cfg.tasks[1]: str(bad)}})
+    with pytest.raises(CheckpointError, match=rf"experts\.{cfg.tasks[1]}: tensor .*intermediate\.dense\.weight has shape"):
+        run_pipeline(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_task_data_is_named(tiny_example, tmp_path):
+    cfg = example_config(tiny_example, "bert")
+    task = cfg.tasks[0]
+    cfg.calibration.data[task].path = str(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=rf"calibration\.data\.{task}\.path"):
+        run_pipeline(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
