@@ -132,8 +132,11 @@ def _resolve_paths(cfg: RunConfig, root: Path) -> RunConfig:
     """Relative paths in the YAML are relative to the YAML file, as a user reading it expects."""
 
     def resolve(path: str) -> str:
+        if Path(path).is_absolute():
+            return path
         candidate = root / path
-        return str(candidate.resolve()) if not Path(path).is_absolute() and candidate.exists() else path
+        # "./x" and "../x" are always paths; a bare "org/name" may be a hub id unless it exists here.
+        return str(candidate.resolve()) if path.startswith(".") or candidate.exists() else path
 
     cfg.base = resolve(cfg.base)
     cfg.experts = {t: resolve(p) for t, p in cfg.experts.items()}

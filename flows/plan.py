@@ -54,7 +54,7 @@ def render(p: dict[str, Any]) -> str:
     lines = [
         f"architecture      {p['architecture']}",
         f"blocks            {p['blocks']}  (modules per block: {', '.join(p['modules_per_block'])})",
-        f"tasks             {', '.join(f'{t} ({v['examples']} ex)' for t, v in p['tasks'].items())}",
+        "tasks             " + ", ".join(f"{t} ({v['examples']} ex)" for t, v in p["tasks"].items()),
         f"tokens/example    ≤ {p['tokens_per_example_max']}",
         f"stages            {p['stages']}",
         f"disk (estimate)   {p['estimated_disk_gib']} GiB  (merged + calibrated checkpoints, 2 live boundaries, stats)",

@@ -85,16 +85,27 @@ def prepare(ctx: RunContext, task: str) -> tuple[list[str], dict[str, Any]]:
 
 
 # ---- gram ---------------------------------------------------------------------------------------
-def token_weights(ctx: RunContext, layer: int, module_names: list[str], mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-token weights: padding 0; in the last block, non-pooled tokens get pooled_token_weight except for k/v."""
+def token_weights(mask: torch.Tensor, modules: list[str], emphasis: dict[str, float] | None,
+                  pooled: int | None) -> dict[str, torch.Tensor]:
+    """Per-token weights per module: padding 0, real tokens 1; with `emphasis` (last block only), tokens
+    other than the pooled one get emphasis[module] instead of 1."""
     base = mask.reshape(-1).float()
-    pooled, ptw = ctx.adapter.pooled_index(), ctx.cfg.featcal.pooled_token_weight
-    if layer != ctx.num_blocks - 1 or pooled is None or ptw is None:
-        return dict.fromkeys(module_names, base)
-    emphasis = torch.full_like(mask, ptw, dtype=torch.float32)
-    emphasis[:, pooled] = 1.0
-    emphasised = base * emphasis.reshape(-1)
-    return {m: base if m in ctx.adapter.kv_modules else emphasised for m in module_names}
+    if emphasis is None or pooled is None:
+        return dict.fromkeys(modules, base)
+    out = {}
+    for module in modules:
+        scale = torch.full_like(mask, emphasis[module], dtype=torch.float32)
+        scale[:, pooled] = 1.0
+        out[module] = base * scale.reshape(-1)
+    return out
+
+
+def emphasis_for(ctx: RunContext, layer: int, modules: list[str]) -> dict[str, float] | None:
+    """In the last block the head reads one token: others get pooled_token_weight, except key/value inputs."""
+    ptw = ctx.cfg.featcal.pooled_token_weight
+    if layer != ctx.num_blocks - 1 or ptw is None:
+        return None
+    return {m: 1.0 if m in ctx.adapter.kv_modules else ptw for m in modules}
 
 
 def _boundary(ctx: RunContext, task: str, layer: int, sides: tuple[str, ...]) -> Iterator[tuple[torch.Tensor, ...]]:
@@ -116,6 +127,7 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
     expert_block = ctx.skeleton.block(layer, ctx.checkpoint(task))
     modules_m, modules_e = calibrated_modules(merged_block), calibrated_modules(expert_block)
     stats = new_stats(modules_m)
+    emphasis = emphasis_for(ctx, layer, list(modules_m))
     drift = {"in_diff": 0.0, "in_ref": 0.0, "out_diff": 0.0, "out_ref": 0.0}
     last = layer == ctx.num_blocks - 1
 
@@ -129,7 +141,8 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
                     out_m = ctx.adapter.run_block(merged_block, s, extra)
                 with captured_inputs(modules_e, sink_e):
                     out_e = ctx.adapter.run_block(expert_block, e, extra)
-                accumulate(stats, modules_m, sink_m, sink_e, token_weights(ctx, layer, list(modules_m), mask))
+                weights = token_weights(mask, list(modules_m), emphasis, ctx.adapter.pooled_index())
+                accumulate(stats, modules_m, sink_m, sink_e, weights)
             for k, (a, b) in (("in", (s - e, e)), ("out", (out_m - out_e, out_e))):
                 d, r = _sq_norms(a, b, mask)
                 drift[f"{k}_diff"] += d

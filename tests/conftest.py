@@ -10,12 +10,12 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from featcal.config import RunConfig, config_from_dict  # noqa: E402
-from featcal.example import build_tiny_example  # noqa: E402
+from featcal.example import example_for_tests  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_example(tmp_path_factory) -> Path:
-    return build_tiny_example(tmp_path_factory.mktemp("tiny"))
+    return example_for_tests(tmp_path_factory)
 
 
 def example_config(root: Path, arch: str, **sections) -> RunConfig:

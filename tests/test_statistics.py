@@ -52,3 +52,15 @@ def test_hooked_statistics_match_direct_moments():
     nm = norm_moments(stats["norm"], "norm")
     torch.testing.assert_close(nm.m, (z * w[:, None]).sum(0) / w.sum(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(nm.e, (z * z * w[:, None]).sum(0) / w.sum(), rtol=1e-5, atol=1e-6)
+
+
+def test_token_weights_padding_and_pooled_emphasis():
+    from tasks.calibration import token_weights
+
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    plain = token_weights(mask, ["q", "k"], None, 0)
+    assert torch.equal(plain["q"], torch.tensor([1, 1, 1, 0, 1, 1, 0, 0.0]))
+    last = token_weights(mask, ["q", "k"], {"q": 0.01, "k": 1.0}, 0)
+    assert torch.allclose(last["q"], torch.tensor([1, 0.01, 0.01, 0, 1, 0.01, 0, 0]))
+    assert torch.equal(last["k"], plain["k"])  # key/value projections keep full weights
+    assert torch.equal(token_weights(mask, ["q"], {"q": 0.01}, None)["q"], plain["q"])  # mean-pooled heads
