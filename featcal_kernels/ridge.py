@@ -1,0 +1,90 @@
+"""Float64 ridge solves: Cholesky with growing damping, and an eigendecomposition sweep over λ."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from featcal_kernels.checks import check_ridge_inputs
+
+log = logging.getLogger("featcal_kernels")
+
+DAMPING_GROWTH = 10.0
+
+
+class RidgeSolution(NamedTuple):
+    x: torch.Tensor  # [d, k] float64
+    damping: float  # the damping actually added to the diagonal
+
+
+def _check_damping(damping: float, max_damping: float) -> None:
+    if not damping > 0:
+        raise ValueError(f"damping must be > 0 (it grows by multiplication), got {damping}")
+    if not max_damping >= damping:
+        raise ValueError(f"max_damping ({max_damping}) must be >= damping ({damping})")
+
+
+@torch.library.custom_op("featcal::ridge_solve", mutates_args=())
+def _ridge_solve_op(
+    a: torch.Tensor, b: torch.Tensor, damping: float, max_damping: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Solve (a + damping I) x = b; on a failed factorisation, damping *= 10 and retry."""
+    check_ridge_inputs(a, b)
+    _check_damping(damping, max_damping)
+    if not bool(torch.isfinite(a).all()):
+        raise ValueError("a contains NaN or inf")
+    eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+    current = damping
+    while current <= max_damping:
+        factor, info = torch.linalg.cholesky_ex(a + current * eye)
+        if int(info) == 0:
+            if current != damping:
+                log.warning(
+                    "ridge_solve: Cholesky of a %dx%d system failed at damping %.3g; succeeded with damping %.3g",
+                    a.shape[0], a.shape[0], damping, current,
+                )
+            x = torch.cholesky_solve(b, factor).contiguous()
+            return x, torch.tensor(current, dtype=torch.float64)
+        current *= DAMPING_GROWTH
+    raise ValueError(
+        f"ridge_solve: Cholesky of the {a.shape[0]}x{a.shape[0]} system failed for every damping "
+        f"from {damping:.3g} up to max_damping={max_damping:.3g} (last tried {current / DAMPING_GROWTH:.3g})"
+    )
+
+
+@_ridge_solve_op.register_fake
+def _ridge_solve_fake(
+    a: torch.Tensor, b: torch.Tensor, damping: float, max_damping: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_ridge_inputs(a, b)
+    return torch.empty_like(b), a.new_empty((), dtype=torch.float64, device="cpu")
+
+
+def ridge_solve(a: torch.Tensor, b: torch.Tensor, damping: float = 1e-8, max_damping: float = 1e2) -> RidgeSolution:
+    """Solve (a + damping I) x = b for symmetric PSD float64 a [d, d] and b [d, k].
+
+    The damping grows tenfold until the Cholesky factorisation succeeds (logged at WARNING);
+    a ValueError is raised once it would exceed max_damping.
+    """
+    check_ridge_inputs(a, b)  # before dispatch, so that non-tensors get the same clear error
+    x, used = torch.ops.featcal.ridge_solve(a, b, float(damping), float(max_damping))
+    return RidgeSolution(x, float(used))
+
+
+def ridge_sweep(a: torch.Tensor, b: torch.Tensor, lambdas: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """Solve (a + lam I) x = b for every lam from one eigendecomposition of a.
+
+    Returns [len(lambdas), d, k] float64. Eigenvalues of the PSD matrix a that come out
+    slightly negative (rounding) are clamped to 0, so every lam must be > 0.
+    """
+    check_ridge_inputs(a, b)
+    lams = torch.as_tensor(lambdas, dtype=torch.float64, device=a.device).reshape(-1)
+    if not bool((lams > 0).all()):
+        raise ValueError(f"lambdas must all be > 0, got {lams.tolist()}")
+    evals, evecs = torch.linalg.eigh(a)
+    rotated = evecs.T @ b  # [d, k]
+    scale = 1.0 / (evals.clamp_min(0)[None, :] + lams[:, None])  # [L, d]
+    return evecs @ (scale[:, :, None] * rotated)
