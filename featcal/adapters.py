@@ -41,6 +41,9 @@ class Adapter:
     # Index of the token the head reads, or None when the head pools all tokens.
     pooled_token: ClassVar[dict[str, int | None]]
     probe_key: ClassVar[str]  # a canonical tensor name every checkpoint of the family has
+    # (pattern, replacement) regexes from names as saved on disk to the module tree's names, applied in
+    # order: transformers 5 renamed some modules but still saves (and loads) the legacy names.
+    file_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     def __init__(self, config: PretrainedConfig):
         self.config = config
@@ -105,6 +108,10 @@ class Adapter:
 
     def model_input_names(self) -> tuple[str, ...]:
         raise NotImplementedError
+
+    def evaluate_forward(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> Any:
+        """Full-model outputs with `hidden_states` (and `logits` where the model has a head)."""
+        return model(**inputs, output_hidden_states=True)
 
 
 _REGISTRY: list[type[Adapter]] = []
@@ -172,6 +179,10 @@ class CLIPVisionAdapter(_ImageAdapter):
     def embed(self, modules: dict[str, nn.Module], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return modules["pre_layrnorm"](modules["embeddings"](inputs["pixel_values"]))
 
+    def evaluate_forward(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> Any:
+        # CLIPModel's own forward needs text too; only its vision tower is calibrated and compared.
+        return super().evaluate_forward(self.body(model) if self.architecture == "CLIPModel" else model, inputs)
+
 
 @register
 class ViTAdapter(_ImageAdapter):
@@ -182,6 +193,15 @@ class ViTAdapter(_ImageAdapter):
     kv_modules = ("attention.k_proj", "attention.v_proj")
     pooled_token = {"ViTForImageClassification": 0, "ViTModel": 0}
     probe_key = "embeddings.patch_embeddings.projection.weight"
+    file_renames = (
+        (r"^encoder\.layer\.", "layers."),
+        (r"attention\.attention\.query", "attention.q_proj"),
+        (r"attention\.attention\.key", "attention.k_proj"),
+        (r"attention\.attention\.value", "attention.v_proj"),
+        (r"attention\.output\.dense", "attention.o_proj"),
+        (r"intermediate\.dense", "mlp.fc1"),
+        (r"\.output\.dense", ".mlp.fc2"),
+    )
 
     def embed(self, modules: dict[str, nn.Module], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return modules["embeddings"](inputs["pixel_values"])

@@ -35,12 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # Our progress goes to the terminal through this handler, and to the Prefect UI through the API
     # handler Prefect adds to the loggers named in PREFECT_LOGGING_EXTRA_LOGGERS.
-    console = logging.StreamHandler()
-    console.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
     ours = logging.getLogger("featcal")
     ours.setLevel(logging.INFO)
-    ours.addHandler(console)
     ours.propagate = False
+    if not any(h.get_name() == "featcal-console" for h in ours.handlers):
+        console = logging.StreamHandler()
+        console.set_name("featcal-console")
+        console.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
+        ours.addHandler(console)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from featcal.config import ConfigError, load_config
     from storage.rundir import RunDirLocked

@@ -9,6 +9,7 @@ map every name to the body-relative one, and fail loudly when a checkpoint does 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -86,10 +87,14 @@ class CanonicalCheckpoint:
                 "(load it once with from_pretrained and save_pretrained it again)"
             )
         self.prefix = prefix
+        self.renames = [(re.compile(pattern), target) for pattern, target in adapter.file_renames]
         self._file_name = {self.canonical(n): n for n in names}
 
     def canonical(self, file_name: str) -> str:
-        return file_name[len(self.prefix):] if self.prefix and file_name.startswith(self.prefix) else file_name
+        name = file_name[len(self.prefix):] if self.prefix and file_name.startswith(self.prefix) else file_name
+        for pattern, target in self.renames:
+            name = pattern.sub(target, name)
+        return name
 
     def file_name(self, canonical: str) -> str:
         return self._file_name[canonical]

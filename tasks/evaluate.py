@@ -41,7 +41,7 @@ def _task_scores(ctx: RunContext, task: str) -> dict[str, Any]:
         inputs = builder(rows)
         mask = inputs.get("attention_mask")
         with torch.inference_mode():
-            outs = {name: m(**inputs, output_hidden_states=True) for name, m in models.items()}
+            outs = {name: ctx.adapter.evaluate_forward(m, inputs) for name, m in models.items()}
         ref = outs["expert"].hidden_states
         if mask is None:
             mask = torch.ones(ref[0].shape[:2], dtype=torch.long)

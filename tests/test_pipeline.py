@@ -152,3 +152,14 @@ def test_missing_task_data_is_named(tiny_example, tmp_path):
     with pytest.raises(ValueError, match=rf"calibration\.data\.{task}\.path"):
         run_pipeline(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_keep_activations_keeps_boundaries_and_stats(tiny_example, tmp_path):
+    cfg = example_config(tiny_example, "bert", evaluation={"enabled": False}, runtime={"keep_activations": True})
+    run_pipeline(cfg, tmp_path / "keep")
+    for task in cfg.tasks:
+        for layer in range(context(tmp_path / "keep").num_blocks):
+            for side in ("merged", "expert"):
+                assert (tmp_path / "keep" / "acts" / task / f"l{layer:02d}" / side / "zarr.json").is_file()
+            assert (tmp_path / "keep" / "stats" / f"l{layer:02d}" / f"{task}.safetensors").is_file()
+    assert not (tmp_path / "keep" / "records" / "released").exists()

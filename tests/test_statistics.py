@@ -20,6 +20,7 @@ class TinyBlock(nn.Module):
         return self.fc2(torch.relu(self.fc1(self.norm(x))))
 
 
+@torch.no_grad()
 def test_hooked_statistics_match_direct_moments():
     torch.manual_seed(0)
     merged, expert = TinyBlock(), TinyBlock()

@@ -1,0 +1,30 @@
+"""The `featcal` command line: plan computes nothing, bad input exits 2 with the field named."""
+
+from flows.cli import main
+
+
+def test_plan_lists_blocks_modules_and_estimates(tiny_example, tmp_path, capsys):
+    assert main(["plan", str(tiny_example / "bert" / "example.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "BertForSequenceClassification" in out
+    assert "blocks            3" in out and "attention.self.query" in out and "output.LayerNorm" in out
+    assert "count (64 ex), negation (64 ex), topic (64 ex)" in out
+    assert "GiB" in out and "stages            24" in out
+
+
+def test_bad_override_is_named_and_exits_2(tiny_example, tmp_path, capsys):
+    config = str(tiny_example / "bert" / "example.yaml")
+    assert main(["run", config, "--run-dir", str(tmp_path / "r"), "--set", "featcal.alpha=2", "--no-prefect"]) == 2
+    err = capsys.readouterr().err
+    assert "featcal.alpha" in err and "less than or equal to 1" in err
+    assert not (tmp_path / "r").exists()
+    assert main(["plan", config, "--set", "featcal.lamda=0.1"]) == 2
+    assert "featcal.lamda" in capsys.readouterr().err
+
+
+def test_run_prints_where_the_results_are(tiny_example, tmp_path, capsys):
+    config = str(tiny_example / "bert" / "example.yaml")
+    assert main(["run", config, "--run-dir", str(tmp_path / "r"), "--no-prefect", "--set", "evaluation.enabled=false"]) == 0
+    out = capsys.readouterr().out
+    assert f"calibrated checkpoint: {tmp_path / 'r' / 'calibrated'}" in out
+    assert (tmp_path / "r" / "calibrated" / "model.safetensors").is_file()
