@@ -15,7 +15,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from featcal.adapters import Adapter
@@ -35,6 +34,33 @@ class CheckpointError(ValueError):
     pass
 
 
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """The safetensors header (name → dtype, shape, offsets) and where the data starts."""
+    with open(path, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(size))
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
+def read_tensor(path: Path, entry: dict, data_start: int) -> torch.Tensor:
+    """One tensor by plain reads: safetensors' mmap would leave every page it touched in our RSS."""
+    start, end = entry["data_offsets"]
+    buf = bytearray(end - start)
+    with open(path, "rb") as fh:
+        fh.seek(data_start + start)
+        fh.readinto(buf)
+    if not buf:
+        return torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
+    return torch.frombuffer(buf, dtype=DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+
 class TensorFiles:
     """Name → file index over one checkpoint directory (single file or sharded), reading lazily."""
 
@@ -43,32 +69,27 @@ class TensorFiles:
         index = self.directory / INDEX_NAME
         single = self.directory / WEIGHTS_NAME
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.file_of = {name: self.directory / fname for name, fname in weight_map.items()}
+            files = sorted({self.directory / f for f in json.loads(index.read_text())["weight_map"].values()})
         elif single.is_file():
-            with safe_open(single, "pt") as fh:
-                self.file_of = {name: single for name in fh.keys()}
+            files = [single]
         else:
             raise CheckpointError(
                 f"{self.directory} has neither {WEIGHTS_NAME} nor {INDEX_NAME}; "
                 "FeatCal reads safetensors checkpoints written by save_pretrained"
             )
-        self._handles: dict[Path, object] = {}
+        self._entries: dict[str, tuple[Path, dict, int]] = {}
+        for path in files:
+            header, data_start = read_header(path)
+            self._entries.update({name: (path, entry, data_start) for name, entry in header.items()})
 
     def names(self) -> list[str]:
-        return list(self.file_of)
+        return list(self._entries)
 
     def get(self, name: str) -> torch.Tensor:
-        path = self.file_of[name]
-        if path not in self._handles:
-            self._handles[path] = safe_open(path, "pt")
-        return self._handles[path].get_tensor(name)
+        return read_tensor(*self._entries[name])
 
     def shape(self, name: str) -> tuple[int, ...]:
-        path = self.file_of[name]
-        if path not in self._handles:
-            self._handles[path] = safe_open(path, "pt")
-        return tuple(self._handles[path].get_slice(name).get_shape())
+        return tuple(self._entries[name][1]["shape"])
 
 
 class CanonicalCheckpoint:
@@ -130,7 +151,7 @@ def write_checkpoint(
     tensors: Iterable[tuple[str, torch.Tensor]],
     side_files_from: Path | None = None,
     extra_files: dict[str, dict[str, torch.Tensor]] | None = None,
-    max_shard_bytes: int = 2 * 1024**3,
+    max_shard_bytes: int = 512 * 1024**2,
 ) -> None:
     """Stream (name, tensor) pairs into safetensors shards; the directory appears only when complete.
 

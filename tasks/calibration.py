@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from featcal.closed_form import Hyper, solve_linear_bias, solve_linear_weight, solve_norm_affine
@@ -19,6 +18,7 @@ from featcal.statistics import (
 )
 from storage.activations import iter_row_blocks, open_array, write_array
 from storage.atomic import atomic_path
+from storage.checkpoint import read_header, read_tensor
 from tasks.context import RunContext
 from tasks.merge import MERGED
 
@@ -176,12 +176,13 @@ def _tokens(ctx: RunContext, task: str) -> int:
 
 # ---- solve --------------------------------------------------------------------------------------
 def _task_stats(ctx: RunContext, layer: int, module: str) -> list[dict[str, torch.Tensor]]:
-    """One module's statistics for every task, in task order, read lazily from each stats file."""
+    """One module's statistics for every task, in task order, read from each stats file without mmap."""
     out = []
     for task in ctx.tasks:
-        with safe_open(ctx.run / ctx.run.stats(task, layer), "pt") as fh:
-            keys = [k for k in fh.keys() if k.rsplit(":", 1)[0] == module]
-            out.append(unflatten_stats({k: fh.get_tensor(k) for k in keys})[module])
+        path = ctx.run / ctx.run.stats(task, layer)
+        header, start = read_header(path)
+        wanted = {k: read_tensor(path, e, start) for k, e in header.items() if k.rsplit(":", 1)[0] == module}
+        out.append(unflatten_stats(wanted)[module])
     return out
 
 

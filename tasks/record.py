@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,8 @@ def execute(run_dir: str, stage: str, key: str, fn: StageFn, needs: dict[str, st
         "outputs": {rel: digest(ctx.run / rel) for rel in outputs},
         "info": info,
         "seconds": round(seconds, 4),
+        # The process's peak so far: where it jumps between consecutive records is the stage that set it.
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "finished_at": time.time(),
     }
     ctx.run.save_record(record)
