@@ -11,6 +11,7 @@ from pathlib import Path
 # Before Prefect is imported: no telemetry (no network here), and our logger shown in the UI.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "featcal")
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")  # --no-prefect logs outside any flow
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
