@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,14 +59,15 @@ class LinearSolution:
 
 
 def solve_linear_weight(
-    moments: Sequence[LinearMoments], expert_weights: Sequence[torch.Tensor],
-    merged: torch.Tensor, base: torch.Tensor, hp: Hyper,
+    tasks: Iterable[tuple[LinearMoments, torch.Tensor]], merged: torch.Tensor, base: torch.Tensor, hp: Hyper,
 ) -> LinearSolution:
-    """Wᵀ = (Σ_t C_ss/n_t + (λ+ε)I)⁻¹ (Σ_t (C_st/n_t) W_tᵀ + λ A(W)ᵀ); weights are [out, in]."""
+    """Wᵀ = (Σ_t C_ss/n_t + (λ+ε)I)⁻¹ (Σ_t (C_st/n_t) W_tᵀ + λ A(W)ᵀ); weights are [out, in].
+
+    `tasks` yields (moments, W_t) one task at a time, so only one task's d×d moments are ever held."""
     d = merged.shape[1]
     a = torch.zeros(d, d, dtype=torch.float64)
     b = hp.lam * anchor(merged, base, hp.rho).T
-    for mom, w_t in zip(moments, expert_weights, strict=True):
+    for mom, w_t in tasks:
         n = mom.normaliser()
         a += mom.c_ss / n
         b += (mom.c_st(hp.alpha) / n) @ w_t.double().T
@@ -75,18 +76,29 @@ def solve_linear_weight(
     return LinearSolution(weight=sol.x.T.contiguous(), damping=sol.damping)
 
 
+@dataclass
+class BiasTerm:
+    """What the bias solve needs of one task: vectors, kept while the weight solve streams the matrices."""
+
+    inv_n: float
+    mu_s: torch.Tensor  # E_w[x_s]
+    expert_out: torch.Tensor  # b_t + W_t μ_t
+
+    @classmethod
+    def of(cls, mom: LinearMoments, w_t: torch.Tensor, b_t: torch.Tensor, alpha: float) -> BiasTerm:
+        return cls(1.0 / mom.normaliser(), mom.mu_s, b_t.double() + w_t.double() @ mom.mu_t(alpha))
+
+
 def solve_linear_bias(
-    moments: Sequence[LinearMoments], expert_weights: Sequence[torch.Tensor], expert_biases: Sequence[torch.Tensor],
-    weight: torch.Tensor, merged: torch.Tensor, base: torch.Tensor, hp: Hyper,
+    terms: Sequence[BiasTerm], weight: torch.Tensor, merged: torch.Tensor, base: torch.Tensor, hp: Hyper,
 ) -> torch.Tensor:
     """b = [Σ_t (b_t + W_t μ_t − W μ_s)/n_t + λ A(b)] / (Σ_t 1/n_t + λ), after the weight is solved."""
     num = hp.lam * anchor(merged, base, hp.rho)
     den = hp.lam
     w = weight.double()
-    for mom, w_t, b_t in zip(moments, expert_weights, expert_biases, strict=True):
-        inv_n = 1.0 / mom.normaliser()
-        num = num + inv_n * (b_t.double() + w_t.double() @ mom.mu_t(hp.alpha) - w @ mom.mu_s)
-        den += inv_n
+    for term in terms:
+        num = num + term.inv_n * (term.expert_out - w @ term.mu_s)
+        den += term.inv_n
     return num / den
 
 

@@ -10,7 +10,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from featcal.closed_form import Hyper, solve_linear_bias, solve_linear_weight, solve_norm_affine
+from featcal.closed_form import (
+    BiasTerm, Hyper, LinearMoments, solve_linear_bias, solve_linear_weight, solve_norm_affine,
+)
 from featcal.data import InputBuilder, load_split, pad_to, pick_examples, row_batches
 from featcal.modeling import calibrated_modules, is_norm
 from featcal.statistics import (
@@ -175,15 +177,13 @@ def _tokens(ctx: RunContext, task: str) -> int:
 
 
 # ---- solve --------------------------------------------------------------------------------------
-def _task_stats(ctx: RunContext, layer: int, module: str) -> list[dict[str, torch.Tensor]]:
-    """One module's statistics for every task, in task order, read from each stats file without mmap."""
-    out = []
+def _task_stats(ctx: RunContext, layer: int, module: str) -> Iterator[dict[str, torch.Tensor]]:
+    """One module's statistics, task after task in task order, read without mmap: one task's at a time."""
     for task in ctx.tasks:
         path = ctx.run / ctx.run.stats(task, layer)
         header, start = read_header(path)
         wanted = {k: read_tensor(path, e, start) for k, e in header.items() if k.rsplit(":", 1)[0] == module}
-        out.append(unflatten_stats(wanted)[module])
-    return out
+        yield unflatten_stats(wanted)[module]
 
 
 def solve(ctx: RunContext, layer: int) -> tuple[list[str], dict[str, Any]]:
@@ -195,34 +195,41 @@ def solve(ctx: RunContext, layer: int) -> tuple[list[str], dict[str, Any]]:
     experts = [ctx.checkpoint(t) for t in ctx.tasks]
     solved = dict(merged)
     damping: dict[str, float] = {}
-    template = ctx.skeleton.block_template(layer)
-    for name, module in calibrated_modules(template).items():
+    for name, module in calibrated_modules(ctx.skeleton.block_template(layer)).items():
         p = f"{name}." if name else ""
         weight, bias = f"{p}weight", f"{p}bias"
         has_bias = bias in merged
-        stats = _task_stats(ctx, layer, name)
-        w_t = [e.get(prefix + weight) for e in experts]
-        b_t = [e.get(prefix + bias) for e in experts] if has_bias else None
+        where = f"{prefix}{name}"
         if is_norm(module):
             if not fc.calibrate_norm:
                 continue
-            moms = [norm_moments(s, f"{prefix}{name}") for s in stats]
+            moms = [norm_moments(s, where) for s in _task_stats(ctx, layer, name)]
             gamma, beta = solve_norm_affine(
-                moms, w_t, b_t, merged[weight], base.get(prefix + weight),
+                moms, [e.get(prefix + weight) for e in experts],
+                [e.get(prefix + bias) for e in experts] if has_bias else None,
+                merged[weight], base.get(prefix + weight),
                 merged.get(bias), base.get(prefix + bias) if has_bias else None, hp,
             )
             solved[weight] = gamma.to(merged[weight].dtype)
             if has_bias:
                 solved[bias] = beta.to(merged[bias].dtype)
             continue
-        moms = [linear_moments(s, f"{prefix}{name}") for s in stats]
-        sol = solve_linear_weight(moms, w_t, merged[weight], base.get(prefix + weight), hp)
+        bias_terms: list[BiasTerm] = []
+
+        def per_task() -> Iterator[tuple[LinearMoments, torch.Tensor]]:
+            for stats, expert in zip(_task_stats(ctx, layer, name), experts, strict=True):
+                mom, w_t = linear_moments(stats, where), expert.get(prefix + weight)
+                if has_bias:
+                    bias_terms.append(BiasTerm.of(mom, w_t, expert.get(prefix + bias), hp.alpha))
+                yield mom, w_t
+
+        sol = solve_linear_weight(per_task(), merged[weight], base.get(prefix + weight), hp)
         solved[weight] = sol.weight.to(merged[weight].dtype)
         damping[name] = sol.damping
         if sol.damping > hp.eps:
             log.warning("block %d module %s: Cholesky needed damping %.3g (asked %.3g)", layer, name, sol.damping, hp.eps)
         if has_bias and fc.calibrate_bias:
-            b = solve_linear_bias(moms, w_t, b_t, sol.weight, merged[bias], base.get(prefix + bias), hp)
+            b = solve_linear_bias(bias_terms, sol.weight, merged[bias], base.get(prefix + bias), hp)
             solved[bias] = b.to(merged[bias].dtype)
     rel = ctx.run.block(layer)
     with atomic_path(ctx.run / rel) as tmp:

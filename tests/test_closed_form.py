@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from featcal.closed_form import (
-    Hyper, LinearMoments, NormMoments, anchor, solve_linear_bias, solve_linear_weight, solve_norm_affine,
+    BiasTerm, Hyper, LinearMoments, NormMoments, anchor, solve_linear_bias, solve_linear_weight, solve_norm_affine,
 )
 
 torch.manual_seed(0)
@@ -55,7 +55,7 @@ def test_linear_weight_matches_least_squares(problem):
         rows.append(hp.lam**0.5 * torch.eye(D_IN, dtype=torch.float64))
         targets.append(hp.lam**0.5 * (hp.rho * w_m + (1 - hp.rho) * w_0).T)
     brute = torch.linalg.lstsq(torch.cat(rows), torch.cat(targets)).solution.T
-    got = solve_linear_weight([_moments(*d) for d in data], w_t, w_m, w_0, hp)
+    got = solve_linear_weight(zip([_moments(*d) for d in data], w_t), w_m, w_0, hp)
     torch.testing.assert_close(got.weight, brute, rtol=1e-8, atol=1e-9)
 
 
@@ -74,7 +74,8 @@ def test_linear_bias_matches_least_squares(problem):
         rows.append(torch.full((1, 1), hp.lam**0.5, dtype=torch.float64))
         targets.append(hp.lam**0.5 * anchor(b_m, b_0, hp.rho)[None])
     brute = torch.linalg.lstsq(torch.cat(rows), torch.cat(targets)).solution[0]
-    got = solve_linear_bias([_moments(*d) for d in data], w_t, b_t, weight, b_m, b_0, hp)
+    terms = [BiasTerm.of(_moments(*d), wt, bt, hp.alpha) for d, wt, bt in zip(data, w_t, b_t)]
+    got = solve_linear_bias(terms, weight, b_m, b_0, hp)
     torch.testing.assert_close(got, brute, rtol=1e-8, atol=1e-10)
 
 
@@ -121,11 +122,11 @@ def test_weight_solve_ignores_padding_tokens():
     xs, xe, w = _task_data(0)
     wt = torch.randn(D_OUT, D_IN, dtype=torch.float64)
     w_m, w_0 = torch.randn(D_OUT, D_IN, dtype=torch.float64), torch.randn(D_OUT, D_IN, dtype=torch.float64)
-    clean = solve_linear_weight([_moments(xs, xe, w)], [wt], w_m, w_0, hp).weight
+    clean = solve_linear_weight([(_moments(xs, xe, w), wt)], w_m, w_0, hp).weight
     xs2, xe2 = xs.clone(), xe.clone()
     xs2[:10] = 1e3
     xe2[:10] = -1e3
-    noisy = solve_linear_weight([_moments(xs2, xe2, w)], [wt], w_m, w_0, hp).weight
+    noisy = solve_linear_weight([(_moments(xs2, xe2, w), wt)], w_m, w_0, hp).weight
     torch.testing.assert_close(clean, noisy, rtol=1e-10, atol=1e-12)
 
 
@@ -136,5 +137,5 @@ def test_single_task_alpha_one_recovers_linear_expert():
     m = torch.randn(D_IN, D_IN, dtype=torch.float64)
     xe = xs @ m.T
     wt = torch.randn(D_OUT, D_IN, dtype=torch.float64)
-    got = solve_linear_weight([_moments(xs, xe, w)], [wt], wt * 0, wt * 0, hp).weight
+    got = solve_linear_weight([(_moments(xs, xe, w), wt)], wt * 0, wt * 0, hp).weight
     torch.testing.assert_close(got, wt @ m, rtol=1e-7, atol=1e-9)
