@@ -95,10 +95,11 @@ def drift_plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for task, s in report["tasks"].items():
+    for i, (task, s) in enumerate(report["tasks"].items()):
         for model, style in (("merged", "--"), ("calibrated", "-")):
-            if model in s["drift"]:
-                ax.plot(s["drift"][model], style, marker="o", label=f"{task} · {model}")
+            if model in s["drift"]:  # one colour per task: dashed before, solid after
+                ax.plot(s["drift"][model], style, marker="o", color=f"C{i}", label=f"{task} · {model}")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("block boundary (0 = embeddings)")
     ax.set_ylabel("relative drift vs expert")
     ax.set_title("Feature drift before and after FeatCal")
