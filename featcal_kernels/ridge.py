@@ -34,24 +34,25 @@ def _ridge_solve_op(
     """Solve (a + damping I) x = b; on a failed factorisation, damping *= 10 and retry."""
     check_ridge_inputs(a, b)
     _check_damping(damping, max_damping)
-    if not bool(torch.isfinite(a).all()):
-        raise ValueError("a contains NaN or inf")
-    eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+    d = a.shape[0]
+    shifted = a.clone()
     current = damping
-    while current <= max_damping:
-        factor, info = torch.linalg.cholesky_ex(a + current * eye)
+    while current <= max_damping * (1 + 1e-9):  # slack for rounding in current *= 10
+        shifted.diagonal().copy_(a.diagonal()).add_(current)
+        factor, info = torch.linalg.cholesky_ex(shifted)
         if int(info) == 0:
             if current != damping:
                 log.warning(
                     "ridge_solve: Cholesky of a %dx%d system failed at damping %.3g; succeeded with damping %.3g",
-                    a.shape[0], a.shape[0], damping, current,
+                    d, d, damping, current,
                 )
-            x = torch.cholesky_solve(b, factor).contiguous()
-            return x, torch.tensor(current, dtype=torch.float64)
+            return torch.cholesky_solve(b, factor).contiguous(), torch.tensor(current, dtype=torch.float64)
+        if current == damping and not bool(torch.isfinite(a).all()):  # checked only when it matters
+            raise ValueError("a contains NaN or inf")
         current *= DAMPING_GROWTH
     raise ValueError(
-        f"ridge_solve: Cholesky of the {a.shape[0]}x{a.shape[0]} system failed for every damping "
-        f"from {damping:.3g} up to max_damping={max_damping:.3g} (last tried {current / DAMPING_GROWTH:.3g})"
+        f"ridge_solve: Cholesky of the {d}x{d} system failed for every damping from {damping:.3g} "
+        f"up to max_damping={max_damping:.3g} (last tried {current / DAMPING_GROWTH:.3g})"
     )
 
 

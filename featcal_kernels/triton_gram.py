@@ -196,10 +196,10 @@ def triton_dual_gram(
     else:
         bd, bk = block_d or 64, block_k or 32
         _dual_gram_kernel[(triton.cdiv(d, bd) ** 2, n_splits)](*args, **flags, BLOCK_D=bd, BLOCK_K=bk)
-    sum_s, sum_e = p_s.sum(0), p_e.sum(0)
-    check_finite_sums(sum_s, sum_e)
+    sum_s, sum_e, sum_w = p_s.sum(0), p_e.sum(0), p_w.sum(0)
+    check_finite_sums(sum_s, sum_e, sum_w)
     c_se = p_se.sum(0) if xe is not None else p_se.new_zeros(0)
-    return mirror_upper(p_ss.sum(0)), c_se, sum_s, sum_e, p_w.sum(0)
+    return mirror_upper(p_ss.sum(0)), c_se, sum_s, sum_e, sum_w
 
 
 def register(device: str = "cuda") -> None:
