@@ -206,12 +206,3 @@ class ViTAdapter(_ImageAdapter):
     def embed(self, modules: dict[str, nn.Module], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return modules["embeddings"](inputs["pixel_values"])
 
-
-def describe(adapter: Adapter) -> dict[str, Any]:
-    return {
-        "adapter": type(adapter).__name__,
-        "architecture": adapter.architecture,
-        "blocks": adapter.num_blocks(),
-        "pooled_token": adapter.pooled_index(),
-        "kv_modules": list(adapter.kv_modules),
-    }

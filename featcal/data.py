@@ -98,7 +98,10 @@ class InputBuilder:
             types = rows.get("token_type_ids")
             types = [list(t)[: self.max_length] for t in types] if types else [[0] * len(r) for r in ids]
             width = max(len(r) for r in ids)
-            pad = lambda seqs, v: torch.tensor([s + [v] * (width - len(s)) for s in seqs], dtype=torch.long)  # noqa: E731
+
+            def pad(seqs: list[list[int]], value: int) -> torch.Tensor:
+                return torch.tensor([s + [value] * (width - len(s)) for s in seqs], dtype=torch.long)
+
             return {"input_ids": pad(ids, self.pad_id), "attention_mask": pad(masks, 0), "token_type_ids": pad(types, 0)}
         pair = rows[self.pair_column] if self.pair_column else None
         enc = self.processor(rows[self.column], pair, padding=True, truncation=True, max_length=self.max_length,

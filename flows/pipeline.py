@@ -64,10 +64,14 @@ class StageCall:
     params: dict[str, Any] = field(default_factory=dict)
 
 
-Runner = Callable[[str, StageCall], Record]
+# (run dir, stage call, its verified record or None) → record. The pipeline verifies once (hashing the
+# outputs) and hands the verdict on, so a resumed run reads each finished output once, not once per layer.
+Runner = Callable[[str, StageCall, Record | None], Record]
 
 
-def direct_runner(run_dir: str, call: StageCall) -> Record:
+def direct_runner(run_dir: str, call: StageCall, done: Record | None) -> Record:
+    if done is not None:
+        return done
     return execute(run_dir, call.stage, call.key, STAGES[call.kind], call.needs, call.params)
 
 
@@ -111,9 +115,9 @@ class Pipeline:
         return digest_of([self.code, *parts])
 
     def call(self, call: StageCall) -> Record:
-        fresh = self.run.verified(call.stage, call.key) is None
-        record = self.runner(self.run_dir, call)
-        self.progress.step(call, record, fresh)
+        done = self.run.verified(call.stage, call.key)
+        record = self.runner(self.run_dir, call, done)
+        self.progress.step(call, record, fresh=done is None)
         if self.on_stage is not None:
             self.on_stage(call, record)
         return record

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from featcal.config import RunConfig
@@ -24,7 +25,7 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
     modules = calibrated_modules(skeleton.block_template(0))
     linear_in = [m.in_features for m in modules.values() if not is_norm(m)]
     base = CanonicalCheckpoint(cfg.base, adapter)
-    model_bytes = sum(_numel(base.shape(n)) * 4 for n in base.names())
+    model_bytes = sum(math.prod(base.shape(n)) * 4 for n in base.names())
     block_bytes = sum(p.numel() * 4 for p in skeleton.block_template(0).parameters())
     n, bs, T = cfg.calibration.examples_per_task, cfg.calibration.batch_size, len(cfg.tasks)
     boundary = n * tokens * hidden * 4  # one side of one boundary, float32
@@ -41,13 +42,6 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
                                      + adapter.num_blocks() * block_bytes) / GIB, 3),
         "estimated_peak_ram_gib": round((3 * block_bytes + stats + 2 * chunk) / GIB + 1.0, 3),
     }
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    out = 1
-    for s in shape:
-        out *= s
-    return out
 
 
 def render(p: dict[str, Any]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from featcal.config import load_config
 from flows.pipeline import STAGES, StageCall, run_pipeline
-from storage.rundir import Record, RunDir
+from storage.rundir import Record
 from tasks.record import execute
 
 RESULTS_DIR = ".prefect-results"
@@ -26,13 +27,12 @@ def stage_task(run_dir: str, kind: str, stage: str, key: str, needs: dict[str, s
     return execute(run_dir, stage, key, STAGES[kind], needs, params)
 
 
-def prefect_runner(run_dir: str, call: StageCall) -> Record:
-    # Prefect's cache is trusted only when our record verifies the outputs on disk; otherwise refresh it.
-    verified = RunDir(run_dir).verified(call.stage, call.key) is not None
+def prefect_runner(run_dir: str, call: StageCall, done: Record | None) -> Record:
+    # Prefect's cache is trusted only when our record verified the outputs on disk; otherwise refresh it.
     configured = stage_task.with_options(
         name=f"featcal-{call.kind}",
         task_run_name=call.label,
-        refresh_cache=not verified,
+        refresh_cache=done is None,
         result_storage=Path(run_dir) / RESULTS_DIR,
     )
     return configured(run_dir, call.kind, call.stage, call.key, call.needs, call.params)
@@ -42,8 +42,6 @@ def _report_artifacts(run_dir: Path) -> None:
     report_md = run_dir / "report.md"
     if report_md.is_file():
         create_markdown_artifact(report_md.read_text(), key="featcal-report", description=str(run_dir))
-    import json
-
     report_json = run_dir / "report.json"
     if report_json.is_file():
         report = json.loads(report_json.read_text())

@@ -157,8 +157,8 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
             pass
     else:
         rel = ctx.run.acts(task, layer + 1, "expert")
-        n_rows = open_array(ctx.run / ctx.run.acts(task, layer, "expert")).shape
-        write_array(ctx.run / rel, tuple(n_rows), ctx.cfg.calibration.batch_size * _tokens(ctx, task), "float32",
+        shape = open_array(ctx.run / ctx.run.acts(task, layer, "expert")).shape
+        write_array(ctx.run / rel, tuple(shape), ctx.cfg.calibration.batch_size * _tokens(ctx, task), "float32",
                     expert_outputs())
         outputs.append(rel)
     stats_rel = ctx.run.stats(task, layer)
