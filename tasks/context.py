@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import torch
 import yaml
 
 from featcal.config import RunConfig, config_from_dict
@@ -20,6 +21,8 @@ class RunContext:
         self.run = RunDir(run_dir)
         raw = yaml.safe_load((self.run / CONFIG_NAME).read_text())
         self.cfg: RunConfig = config_from_dict(raw, root=self.run.root, source=str(self.run / CONFIG_NAME))
+        if self.cfg.runtime.threads:
+            torch.set_num_threads(self.cfg.runtime.threads)
         self.skeleton = Skeleton.from_checkpoint(self.cfg.experts[self.cfg.tasks[0]])
         self.adapter = self.skeleton.adapter
         self._checkpoints: dict[str, CanonicalCheckpoint] = {}

@@ -28,3 +28,15 @@ def test_run_prints_where_the_results_are(tiny_example, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"calibrated checkpoint: {tmp_path / 'r' / 'calibrated'}" in out
     assert (tmp_path / "r" / "calibrated" / "model.safetensors").is_file()
+
+
+def test_runtime_threads_is_applied(tiny_example, tmp_path):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert main(["run", str(tiny_example / "bert" / "example.yaml"), "--run-dir", str(tmp_path / "r"), "--no-prefect",
+                     "--set", "evaluation.enabled=false", "--set", "runtime.threads=1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
