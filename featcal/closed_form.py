@@ -125,3 +125,28 @@ def solve_norm_affine(
     gamma = (a22 * rhs_g - a12 * rhs_b) / det
     beta = (a11 * rhs_b - a12 * rhs_g) / det
     return gamma, beta
+
+
+def solve_regmean_weight(
+    tasks: Iterable[tuple[torch.Tensor, torch.Tensor]], off_diagonal: float, eps: float,
+) -> LinearSolution:
+    """RegMean (Jin et al., 2023): Wᵀ = (Σ_t G̃_t)⁻¹ Σ_t G̃_t W_tᵀ with G̃_t = a·G_t + (1−a)·diag(G_t).
+
+    `tasks` yields (G_t, W_t), W_t [out, in], one task at a time. G_t should be a per-token mean
+    E_w[x xᵀ], not a sum, so every task weighs the same whatever its number of tokens. a = 1 is the
+    exact minimiser of Σ_t ‖X_t Wᵀ − X_t W_tᵀ‖²; a < 1 shrinks towards each task's own weights.
+    `eps` is the initial Cholesky damping (it grows ×10 on failure; the solution says what was used)."""
+    if not 0 < off_diagonal <= 1:
+        raise ValueError(f"off_diagonal must be in (0, 1], got {off_diagonal}")
+    a: torch.Tensor | None = None
+    b: torch.Tensor | None = None
+    for g, w_t in tasks:
+        g = g.double()
+        g_tilde = off_diagonal * g + (1.0 - off_diagonal) * torch.diag(g.diagonal())
+        a = g_tilde if a is None else a + g_tilde
+        rhs = g_tilde @ w_t.double().T
+        b = rhs if b is None else b + rhs
+    if a is None or b is None:
+        raise ValueError("solve_regmean_weight needs at least one task")
+    sol = featcal_kernels.ridge_solve(a, b, damping=eps)
+    return LinearSolution(weight=sol.x.T.contiguous(), damping=sol.damping)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -43,6 +43,21 @@ class CalibrationConfig(_Strict):
 
 
 class FeatCalConfig(_Strict):
+    """The block-by-block solve. `method` picks the objective; the same stages and caches serve all three.
+
+    - featcal: DESIGN.md §2 (every field below is used).
+    - regmean: W = (Σ_t G̃_t)⁻¹ Σ_t G̃_t W_t per linear module, G_t from expert t's own inputs (its block on
+      its own stream). Only linear weights are solved; biases, norms and everything outside the blocks keep
+      the merged checkpoint's values, so `merge.method: average` gives the published RegMean (non-linear
+      parameters averaged). Uses `regmean_off_diagonal` and `eps`; lambda, rho, alpha, calibrate_*,
+      pooled_token_weight are ignored.
+    - regmean_plus_plus: as regmean, but G_t comes from expert t's block run on the merged stream, i.e. the
+      inputs that flow through the already-solved earlier blocks (forward order, like FeatCal).
+    """
+
+    method: Literal["featcal", "regmean", "regmean_plus_plus"] = "featcal"
+    regmean_off_diagonal: float = Field(
+        0.95, gt=0, le=1, description="RegMean's a: G̃ = a·G + (1−a)·diag(G) (0.95 for encoders; 0.6 for GPT-2)")
     lam: float = Field(0.05, alias="lambda", ge=0)
     rho: float = 2.2
     alpha: float = Field(0.25, ge=0, le=1)
@@ -52,11 +67,27 @@ class FeatCalConfig(_Strict):
     pooled_token_weight: float | None = Field(0.01, ge=0, le=1)
 
 
+EvaluatedModel = Literal["base", "merged", "calibrated", "expert"]
+EVALUATED_MODELS: tuple[str, ...] = get_args(EvaluatedModel)
+
+
 class EvaluationConfig(_Strict):
     enabled: bool = True
     data: dict[str, DataSource] = Field(default_factory=dict)
     batch_size: int = Field(32, ge=1)
     max_examples: int | None = Field(None, ge=1)
+    models: list[EvaluatedModel] = Field(
+        default_factory=lambda: list(EVALUATED_MODELS), min_length=1,
+        description="whose accuracy is measured; the expert still runs as the drift reference when merged or "
+                    "calibrated is listed, so a benchmark can skip re-scoring base and experts")
+
+    @field_validator("models")
+    @classmethod
+    def _no_repeats(cls, models: list[str]) -> list[str]:
+        repeated = sorted({m for m in models if models.count(m) > 1})
+        if repeated:
+            raise ValueError(f"lists {repeated} more than once")
+        return models
 
 
 class RuntimeConfig(_Strict):

@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
-MODELS = ("base", "merged", "calibrated", "expert")
+from featcal.config import EVALUATED_MODELS as MODELS
+
+METHOD_NAMES = {"featcal": "FeatCal", "regmean": "RegMean", "regmean_plus_plus": "RegMean++"}
 
 
 @dataclass
@@ -64,15 +66,19 @@ def summarize(tasks: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = ["# FeatCal report", ""]
-    tasks = report["tasks"]
+    """The report as markdown: one accuracy column per evaluated model (report["models"]), then drift."""
+    method = METHOD_NAMES[report["method"]]
+    lines = [f"# {method} report", ""]
+    if report["method"] != "featcal":
+        lines += [f"`calibrated` is the {method} solution; `merged` is the merge it started from.", ""]
+    tasks, models = report["tasks"], report["models"]
     if any(s["accuracy"] for s in tasks.values()):
-        lines += ["| task | " + " | ".join(MODELS) + " | examples |", "|---" * (len(MODELS) + 2) + "|"]
+        lines += ["| task | " + " | ".join(models) + " | examples |", "|---" * (len(models) + 2) + "|"]
         for task, s in tasks.items():
-            cells = [f"{100 * s['accuracy'][m]:.1f}" if m in s["accuracy"] else "–" for m in MODELS]
+            cells = [f"{100 * s['accuracy'][m]:.1f}" if m in s["accuracy"] else "–" for m in models]
             lines.append(f"| {task} | " + " | ".join(cells) + f" | {s['examples']} |")
         avg = report["summary"]["average_accuracy"]
-        lines.append("| **average** | " + " | ".join(f"{100 * avg[m]:.1f}" if m in avg else "–" for m in MODELS) + " | |")
+        lines.append("| **average** | " + " | ".join(f"{100 * avg[m]:.1f}" if m in avg else "–" for m in models) + " | |")
         lines.append("")
         if "gap_closed" in report["summary"]:
             lines.append(f"Gap closed (calibrated − merged) / (expert − merged): **{100 * report['summary']['gap_closed']:.1f} %**")
@@ -102,8 +108,9 @@ def drift_plot(report: dict[str, Any], path: Path) -> None:
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("block boundary (0 = embeddings)")
     ax.set_ylabel("relative drift vs expert")
-    ax.set_title("Feature drift before and after FeatCal")
-    ax.legend(fontsize=7)
+    ax.set_title(f"Feature drift before and after {METHOD_NAMES[report['method']]}")
+    if ax.lines:  # no drift when neither merged nor calibrated was evaluated
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

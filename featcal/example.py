@@ -50,6 +50,8 @@ from transformers import (
     PreTrainedModel,
 )
 
+from featcal.bench.build import one_thread
+
 log = logging.getLogger("featcal.example")
 
 SPLIT_SIZES = {"train": 400, "calibration": 64, "test": 200}
@@ -609,18 +611,6 @@ def _ensure_file(target: Path, text: str) -> None:
 
 
 @contextlib.contextmanager
-def _one_torch_thread() -> Iterator[None]:
-    """Train on one thread: results then do not depend on the core count, and for models
-    this small it is also the fastest (two threads on a busy two-core box run ~7x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-@contextlib.contextmanager
 def _quiet_progress_bars() -> Iterator[None]:
     """Silence per-save progress bars during the build, restoring the caller's setting."""
     datasets_on = datasets.is_progress_bar_enabled()
@@ -659,7 +649,7 @@ def build_tiny_example(out: Path, archs: tuple[str, ...] = ("bert", "clip"), see
     if unknown:
         raise ValueError(f"unknown example architectures {sorted(unknown)}; known: {sorted(RECIPES)}")
     out = Path(out)
-    with _quiet_progress_bars(), _one_torch_thread():
+    with _quiet_progress_bars(), one_thread():
         for arch in archs:
             _build_arch(out / arch, arch, seed)
     return out

@@ -11,7 +11,7 @@ import hashlib
 import logging
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -45,12 +45,16 @@ SOURCE_PACKAGES = ("featcal", "tasks", "storage", "featcal_kernels")
 def code_version() -> str:
     """Digest of the code every stage runs: any change to it invalidates every cached stage."""
     root = Path(__file__).resolve().parent.parent
+    # The example and the benchmark build inputs for the pipeline; no pipeline stage runs them.
+    return code_digest(path for package in SOURCE_PACKAGES for path in (root / package).rglob("*.py")
+                       if path.name != "example.py" and "bench" not in path.relative_to(root).parts)
+
+
+def code_digest(paths: Iterable[Path]) -> str:
+    root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
-    for package in SOURCE_PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            if path.name == "example.py":  # builds demo inputs; no stage runs it
-                continue
-            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    for path in sorted(paths):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -150,7 +154,7 @@ class Pipeline:
                 (s_rec, s_rel), (e_rec, e_rel) = side[t, "merged"], side[t, "expert"]
                 grams[t] = self.call(StageCall("gram", f"gram/l{layer:02d}/{t}", f"block {layer:02d} · gram · {t}", self.key(
                     "gram", layer, t, s_rec["outputs"][s_rel], e_rec["outputs"][e_rel], merged_digest,
-                    self.inputs[f"expert/{t}"], featcal_cfg["pooled_token_weight"]),
+                    self.inputs[f"expert/{t}"], featcal_cfg["pooled_token_weight"], featcal_cfg["method"]),
                     needs={s_rel: s_rec["stage"], e_rel: e_rec["stage"], run.inputs(t): prepared[t]["stage"],
                            "merged": "merge"},
                     params={"task": t, "layer": layer}))

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from featcal.closed_form import (
-    BiasTerm, Hyper, LinearMoments, solve_linear_bias, solve_linear_weight, solve_norm_affine,
+    BiasTerm, Hyper, LinearMoments, solve_linear_bias, solve_linear_weight, solve_norm_affine, solve_regmean_weight,
 )
 from featcal.data import InputBuilder, load_split, pad_to, pick_examples, row_batches
 from featcal.modeling import calibrated_modules, is_norm
@@ -125,30 +125,48 @@ def _sq_norms(diff: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> tupl
 
 
 def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, Any]]:
-    merged_block = ctx.skeleton.block(layer, ctx.checkpoint(MERGED))
+    """Statistics of block `layer`'s module inputs for one task, and E_t(layer+1) (expert block on E_t).
+
+    Which block runs on which stream depends on `featcal.method` (DESIGN.md §2):
+    - featcal: merged block on S_t (x_s) and expert block on E_t (x_e);
+    - regmean: expert block on E_t, its inputs on both sides (only C_ss = G_t is used);
+    - regmean_plus_plus: expert block on S_t, its inputs on both sides.
+    RegMean variants weigh every real token 1 (no pooled-token emphasis)."""
+    method = ctx.cfg.featcal.method
     expert_block = ctx.skeleton.block(layer, ctx.checkpoint(task))
-    modules_m, modules_e = calibrated_modules(merged_block), calibrated_modules(expert_block)
-    stats = new_stats(modules_m)
-    emphasis = emphasis_for(ctx, layer, list(modules_m))
+    modules_e = calibrated_modules(expert_block)
+    merged_block = ctx.skeleton.block(layer, ctx.checkpoint(MERGED)) if method == "featcal" else None
+    stats_modules = calibrated_modules(merged_block) if merged_block is not None else modules_e
+    stats = new_stats(stats_modules)
+    emphasis = emphasis_for(ctx, layer, list(stats_modules)) if method == "featcal" else None
     drift = {"in_diff": 0.0, "in_ref": 0.0, "out_diff": 0.0, "out_ref": 0.0}
     last = layer == ctx.num_blocks - 1
 
+    def run(block: torch.nn.Module, modules: dict[str, torch.nn.Module], hidden: torch.Tensor,
+            extra: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        sink: dict[str, torch.Tensor] = {}
+        with captured_inputs(modules, sink):
+            return ctx.adapter.run_block(block, hidden, extra), sink
+
+    def add_drift(kind: str, diff: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> None:
+        d, r = _sq_norms(diff, ref, mask)
+        drift[f"{kind}_diff"] += d
+        drift[f"{kind}_ref"] += r
+
     def expert_outputs() -> Iterator[torch.Tensor]:
         for mask, s, e in _boundary(ctx, task, layer, ("merged", "expert")):
-            sink_m: dict[str, torch.Tensor] = {}
-            sink_e: dict[str, torch.Tensor] = {}
             extra = ctx.adapter.block_input({"attention_mask": mask})
             with torch.inference_mode():
-                with captured_inputs(modules_m, sink_m):
-                    out_m = ctx.adapter.run_block(merged_block, s, extra)
-                with captured_inputs(modules_e, sink_e):
-                    out_e = ctx.adapter.run_block(expert_block, e, extra)
-                weights = token_weights(mask, list(modules_m), emphasis, ctx.adapter.pooled_index())
-                accumulate(stats, modules_m, sink_m, sink_e, weights)
-            for k, (a, b) in (("in", (s - e, e)), ("out", (out_m - out_e, out_e))):
-                d, r = _sq_norms(a, b, mask)
-                drift[f"{k}_diff"] += d
-                drift[f"{k}_ref"] += r
+                out_e, sink_e = run(expert_block, modules_e, e, extra)
+                weights = token_weights(mask, list(stats_modules), emphasis, ctx.adapter.pooled_index())
+                if merged_block is not None:
+                    out_m, sink_m = run(merged_block, stats_modules, s, extra)
+                    accumulate(stats, stats_modules, sink_m, sink_e, weights)
+                    add_drift("out", out_m - out_e, out_e, mask)
+                else:  # one side only; it fills both of the statistics' slots
+                    sink = run(expert_block, modules_e, s, extra)[1] if method == "regmean_plus_plus" else sink_e
+                    accumulate(stats, stats_modules, sink, sink, weights)
+            add_drift("in", s - e, e, mask)
             yield out_e.reshape(-1, out_e.shape[-1])
 
     outputs = []
@@ -165,10 +183,9 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
     with atomic_path(ctx.run / stats_rel) as tmp:
         save_file(flatten_stats(stats), str(tmp))
     outputs.append(stats_rel)
-    info = {
-        "drift_in": (drift["in_diff"] / max(drift["in_ref"], 1e-30)) ** 0.5,
-        "drift_out_uncalibrated": (drift["out_diff"] / max(drift["out_ref"], 1e-30)) ** 0.5,
-    }
+    info = {"drift_in": (drift["in_diff"] / max(drift["in_ref"], 1e-30)) ** 0.5}
+    if merged_block is not None:  # the uncalibrated merged block runs only for FeatCal's statistics
+        info["drift_out_uncalibrated"] = (drift["out_diff"] / max(drift["out_ref"], 1e-30)) ** 0.5
     return outputs, info
 
 
@@ -187,8 +204,13 @@ def _task_stats(ctx: RunContext, layer: int, module: str) -> Iterator[dict[str, 
 
 
 def solve(ctx: RunContext, layer: int) -> tuple[list[str], dict[str, Any]]:
+    """Every module of block `layer` from the tasks' statistics, summed in task order.
+
+    featcal solves linear weights, biases and norms (DESIGN.md §2); the RegMean variants solve linear
+    weights only (G_t = the task's per-token mean Gram) and keep the merged biases and norms."""
     fc = ctx.cfg.featcal
     hp = Hyper(lam=fc.lam, rho=fc.rho, alpha=fc.alpha, eps=fc.eps)
+    featcal = fc.method == "featcal"
     prefix = ctx.adapter.block_prefix(layer)
     merged = ctx.checkpoint(MERGED).with_prefix(prefix)
     base = ctx.checkpoint("base")
@@ -201,7 +223,7 @@ def solve(ctx: RunContext, layer: int) -> tuple[list[str], dict[str, Any]]:
         has_bias = bias in merged
         where = f"{prefix}{name}"
         if is_norm(module):
-            if not fc.calibrate_norm:
+            if not (featcal and fc.calibrate_norm):
                 continue
             moms = [norm_moments(s, where) for s in _task_stats(ctx, layer, name)]
             gamma, beta = solve_norm_affine(
@@ -214,28 +236,33 @@ def solve(ctx: RunContext, layer: int) -> tuple[list[str], dict[str, Any]]:
             if has_bias:
                 solved[bias] = beta.to(merged[bias].dtype)
             continue
-        bias_terms: list[BiasTerm] = []
+        if not featcal:
+            grams = ((linear_moments(stats, where).c_ss, expert.get(prefix + weight))
+                     for stats, expert in zip(_task_stats(ctx, layer, name), experts, strict=True))
+            sol = solve_regmean_weight(grams, fc.regmean_off_diagonal, fc.eps)
+        else:
+            bias_terms: list[BiasTerm] = []
 
-        def per_task() -> Iterator[tuple[LinearMoments, torch.Tensor]]:
-            for stats, expert in zip(_task_stats(ctx, layer, name), experts, strict=True):
-                mom, w_t = linear_moments(stats, where), expert.get(prefix + weight)
-                if has_bias:
-                    bias_terms.append(BiasTerm.of(mom, w_t, expert.get(prefix + bias), hp.alpha))
-                yield mom, w_t
+            def per_task() -> Iterator[tuple[LinearMoments, torch.Tensor]]:
+                for stats, expert in zip(_task_stats(ctx, layer, name), experts, strict=True):
+                    mom, w_t = linear_moments(stats, where), expert.get(prefix + weight)
+                    if has_bias:
+                        bias_terms.append(BiasTerm.of(mom, w_t, expert.get(prefix + bias), hp.alpha))
+                    yield mom, w_t
 
-        sol = solve_linear_weight(per_task(), merged[weight], base.get(prefix + weight), hp)
+            sol = solve_linear_weight(per_task(), merged[weight], base.get(prefix + weight), hp)
+            if has_bias and fc.calibrate_bias:
+                b = solve_linear_bias(bias_terms, sol.weight, merged[bias], base.get(prefix + bias), hp)
+                solved[bias] = b.to(merged[bias].dtype)
         solved[weight] = sol.weight.to(merged[weight].dtype)
         damping[name] = sol.damping
         if sol.damping > hp.eps:
             log.warning("block %d module %s: Cholesky needed damping %.3g (asked %.3g)", layer, name, sol.damping, hp.eps)
-        if has_bias and fc.calibrate_bias:
-            b = solve_linear_bias(bias_terms, sol.weight, merged[bias], base.get(prefix + bias), hp)
-            solved[bias] = b.to(merged[bias].dtype)
     rel = ctx.run.block(layer)
     with atomic_path(ctx.run / rel) as tmp:
         save_file({k: v.contiguous() for k, v in solved.items()}, str(tmp))
     grown = {m: d for m, d in damping.items() if d > hp.eps}
-    return [rel], {"modules": len(damping), "damping_grown": grown}
+    return [rel], {"method": fc.method, "modules": len(damping), "damping_grown": grown}
 
 
 # ---- propagate ----------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Stage `evaluate`: accuracy and per-block drift of base, merged, calibrated and expert, per task."""
+"""Stage `evaluate`: accuracy of the models in `evaluation.models` and per-block drift, per task."""
 
 from __future__ import annotations
 
@@ -8,12 +8,10 @@ from typing import Any
 import torch
 
 from featcal.data import InputBuilder, load_split, pick_examples, row_batches
-from featcal.evaluation import TaskScores, drift_plot, markdown, summarize
+from featcal.evaluation import MODELS, TaskScores, drift_plot, markdown, summarize
 from featcal.modeling import task_model
 from storage.atomic import atomic_path, write_bytes, write_json
-from tasks.assemble import CALIBRATED
 from tasks.context import RunContext
-from tasks.merge import MERGED
 
 log = logging.getLogger("featcal")
 REPORT_FILES = ("report.json", "report.md", "drift.png")
@@ -29,12 +27,13 @@ def _task_scores(ctx: RunContext, task: str) -> dict[str, Any]:
     builder = InputBuilder(ctx.cfg.base, ctx.adapter.model_input_names(), source, ctx.cfg.calibration.max_length,
                            ds.column_names, where)
     expert_dir = ctx.checkpoint_dir(task)
-    models = {
-        "expert": task_model(expert_dir),
-        "base": task_model(expert_dir, ctx.checkpoint("base")),
-        "merged": task_model(expert_dir, ctx.checkpoint(MERGED)),
-        "calibrated": task_model(expert_dir, ctx.checkpoint(CALIBRATED)),
-    }
+    listed = ev.models
+    drifting = [m for m in ("merged", "calibrated") if m in listed]
+    # Each model is the task's expert with the body of checkpoint `name`; the expert also runs unlisted
+    # while its hidden states are the drift reference.
+    models = {name: task_model(expert_dir, None if name == "expert" else ctx.checkpoint(name)) for name in listed}
+    if drifting and "expert" not in models:
+        models["expert"] = task_model(expert_dir)
     label_column = source.label_column if task in ev.data else None
     scores = TaskScores()
     for rows in row_batches(ds, ev.batch_size):
@@ -42,16 +41,17 @@ def _task_scores(ctx: RunContext, task: str) -> dict[str, Any]:
         mask = inputs.get("attention_mask")
         with torch.inference_mode():
             outs = {name: ctx.adapter.evaluate_forward(m, inputs) for name, m in models.items()}
-        ref = outs["expert"].hidden_states
-        if mask is None:
-            mask = torch.ones(ref[0].shape[:2], dtype=torch.long)
-        scores.add_reference(ref, mask)
-        for name in ("merged", "calibrated"):
-            scores.add_drift(name, outs[name].hidden_states, ref, mask)
-        if label_column and hasattr(outs["expert"], "logits"):
+        if drifting:
+            ref = outs["expert"].hidden_states
+            if mask is None:
+                mask = torch.ones(ref[0].shape[:2], dtype=torch.long)
+            scores.add_reference(ref, mask)
+            for name in drifting:
+                scores.add_drift(name, outs[name].hidden_states, ref, mask)
+        if label_column and all(hasattr(out, "logits") for out in outs.values()):
             labels = torch.as_tensor(rows[label_column])
-            for name, out in outs.items():
-                scores.add_predictions(name, out.logits, labels)
+            for name in listed:
+                scores.add_predictions(name, outs[name].logits, labels)
         scores.seen += len(next(iter(rows.values())))
     if not label_column:
         scores.correct = {}
@@ -63,7 +63,8 @@ def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
     for task in ctx.tasks:
         tasks[task] = _task_scores(ctx, task)
         log.info("evaluate · %s: %s", task, {k: round(v, 4) for k, v in tasks[task]["accuracy"].items()})
-    report = {"tasks": tasks, "summary": summarize(tasks), "config_fingerprint": ctx.cfg.fingerprint()}
+    report = {"method": ctx.cfg.featcal.method, "models": [m for m in MODELS if m in ctx.cfg.evaluation.models],
+              "tasks": tasks, "summary": summarize(tasks), "config_fingerprint": ctx.cfg.fingerprint()}
     write_json(ctx.run / "report.json", report)
     write_bytes(ctx.run / "report.md", markdown(report).encode())
     with atomic_path(ctx.run / "drift.png") as tmp:

@@ -8,32 +8,39 @@ from collections.abc import Callable
 from typing import Any
 
 from storage.atomic import digest
-from storage.rundir import Record
+from storage.rundir import Record, RunDir
 from tasks.context import RunContext, context
 
 StageFn = Callable[..., tuple[list[str], dict[str, Any]]]
 
 
 def execute(run_dir: str, stage: str, key: str, fn: StageFn, needs: dict[str, str], params: dict[str, Any]) -> Record:
+    """A pipeline stage: `fn(ctx, **params)` with the run's context."""
     ctx: RunContext = context(run_dir)
-    done = ctx.run.verified(stage, key)
+    return recorded(ctx.run, stage, key, lambda: fn(ctx, **params), needs)
+
+
+def recorded(run: RunDir, stage: str, key: str, work: Callable[[], tuple[list[str], dict[str, Any]]],
+             needs: dict[str, str] | None = None) -> Record:
+    """Any directory-backed stage (the pipeline's, the benchmark's): `work()` returns (outputs, info)."""
+    done = run.verified(stage, key)
     if done is not None:
         return done
-    ctx.run.require(needs)
-    ctx.run.event(stage, "start")
+    run.require(needs or {})
+    run.event(stage, "start")
     started = time.perf_counter()
-    outputs, info = fn(ctx, **params)
+    outputs, info = work()
     seconds = time.perf_counter() - started
     record = {
         "stage": stage,
         "key": key,
-        "outputs": {rel: digest(ctx.run / rel) for rel in outputs},
+        "outputs": {rel: digest(run / rel) for rel in outputs},
         "info": info,
         "seconds": round(seconds, 4),
         # The process's peak so far: where it jumps between consecutive records is the stage that set it.
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "finished_at": time.time(),
     }
-    ctx.run.save_record(record)
-    ctx.run.event(stage, "done", seconds=round(seconds, 4))
+    run.save_record(record)
+    run.event(stage, "done", seconds=round(seconds, 4))
     return record

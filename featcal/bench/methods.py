@@ -1,0 +1,135 @@
+"""The benchmark's method runs: each is a pipeline run (or Surgery) in its own process, so its peak
+RSS is its own; each writes `results/{run}.json` with accuracies and the cost of its stages.
+
+    python -m featcal.bench.methods BENCH_DIR RUN
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from featcal.bench.build import BASE, data_dir, expert_dir
+from featcal.bench.spec import BenchSpec
+from featcal.config import config_from_dict
+from storage.atomic import read_json, write_json
+
+log = logging.getLogger("featcal")
+
+SAMPLE_SIZES = (8, 16, 32, 64, 128, 256)
+FULL = 256
+
+
+@dataclass(frozen=True)
+class MethodRun:
+    """One process: a merge, optionally a calibration method, and which of its models to evaluate."""
+
+    merge: str  # task_arithmetic | ties | average
+    method: str | None  # featcal | regmean | regmean_plus_plus | surgery | None (merge only)
+    examples: int = FULL
+    models: tuple[str, ...] = ("calibrated",)
+    featcal: dict[str, Any] = field(default_factory=dict)
+
+
+def method_runs() -> dict[str, MethodRun]:
+    runs = {
+        # One run yields experts, base + head, TA and TA + FeatCal, and the per-block drift plot.
+        "ta_featcal": MethodRun("task_arithmetic", "featcal", models=("base", "merged", "calibrated", "expert")),
+        "ties_featcal": MethodRun("ties", "featcal", models=("merged", "calibrated")),
+        # RegMean keeps the average of the non-linear parameters: the merged checkpoint is the average.
+        "regmean": MethodRun("average", "regmean", models=("merged", "calibrated")),
+        "regmean_pp": MethodRun("average", "regmean_plus_plus"),
+        "ta_surgery": MethodRun("task_arithmetic", "surgery"),
+    }
+    for n in SAMPLE_SIZES[:-1]:
+        runs[f"ta_featcal_n{n:03d}"] = MethodRun("task_arithmetic", "featcal", examples=n)
+        runs[f"regmean_pp_n{n:03d}"] = MethodRun("average", "regmean_plus_plus", examples=n)
+    return runs
+
+
+def pipeline_config(bench: Path, spec: BenchSpec, run: MethodRun) -> dict[str, Any]:
+    """The pipeline config of a run; every path absolute, so the run directory can live anywhere."""
+
+    def source(task: str, split: str, **extra: Any) -> dict[str, Any]:
+        pair = {"text_pair_column": "text_pair"} if task == "gloss_match" else {}
+        return {"path": str(bench / data_dir(task)), "split": split, **pair, **extra}
+
+    return {
+        "base": str(bench / BASE),
+        "experts": {t: str(bench / expert_dir(t)) for t in spec.tasks},
+        "merge": {"method": run.merge, "scaling": 0.3},
+        "calibration": {"data": {t: source(t, "calibration") for t in spec.tasks}, "examples_per_task": run.examples,
+                        "batch_size": 32, "max_length": spec.finetune.max_length, "seed": 42},
+        "featcal": {"method": run.method if run.method in ("regmean", "regmean_plus_plus") else "featcal", **run.featcal},
+        "evaluation": {"enabled": True, "batch_size": 64, "models": list(run.models),
+                       "data": {t: source(t, "test", label_column="label") for t in spec.tasks}},
+        "runtime": {"threads": 2},
+    }
+
+
+def _stage_cost(run_dir: Path) -> dict[str, Any]:
+    """Seconds per stage kind, and the peak RSS before evaluation (records carry the process peak so far)."""
+    seconds: dict[str, float] = {}
+    peak = merge_peak = 0.0
+    for path in (run_dir / "records").glob("*.json"):
+        rec = read_json(path)
+        if "key" not in rec:
+            continue
+        kind = rec["stage"].split("/")[0]
+        seconds[kind] = seconds.get(kind, 0.0) + rec["seconds"]
+        if kind != "evaluate":
+            peak = max(peak, rec["peak_rss_mib"])
+        if kind == "merge":
+            merge_peak = rec["peak_rss_mib"]
+    calibration = sum(v for k, v in seconds.items() if k not in ("merge", "evaluate"))
+    return {"stage_seconds": {k: round(v, 2) for k, v in sorted(seconds.items())}, "merge_seconds": round(seconds.get("merge", 0.0), 2),
+            "calibration_seconds": round(calibration, 2), "peak_rss_mib": peak, "merge_peak_rss_mib": merge_peak}
+
+
+def run_pipeline_method(bench: Path, name: str, run: MethodRun) -> dict[str, Any]:
+    from flows.pipeline import run_pipeline
+
+    spec = BenchSpec.load(bench)
+    cfg = config_from_dict(pipeline_config(bench, spec, run), root=bench, source=f"bench run {name}")
+    run_dir = bench / "runs" / name
+    run_pipeline(cfg, run_dir)
+    report = read_json(run_dir / "report.json")
+    return {"run_dir": str(run_dir), "cost": _stage_cost(run_dir),
+            "accuracy": {t: s["accuracy"] for t, s in report["tasks"].items()},
+            "drift": report["summary"].get("average_drift", {})}
+
+
+def run_method(bench: Path, name: str) -> dict[str, Any]:
+    runs = method_runs()
+    if name not in runs:
+        raise ValueError(f"unknown benchmark run {name!r}; known: {sorted(runs)}")
+    run = runs[name]
+    started = time.perf_counter()
+    if run.method == "surgery":
+        from featcal.bench.surgery_run import run_surgery
+
+        result = run_surgery(bench, run)
+    else:
+        result = run_pipeline_method(bench, name, run)
+    result.update(run=name, merge=run.merge, method=run.method, examples=run.examples,
+                  process_seconds=round(time.perf_counter() - started, 2),
+                  process_peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
+    write_json(bench / "results" / f"{name}.json", result)
+    return result
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    bench, name = Path(argv[0]).resolve(), argv[1]
+    print(json.dumps(run_method(bench, name)["cost"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

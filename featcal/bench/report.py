@@ -1,0 +1,158 @@
+"""The benchmark report: one table of methods, the sample-efficiency curve, costs, and plots.
+
+Gap closed = (method − TA) / (experts − TA), on the task-averaged accuracy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from featcal.bench.methods import FULL, SAMPLE_SIZES  # noqa: E402
+
+# (row label, run, evaluated model, what its cost is)
+METHOD_ROWS = (
+    ("experts (individual)", "ta_featcal", "expert", None),
+    ("base + task head", "ta_featcal", "base", None),
+    ("task arithmetic", "ta_featcal", "merged", "merge"),
+    ("TIES", "ties_featcal", "merged", "merge"),
+    ("average", "regmean", "merged", "merge"),
+    ("RegMean", "regmean", "calibrated", "total"),
+    ("RegMean++", "regmean_pp", "calibrated", "total"),
+    ("TA + Surgery", "ta_surgery", "calibrated", "total"),
+    ("TA + FeatCal", "ta_featcal", "calibrated", "total"),
+    ("TIES + FeatCal", "ties_featcal", "calibrated", "total"),
+)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _sample_run(method: str, n: int) -> str:
+    if n == FULL:
+        return {"featcal": "ta_featcal", "regmean_pp": "regmean_pp"}[method]
+    return f"{'ta_featcal' if method == 'featcal' else 'regmean_pp'}_n{n:03d}"
+
+
+def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dict[str, Any]) -> dict[str, Any]:
+    """`results`: run name → the JSON a method run wrote."""
+
+    def acc(run: str, model: str) -> dict[str, float] | None:
+        if run not in results:
+            return None
+        per_task = {t: results[run]["accuracy"][t].get(model) for t in tasks}
+        return None if any(v is None for v in per_task.values()) else per_task
+
+    experts, ta = acc("ta_featcal", "expert"), acc("ta_featcal", "merged")
+    expert_avg = _mean(list(experts.values())) if experts else None
+    ta_avg = _mean(list(ta.values())) if ta else None
+    rows = []
+    for label, run, model, cost_kind in METHOD_ROWS:
+        per_task = acc(run, model)
+        if per_task is None:
+            continue
+        avg = _mean(list(per_task.values()))
+        row: dict[str, Any] = {"method": label, "run": run, "accuracy": per_task, "average": avg}
+        if expert_avg:
+            row["normalized"] = avg / expert_avg
+        if expert_avg is not None and ta_avg is not None and expert_avg != ta_avg:
+            row["gap_closed"] = (avg - ta_avg) / (expert_avg - ta_avg)
+        if cost_kind is not None:
+            cost = results[run]["cost"]
+            row["seconds"] = cost["merge_seconds"] if cost_kind == "merge" else cost["merge_seconds"] + cost["calibration_seconds"]
+            row["calibration_seconds"] = 0.0 if cost_kind == "merge" else cost["calibration_seconds"]
+            row["peak_rss_mib"] = cost["merge_peak_rss_mib"] if cost_kind == "merge" else cost["peak_rss_mib"]
+        rows.append(row)
+    curve = {}
+    for method in ("featcal", "regmean_pp"):
+        points = {}
+        for n in SAMPLE_SIZES:
+            per_task = acc(_sample_run(method, n), "calibrated")
+            if per_task is not None:
+                points[n] = _mean(list(per_task.values()))
+        curve[method] = points
+    out: dict[str, Any] = {**meta, "tasks": tasks, "methods": rows, "sample_efficiency": curve}
+    featcal_curve = curve.get("featcal", {})
+    if ta_avg is not None and 8 in featcal_curve and FULL in featcal_curve and featcal_curve[FULL] != ta_avg:
+        out["featcal_8_of_256_gain"] = (featcal_curve[8] - ta_avg) / (featcal_curve[FULL] - ta_avg)
+    if "ta_featcal" in results:
+        out["drift"] = results["ta_featcal"].get("drift", {})
+    return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    tasks = report["tasks"]
+    lines = [f"# {report.get('title', 'Benchmark')}", ""]
+    lines += [str(report[k]) for k in ("about",) if k in report] + [""]
+    lines.append("| method | " + " | ".join(tasks) + " | average | normalized | gap closed | time (s) | peak RSS (MiB) |")
+    lines.append("|---|" + "---:|" * (len(tasks) + 5))
+    for row in report["methods"]:
+        cells = [f"{100 * row['accuracy'][t]:.1f}" for t in tasks]
+        extra = [f"{100 * row['average']:.1f}", f"{100 * row['normalized']:.1f}" if "normalized" in row else "",
+                 f"{100 * row['gap_closed']:.1f} %" if "gap_closed" in row else "",
+                 f"{row['seconds']:.1f}" if "seconds" in row else "", f"{row['peak_rss_mib']:.0f}" if "peak_rss_mib" in row else ""]
+        lines.append(f"| {row['method']} | " + " | ".join(cells + extra) + " |")
+    lines += ["", "## Sample efficiency (average accuracy, %)", "", "| examples/task | " + " | ".join(str(n) for n in SAMPLE_SIZES) + " |",
+              "|---|" + "---:|" * len(SAMPLE_SIZES)]
+    names = {"featcal": "TA + FeatCal", "regmean_pp": "RegMean++"}
+    for method, points in report["sample_efficiency"].items():
+        lines.append(f"| {names[method]} | " + " | ".join(f"{100 * points[n]:.1f}" if n in points else "" for n in SAMPLE_SIZES) + " |")
+    if "featcal_8_of_256_gain" in report:
+        lines += ["", f"FeatCal with 8 examples/task keeps {100 * report['featcal_8_of_256_gain']:.1f} % of its 256-example gain over TA."]
+    for note in report.get("notes", []):
+        lines += ["", note]
+    return "\n".join(lines) + "\n"
+
+
+def _saved(fig: plt.Figure, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plots(report: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
+    paths = []
+    rows = report["methods"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.barh([r["method"] for r in rows][::-1], [100 * r["average"] for r in rows][::-1], color="tab:blue")
+    for y, r in enumerate(rows[::-1]):
+        ax.text(100 * r["average"] + 0.3, y, f"{100 * r['average']:.1f}", va="center", fontsize=8)
+    ax.set_xlabel("average accuracy over tasks (%)")
+    lo = min(100 * r["average"] for r in rows)
+    ax.set_xlim(max(0, lo - 10), 100)
+    paths.append(_saved(fig, out_dir / f"{stem}_accuracy.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = {"featcal": "TA + FeatCal", "regmean_pp": "RegMean++"}
+    for method, points in report["sample_efficiency"].items():
+        ns = sorted(points)
+        ax.plot(ns, [100 * points[n] for n in ns], marker="o", label=names[method])
+    for r in rows:
+        if r["method"] in ("task arithmetic", "experts (individual)"):
+            ax.axhline(100 * r["average"], ls="--", color="grey")
+            ax.text(8, 100 * r["average"] + 0.3, r["method"], fontsize=8, color="grey")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("calibration examples per task")
+    ax.set_ylabel("average accuracy (%)")
+    ax.legend()
+    paths.append(_saved(fig, out_dir / f"{stem}_sample_efficiency.png"))
+
+    drift = report.get("drift") or {}
+    if drift:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for model, style in (("merged", "--"), ("calibrated", "-")):
+            if model in drift:
+                ax.plot(range(len(drift[model])), drift[model], style, marker="o",
+                        label="TA" if model == "merged" else "TA + FeatCal")
+        ax.set_xlabel("block boundary")
+        ax.set_ylabel("relative drift from the expert, task average")
+        ax.legend()
+        paths.append(_saved(fig, out_dir / f"{stem}_drift.png"))
+    return paths

