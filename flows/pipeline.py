@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
@@ -73,6 +73,16 @@ class StageCall:
 Runner = Callable[[str, StageCall, Record | None], Record]
 
 
+class Pending(Protocol):
+    def result(self) -> Record: ...
+
+
+# A runner that can run calls concurrently (on Dask workers) also gets a submitter: same arguments, returns at
+# once with a handle. Only independent calls are submitted together (a block's Grams, its propagations, the
+# prepares); their records are collected in call order, so every reduction downstream keeps its fixed order.
+Submitter = Callable[[str, StageCall, Record | None], Pending]
+
+
 def direct_runner(run_dir: str, call: StageCall, done: Record | None) -> Record:
     if done is not None:
         return done
@@ -99,12 +109,14 @@ def _clock(seconds: float) -> str:
 
 
 class Pipeline:
-    def __init__(self, run_dir: Path, runner: Runner, on_stage: Callable[[StageCall, Record], None] | None = None):
+    def __init__(self, run_dir: Path, runner: Runner, on_stage: Callable[[StageCall, Record], None] | None = None,
+                 submit: Submitter | None = None):
         self.run_dir = str(run_dir)
         self.run = RunDir(run_dir)
         self.ctx = context(run_dir)
         self.cfg: RunConfig = self.ctx.cfg
         self.runner = runner
+        self.submit = submit
         self.on_stage = on_stage
         self.code = code_version()
         memo = self.run / "records" / "fingerprints.json"
@@ -121,10 +133,27 @@ class Pipeline:
     def call(self, call: StageCall) -> Record:
         done = self.run.verified(call.stage, call.key)
         record = self.runner(self.run_dir, call, done)
-        self.progress.step(call, record, fresh=done is None)
+        self._finished(call, record, fresh=done is None)
+        return record
+
+    def call_all(self, calls: list[StageCall]) -> list[Record]:
+        """Independent calls: one after the other, or submitted together when the runner can run them at once."""
+        if self.submit is None:
+            return [self.call(c) for c in calls]
+        done = [self.run.verified(c.stage, c.key) for c in calls]
+        for c, d in zip(calls, done, strict=True):
+            if d is None:
+                self.run.require(c.needs)  # a missing input rewinds here, before anything is sent to a worker
+        pending = [self.submit(self.run_dir, c, d) for c, d in zip(calls, done, strict=True)]
+        records = [p.result() for p in pending]
+        for c, r, d in zip(calls, records, done, strict=True):
+            self._finished(c, r, fresh=d is None)
+        return records
+
+    def _finished(self, call: StageCall, record: Record, fresh: bool) -> None:
+        self.progress.step(call, record, fresh=fresh)
         if self.on_stage is not None:
             self.on_stage(call, record)
-        return record
 
     def release(self, record: Record, rel: str) -> None:
         if not self.cfg.runtime.keep_activations:
@@ -138,26 +167,26 @@ class Pipeline:
         merged_digest = merged["outputs"]["merged"]
         # (record, rel) of the current block boundary per task and side: S (merged) and E (expert).
         side: dict[tuple[str, str], tuple[Record, str]] = {}
-        prepared: dict[str, Record] = {}
+        prepared = dict(zip(tasks, self.call_all([StageCall("prepare", f"prepare/{t}", f"prepare · {t}", self.key(
+            "prepare", t, {k: v for k, v in cal.items() if k != "data"}, cal["data"][t],
+            self.inputs[f"calibration/{t}"], self.inputs[f"expert/{t}"], merged_digest),
+            needs={"merged": "merge"}, params={"task": t}) for t in tasks]), strict=True))
         for t in tasks:
-            prepared[t] = self.call(StageCall("prepare", f"prepare/{t}", f"prepare · {t}", self.key(
-                "prepare", t, {k: v for k, v in cal.items() if k != "data"}, cal["data"][t],
-                self.inputs[f"calibration/{t}"], self.inputs[f"expert/{t}"], merged_digest),
-                needs={"merged": "merge"}, params={"task": t}))
             for s in ("merged", "expert"):
                 side[t, s] = (prepared[t], run.acts(t, 0, s))
         blocks: list[Record] = []
         featcal_cfg = cfg.slice("featcal")["featcal"]
         for layer in range(L):
-            grams = {}
+            gram_calls = []
             for t in tasks:
                 (s_rec, s_rel), (e_rec, e_rel) = side[t, "merged"], side[t, "expert"]
-                grams[t] = self.call(StageCall("gram", f"gram/l{layer:02d}/{t}", f"block {layer:02d} · gram · {t}", self.key(
+                gram_calls.append(StageCall("gram", f"gram/l{layer:02d}/{t}", f"block {layer:02d} · gram · {t}", self.key(
                     "gram", layer, t, s_rec["outputs"][s_rel], e_rec["outputs"][e_rel], merged_digest,
                     self.inputs[f"expert/{t}"], featcal_cfg["pooled_token_weight"], featcal_cfg["method"]),
                     needs={s_rel: s_rec["stage"], e_rel: e_rec["stage"], run.inputs(t): prepared[t]["stage"],
                            "merged": "merge"},
                     params={"task": t, "layer": layer}))
+            grams = dict(zip(tasks, self.call_all(gram_calls), strict=True))
             solved = self.call(StageCall("solve", f"solve/l{layer:02d}", f"block {layer:02d} · solve", self.key(
                 "solve", layer, [grams[t]["outputs"][run.stats(t, layer)] for t in tasks], featcal_cfg,
                 merged_digest, self.inputs["base"], [self.inputs[f"expert/{t}"] for t in tasks]),
@@ -166,16 +195,20 @@ class Pipeline:
             blocks.append(solved)
             for t in tasks:
                 self.release(grams[t], run.stats(t, layer))
+            block_rel = run.block(layer)
+            prop_calls = []
+            for t in tasks if layer < L - 1 else []:
+                s_rec, s_rel = side[t, "merged"]
+                prop_calls.append(StageCall("propagate", f"propagate/l{layer:02d}/{t}",
+                                            f"block {layer:02d} · propagate · {t}", self.key(
+                    "propagate", layer, t, s_rec["outputs"][s_rel], solved["outputs"][block_rel]),
+                    needs={s_rel: s_rec["stage"], block_rel: solved["stage"], run.inputs(t): prepared[t]["stage"]},
+                    params={"task": t, "layer": layer}))
+            props = dict(zip([c.params["task"] for c in prop_calls], self.call_all(prop_calls), strict=True))
             for t in tasks:
                 (s_rec, s_rel), (e_rec, e_rel) = side[t, "merged"], side[t, "expert"]
                 if layer < L - 1:
-                    block_rel = run.block(layer)
-                    prop = self.call(StageCall("propagate", f"propagate/l{layer:02d}/{t}",
-                                               f"block {layer:02d} · propagate · {t}", self.key(
-                        "propagate", layer, t, s_rec["outputs"][s_rel], solved["outputs"][block_rel]),
-                        needs={s_rel: s_rec["stage"], block_rel: solved["stage"], run.inputs(t): prepared[t]["stage"]},
-                        params={"task": t, "layer": layer}))
-                    side[t, "merged"] = (prop, run.acts(t, layer + 1, "merged"))
+                    side[t, "merged"] = (props[t], run.acts(t, layer + 1, "merged"))
                     side[t, "expert"] = (grams[t], run.acts(t, layer + 1, "expert"))
                 self.release(s_rec, s_rel)
                 self.release(e_rec, e_rel)
@@ -213,7 +246,8 @@ def versions() -> dict[str, str]:
 
 
 def run_pipeline(cfg: RunConfig, run_dir: str | Path, runner: Runner = direct_runner,
-                 on_stage: Callable[[StageCall, Record], None] | None = None) -> dict[str, Record]:
+                 on_stage: Callable[[StageCall, Record], None] | None = None,
+                 submit: Submitter | None = None) -> dict[str, Record]:
     """Validate, lock the run directory, run (or resume) every stage, and write the manifest."""
     run = RunDir(run_dir)
     preflight(cfg)
@@ -221,7 +255,7 @@ def run_pipeline(cfg: RunConfig, run_dir: str | Path, runner: Runner = direct_ru
         resolved = yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False).encode()
         if not (run / CONFIG_NAME).is_file() or (run / CONFIG_NAME).read_bytes() != resolved:
             write_bytes(run / CONFIG_NAME, resolved)
-        pipeline = Pipeline(run.root, runner, on_stage)
+        pipeline = Pipeline(run.root, runner, on_stage, submit)
         manifest = {"config_fingerprint": cfg.fingerprint(), "code_version": pipeline.code, "versions": versions(),
                     "inputs": pipeline.inputs, "status": "running", "started_at": time.time()}
         write_json(run / "manifest.json", manifest)

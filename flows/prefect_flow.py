@@ -1,20 +1,31 @@
-"""The pipeline as one Prefect flow: every stage a task with an explicit, verified cache key."""
+"""The pipeline as one Prefect flow: every stage a task with an explicit, verified cache key.
+
+Stages run in the flow's process (`runner="local"`), or on Dask workers (`runner="dask"`, through prefect-dask)
+where the independent stages of a block run at the same time. Either way the flow run carries tags (model,
+merge method, run directory), its task runs carry readable names (`block 03 · gram · sentiment`), and the UI
+shows live progress, a table per block and the final report (flows/artifacts.py).
+"""
 
 from __future__ import annotations
 
-import json
+import ipaddress
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from prefect import flow, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect import flow, get_client, task
+from prefect.context import FlowRunContext
+from prefect.runtime import flow_run as current_flow_run
 
-from featcal.config import load_config
+from featcal.config import RunConfig, load_config
+from flows.artifacts import LiveArtifacts
 from flows.pipeline import STAGES, StageCall, run_pipeline
 from storage.rundir import Record
 from tasks.record import execute
 
 RESULTS_DIR = ".prefect-results"
+RUNNERS = ("local", "dask")
 
 
 def _cache_key(_context: Any, parameters: dict[str, Any]) -> str:
@@ -27,32 +38,121 @@ def stage_task(run_dir: str, kind: str, stage: str, key: str, needs: dict[str, s
     return execute(run_dir, stage, key, STAGES[kind], needs, params)
 
 
-def prefect_runner(run_dir: str, call: StageCall, done: Record | None) -> Record:
-    # Prefect's cache is trusted only when our record verified the outputs on disk; otherwise refresh it.
-    configured = stage_task.with_options(
-        name=f"featcal-{call.kind}",
-        task_run_name=call.label,
-        refresh_cache=done is None,
-        result_storage=Path(run_dir) / RESULTS_DIR,
-    )
-    return configured(run_dir, call.kind, call.stage, call.key, call.needs, call.params)
+class StageRunner:
+    """Runs stage calls as Prefect tasks: in this process when called, or on a task runner's workers (Dask)
+    through `submit`, whose `.result()` is the stage's record.
+
+    Task runs are named after the stage (`block 03 · gram · topic`). They carry `task_tags` only when asked:
+    Prefect checks a tagged task run against tag concurrency limits, one round trip to the server per stage
+    (benchmarks/results/orchestration.md)."""
+
+    def __init__(self, task_tags: list[str] | None = None, task_runner: Any = None):
+        self.task_tags = list(task_tags or [])
+        self.task_runner = task_runner
+
+    def task(self, run_dir: str, call: StageCall, done: Record | None):  # noqa: ANN201 (a prefect Task)
+        # Prefect's cache is trusted only when our record verified the outputs on disk; otherwise refresh it.
+        return stage_task.with_options(
+            name=f"featcal-{call.kind}",
+            task_run_name=call.label,
+            tags=self.task_tags,
+            refresh_cache=done is None,
+            result_storage=Path(run_dir) / RESULTS_DIR,
+        )
+
+    @staticmethod
+    def arguments(run_dir: str, call: StageCall) -> dict[str, Any]:
+        return {"run_dir": run_dir, "kind": call.kind, "stage": call.stage, "key": call.key, "needs": call.needs,
+                "params": call.params}
+
+    def __call__(self, run_dir: str, call: StageCall, done: Record | None) -> Record:
+        if self.task_runner is not None:
+            return self.submit(run_dir, call, done).result()
+        return self.task(run_dir, call, done)(**self.arguments(run_dir, call))
+
+    def submit(self, run_dir: str, call: StageCall, done: Record | None) -> Any:
+        return self.task_runner.submit(self.task(run_dir, call, done), self.arguments(run_dir, call))
 
 
-def _report_artifacts(run_dir: Path) -> None:
-    report_md = run_dir / "report.md"
-    if report_md.is_file():
-        create_markdown_artifact(report_md.read_text(), key="featcal-report", description=str(run_dir))
-    report_json = run_dir / "report.json"
-    if report_json.is_file():
-        report = json.loads(report_json.read_text())
-        rows = [{"task": t, **{m: round(100 * a, 2) for m, a in s["accuracy"].items()}} for t, s in report["tasks"].items()]
-        if any(len(r) > 1 for r in rows):
-            create_table_artifact(rows, key="featcal-accuracy", description="accuracy (%) per task and model")
+prefect_runner = StageRunner()
 
 
-@flow(name="featcal", flow_run_name="featcal · {run_dir}")
-def featcal_flow(config_path: str, run_dir: str, overrides: list[str] | None = None) -> dict[str, str]:
+def run_tags(cfg: RunConfig, run_dir: str | Path) -> list[str]:
+    """Tags of a flow run: what was calibrated, how it was merged, and where it lives."""
+    base = Path(cfg.base)
+    model = "/".join(base.parts[-2:]) if base.exists() else str(cfg.base)
+    return ["featcal", f"model:{model}", f"merge:{cfg.merge.method}", f"run-dir:{Path(run_dir).resolve()}"]
+
+
+def _tag_this_flow_run(labels: list[str]) -> None:
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
+        return
+    missing = [t for t in labels if t not in ctx.flow_run.tags]
+    if missing:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(ctx.flow_run.id, tags=[*ctx.flow_run.tags, *missing])
+
+
+def _loopback(host: str | None) -> bool:
+    if host in (None, "localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _api_for_workers(address: str | None) -> str:
+    """The API URL Dask workers report their task runs to. Ephemeral mode's server is this process's own
+    loopback server: fine for a local cluster, unreachable from other machines."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL
+
+    api = PREFECT_API_URL.value()
+    if not api:
+        server = SubprocessASGIServer()  # the ephemeral server this flow run already reports to (a singleton)
+        server.start()
+        api = server.api_url
+    if address is not None and not _loopback(urlsplit(address).hostname) and _loopback(urlsplit(api).hostname):
+        raise ValueError(f"the Dask workers at {address} cannot reach the Prefect API at {api}: start the server "
+                         "on an address they reach (`featcal server start --host 0.0.0.0`) or set PREFECT_API_URL")
+    return api
+
+
+def _flow_run_name() -> str:
+    params = current_flow_run.parameters
+    runner = params.get("runner", "local")
+    return f"featcal · {Path(params['run_dir']).name}" + (f" · {runner}" if runner != "local" else "")
+
+
+@flow(name="featcal", flow_run_name=_flow_run_name)
+def featcal_flow(config_path: str, run_dir: str, overrides: list[str] | None = None, runner: str = "local",
+                 address: str | None = None, workers: int | None = None, worker_threads: int = 1,
+                 tag_task_runs: bool = False) -> dict[str, str]:
+    """Calibrate the merged model of CONFIG into RUN_DIR, resuming whatever a previous run finished.
+
+    runner: "local" (stages in this process) or "dask" (on the Dask cluster at `address`, or on a local
+    cluster of `workers` processes, each using `worker_threads` torch threads). The flow run is tagged with
+    the model, merge method and run directory; `tag_task_runs` puts those tags on every task run too."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
     cfg = load_config(config_path, overrides or [])
-    records = run_pipeline(cfg, run_dir, prefect_runner)
-    _report_artifacts(Path(run_dir).resolve())
-    return {name: str(Path(run_dir).resolve() / next(iter(rec["outputs"]))) for name, rec in records.items()}
+    run_dir = str(Path(run_dir).resolve())
+    labels = run_tags(cfg, run_dir)
+    _tag_this_flow_run(labels)
+    live = LiveArtifacts(run_dir)
+    task_tags = labels if tag_task_runs else []
+    with ExitStack() as stack:
+        if runner == "dask":
+            from flows.dask_runner import dask_task_runner
+
+            stack.enter_context(temporary_settings(updates={PREFECT_API_URL: _api_for_workers(address)}))
+            stages = StageRunner(task_tags, stack.enter_context(dask_task_runner(run_dir, address, workers, worker_threads)))
+            records = run_pipeline(cfg, run_dir, stages, on_stage=live.on_stage, submit=stages.submit)
+        else:
+            records = run_pipeline(cfg, run_dir, StageRunner(task_tags), on_stage=live.on_stage)
+    live.finish()
+    return {name: str(Path(run_dir) / next(iter(rec["outputs"]))) for name, rec in records.items()}

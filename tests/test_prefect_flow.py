@@ -1,21 +1,15 @@
-"""The Prefect flow against a real (temporary) Prefect server: cache hits across flow runs, artifacts."""
+"""The Prefect flow against the session's real Prefect server: cache hits across flow runs, artifacts."""
 
 import time
 
-import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
     ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterFlowRunId,
 )
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.prefect_flow import featcal_flow
 
-
-@pytest.fixture(scope="module")
-def prefect_server():
-    with prefect_test_harness(server_startup_timeout=60):
-        yield
+pytest_plugins = ("tests.prefect_server",)
 
 
 def _task_runs(client, flow_run_id, expected: int):
@@ -34,7 +28,7 @@ def _task_runs(client, flow_run_id, expected: int):
 def test_flow_caches_across_runs_and_publishes_report(prefect_server, tiny_example, tmp_path):
     config = str(tiny_example / "bert" / "example.yaml")
     first = featcal_flow(config, str(tmp_path / "run"), [], return_state=True)
-    second = featcal_flow(config, str(tmp_path / "run"), [], return_state=True)
+    second = featcal_flow(config, str(tmp_path / "run"), [], tag_task_runs=True, return_state=True)
     assert first.is_completed() and second.is_completed()
     with get_client(sync_client=True) as client:
         runs = {fr.id: fr for fr in client.read_flow_runs(
@@ -50,9 +44,15 @@ def test_flow_caches_across_runs_and_publishes_report(prefect_server, tiny_examp
         assert not any(t.state.name == "Cached" for t in first_tasks)
         assert len(first_tasks) == len(second_tasks) == stages
         assert all(t.state.name == "Cached" for t in second_tasks), {t.name: t.state.name for t in second_tasks}
+        assert all(t.tags == [] for t in first_tasks)
+        assert all({"featcal", "merge:task_arithmetic", f"run-dir:{tmp_path / 'run'}"} <= set(t.tags) for t in second_tasks)
         artifacts = client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[first.state_details.flow_run_id])))
         by_key = {a.key: a for a in artifacts}
-        assert {"featcal-report", "featcal-accuracy"} <= set(by_key)
+        assert {"featcal-report", "featcal-accuracy", "featcal-progress", "featcal-block-02"} <= set(by_key)
         table = by_key["featcal-accuracy"].data
         assert "topic" in str(table) and "calibrated" in str(table)
+        again = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[second.state_details.flow_run_id])))
+        progress = {a.key: a for a in again}["featcal-progress"]
+        assert progress.data == 100 and f"{stages}/{stages} stages ({stages} from cache)" in progress.description

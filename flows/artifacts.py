@@ -1,0 +1,158 @@
+"""What a run shows in the Prefect UI while it runs: a progress bar, a small table per block, and at the end the
+report, the accuracy table and links to the run directory. Fed by the pipeline's `on_stage` hook, in the flow's
+process; a failure to publish is logged, never fatal to the run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect.artifacts import (
+    create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact,
+)
+
+from flows.pipeline import StageCall
+from storage.rundir import Record
+from tasks.context import context
+
+log = logging.getLogger("featcal")
+
+PROGRESS_KEY = "featcal-progress"
+REPORT_KEY = "featcal-report"
+ACCURACY_KEY = "featcal-accuracy"
+RUN_DIR_KEY = "featcal-run-dir"
+
+
+def block_key(layer: int) -> str:
+    return f"featcal-block-{layer:02d}"
+
+
+def accuracy_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"task": t, **{m: round(100 * a, 2) for m, a in s["accuracy"].items()}} for t, s in report["tasks"].items()]
+
+
+class LiveArtifacts:
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir).resolve()
+        self.started = time.time()
+        self.records: dict[str, Record] = {}
+        self.fresh: set[str] = set()
+        self.published: set[int] = set()
+        self.progress_id = None
+        self._shape: tuple[list[str], int, int] | None = None
+        self._warned = False
+
+    # ---- the pipeline's hook --------------------------------------------------------------------
+    def on_stage(self, call: StageCall, record: Record) -> None:
+        self.records[call.stage] = record
+        if record.get("finished_at", 0) >= self.started:
+            self.fresh.add(call.stage)
+        self._safely(self._progress, call)
+        if call.kind == "gram" and call.params["layer"] > 0:
+            self._safely(self._block, call.params["layer"] - 1)
+
+    def finish(self) -> None:
+        """After the pipeline returned: the last block's table, the report, the accuracy table, links."""
+        _, layers, _ = self.shape
+        for layer in range(layers):
+            self._safely(self._block, layer)
+        self._safely(self._final)
+
+    # ---- pieces ---------------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[list[str], int, int]:
+        """(tasks, blocks, stages) of this run; run.yaml exists once the pipeline has called its first stage."""
+        if self._shape is None:
+            ctx = context(self.run_dir)
+            tasks, layers = list(ctx.tasks), ctx.num_blocks
+            total = 1 + len(tasks) + layers * (len(tasks) + 1) + (layers - 1) * len(tasks) + 1
+            self._shape = (tasks, layers, total + int(ctx.cfg.evaluation.enabled))
+        return self._shape
+
+    def _safely(self, fn, *args: Any) -> None:  # noqa: ANN001
+        try:
+            fn(*args)
+        except Exception as exc:  # the UI is a view: a hiccup there must not fail a calibration run
+            if not self._warned:
+                log.warning("could not publish a Prefect artifact (%s: %s); the run goes on", type(exc).__name__, exc)
+                self._warned = True
+
+    def _progress(self, call: StageCall) -> None:
+        _, _, total = self.shape
+        done = len(self.records)
+        pct = round(min(100.0, 100.0 * done / total), 1)
+        cached = done - len(self.fresh)
+        description = f"{done}/{total} stages ({cached} from cache); last: {call.label}"
+        if self.progress_id is None:
+            self.progress_id = create_progress_artifact(pct, key=PROGRESS_KEY, description=description)
+        else:
+            update_progress_artifact(self.progress_id, pct, description=description)
+
+    def _block(self, layer: int) -> None:
+        tasks, layers, _ = self.shape
+        if layer in self.published:
+            return
+        grams = [self.records.get(f"gram/l{layer:02d}/{t}") for t in tasks]
+        solve = self.records.get(f"solve/l{layer:02d}")
+        last = layer == layers - 1
+        after_grams = [self.records.get(f"gram/l{layer + 1:02d}/{t}") for t in tasks] if not last else []
+        if solve is None or None in grams or None in after_grams:
+            return
+        props = [self.records.get(f"propagate/l{layer:02d}/{t}") for t in tasks] if not last else [None] * len(tasks)
+        report = self._report() if last else None
+        eps = context(self.run_dir).cfg.featcal.eps
+        grown = solve["info"].get("damping_grown", {})
+        damping = f"{eps:g}" if not grown else f"up to {max(grown.values()):g} ({len(grown)} grown from {eps:g})"
+        rows = []
+        for i, t in enumerate(tasks):
+            if not last:
+                after = _fmt(after_grams[i]["info"].get("drift_in"))
+            elif report is not None and report["tasks"][t].get("drift", {}).get("calibrated"):
+                after = _fmt(report["tasks"][t]["drift"]["calibrated"][layer + 1]) + " (eval)"
+            else:
+                after = "n/a"
+            seconds = grams[i]["seconds"] + (props[i]["seconds"] if props[i] else 0.0)
+            rows.append({"task": t, "modules solved": "", "damping used": "",
+                         "drift before": _fmt(grams[i]["info"].get("drift_out_uncalibrated")), "drift after": after,
+                         "seconds": round(seconds, 2)})
+        rows.append({"task": "(solve, all tasks)", "modules solved": solve["info"].get("modules", ""),
+                     "damping used": damping, "drift before": "", "drift after": "", "seconds": round(solve["seconds"], 2)})
+        stages = [f"gram/l{layer:02d}/{t}" for t in tasks] + [f"solve/l{layer:02d}"]
+        stages += [f"propagate/l{layer:02d}/{t}" for t in tasks] if not last else []
+        cached = sum(s not in self.fresh for s in stages)
+        create_table_artifact(
+            rows, key=block_key(layer),
+            description=(f"block {layer:02d}: output drift ‖S−E‖/‖E‖ per task with the merged block (before) and the "
+                         f"calibrated block (after), on the calibration data"
+                         + (" (last block: after = evaluation data)" if last else "")
+                         + f"; seconds = gram + propagate per task, solve; {cached} of {len(stages)} stages cached"))
+        self.published.add(layer)
+
+    def _report(self) -> dict[str, Any] | None:
+        path = self.run_dir / "report.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def _final(self) -> None:
+        if self.progress_id is not None:
+            _, _, total = self.shape
+            update_progress_artifact(self.progress_id, 100.0,
+                                     description=f"{total}/{total} stages ({total - len(self.fresh)} from cache); done")
+        report_md = self.run_dir / "report.md"
+        if report_md.is_file():
+            create_markdown_artifact(report_md.read_text(), key=REPORT_KEY, description=str(self.run_dir))
+        report = self._report()
+        if report is not None:
+            rows = accuracy_rows(report)
+            if any(len(r) > 1 for r in rows):
+                create_table_artifact(rows, key=ACCURACY_KEY, description="accuracy (%) per task and model")
+        links = [("run directory", self.run_dir), ("calibrated checkpoint", self.run_dir / "calibrated"),
+                 ("report", report_md), ("manifest", self.run_dir / "manifest.json")]
+        md = "\n".join(f"- {name}: [`{path}`]({path.as_uri()})" for name, path in links if path.exists())
+        create_markdown_artifact(md, key=RUN_DIR_KEY, description=f"where this run's files are ({self.run_dir})")
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"

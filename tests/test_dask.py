@@ -1,0 +1,68 @@
+"""Stages on Dask workers (prefect-dask): a local cluster of 2 worker processes reproduces the single-process
+weights bit for bit; usage and connection errors name what is wrong."""
+
+import os
+import socket
+
+import pytest
+
+from flows.cli import main
+from flows.dask_runner import DaskUnavailable, _check_shared, check_scheduler
+from flows.pipeline import run_pipeline
+from flows.prefect_flow import featcal_flow
+from storage.atomic import digest
+from storage.rundir import RunDir
+from tests.conftest import example_config
+
+pytest_plugins = ("tests.prefect_server",)
+
+
+def test_local_cluster_of_two_workers_is_bit_identical_to_one_process(prefect_server, tiny_example, tmp_path):
+    no_eval = ["evaluation.enabled=false"]
+    run_pipeline(example_config(tiny_example, "bert", evaluation={"enabled": False}), tmp_path / "single")
+    state = featcal_flow(str(tiny_example / "bert" / "example.yaml"), str(tmp_path / "dask"), no_eval,
+                         runner="dask", workers=2, return_state=True)
+    assert state.is_completed(), state
+    for rel in ("calibrated/model.safetensors", "merged/model.safetensors",
+                *(f"blocks/l{b:02d}.safetensors" for b in range(3))):
+        assert digest(tmp_path / "dask" / rel) == digest(tmp_path / "single" / rel), rel
+    started = {e["pid"] for e in RunDir(tmp_path / "dask").events() if e["event"] == "start"}
+    assert len(started) == 2 and os.getpid() not in started  # every stage ran on one of the two workers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dask_runner_needs_a_cluster_flag(tiny_example, tmp_path, capsys):
+    config = str(tiny_example / "bert" / "example.yaml")
+    with pytest.raises(SystemExit) as exc:
+        main(["run", config, "--run-dir", str(tmp_path / "r"), "--runner", "dask"])
+    assert exc.value.code == 2
+    assert "--runner dask needs --address tcp://HOST:PORT (an existing cluster) or --workers N" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["run", config, "--run-dir", str(tmp_path / "r"), "--workers", "2"])
+    assert "--address and --workers need --runner dask" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_dask_address_that_does_not_answer_is_named(tiny_example, tmp_path, capsys):
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    code = main(["run", str(tiny_example / "bert" / "example.yaml"), "--run-dir", str(tmp_path / "r"),
+                 "--runner", "dask", "--address", address])
+    assert code == 2
+    assert f"featcal: error: no Dask scheduler answers at {address}" in capsys.readouterr().err
+    with pytest.raises(DaskUnavailable, match="is not a Dask scheduler address"):
+        check_scheduler("http://example")
+
+
+def test_workers_that_cannot_see_the_run_directory_are_named(tmp_path):
+    class BlindCluster:  # what distributed.Client.run returns: {worker address: the probe's result}
+        def run(self, probe, path, token):
+            return {"tcp://10.0.0.7:4000": ("far-host", 1, False), "tcp://127.0.0.1:4001": probe(path, token)}
+
+    with pytest.raises(DaskUnavailable, match=r"workers tcp://10.0.0.7:4000 on far-host cannot see the run directory"):
+        _check_shared(BlindCluster(), str(tmp_path / "run"))
+    assert not list((tmp_path / "run").iterdir())  # the probe file is gone again
