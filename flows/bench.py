@@ -17,9 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import datasets
 import torch
 import yaml
 from prefect import flow, task
+from transformers.utils import logging as hf_logging
 
 from featcal.bench import build, finetune, methods, sources, spec as spec_module, surgery, surgery_run, tasks
 from featcal.bench import report as bench_report
@@ -73,6 +75,9 @@ def build_flow(bench_dir: str, spec: BenchSpec) -> dict[str, Record]:
 
 def build_stages(bench: Path, spec: BenchSpec, stage: Call) -> dict[str, Record]:
     """Base copy, then one dataset and one expert per task; each cached on its inputs' digests."""
+    # Per-save and per-load bars would drown the stages' own progress lines.
+    datasets.disable_progress_bars()
+    hf_logging.disable_progress_bar()
     bench = bench.resolve()
     bench.mkdir(parents=True, exist_ok=True)
     spec.save(bench)
