@@ -93,6 +93,19 @@ class EvaluationConfig(_Strict):
 class RuntimeConfig(_Strict):
     keep_activations: bool = False
     threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's choice")
+    activation_store: str | None = Field(None, description="fsspec URL for this run's activations (s3://bucket/"
+                                          "run1, a shared mount, ...); default: the run directory's acts/")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="given to fsspec for "
+                                            "activation_store (endpoint_url, ...); credentials: the backend's env vars")
+    solve_groups: int = Field(1, ge=1, description="split each block's solve into this many stages of about "
+                              "equal cost (the Dask runner runs them at the same time); the weights do not change")
+
+    @field_validator("activation_store")
+    @classmethod
+    def _absolute_store(cls, url: str | None) -> str | None:
+        if url is not None and "://" not in url and not Path(url).is_absolute():
+            raise ValueError(f"{url!r} must be a URL (s3://bucket/prefix, file:///path) or an absolute path")
+        return url
 
 
 class RunConfig(_Strict):

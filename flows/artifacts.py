@@ -14,7 +14,7 @@ from prefect.artifacts import (
     create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact,
 )
 
-from flows.pipeline import StageCall
+from flows.pipeline import StageCall, solve_stage, stage_count
 from storage.rundir import Record
 from tasks.context import context
 
@@ -68,8 +68,8 @@ class LiveArtifacts:
         if self._shape is None:
             ctx = context(self.run_dir)
             tasks, layers = list(ctx.tasks), ctx.num_blocks
-            total = 1 + len(tasks) + layers * (len(tasks) + 1) + (layers - 1) * len(tasks) + 1
-            self._shape = (tasks, layers, total + int(ctx.cfg.evaluation.enabled))
+            self._shape = (tasks, layers, stage_count(len(tasks), layers, ctx.cfg.runtime.solve_groups,
+                                                      ctx.cfg.evaluation.enabled))
         return self._shape
 
     def _safely(self, fn, *args: Any) -> None:  # noqa: ANN001
@@ -96,15 +96,17 @@ class LiveArtifacts:
         if layer in self.published:
             return
         grams = [self.records.get(f"gram/l{layer:02d}/{t}") for t in tasks]
-        solve = self.records.get(f"solve/l{layer:02d}")
+        groups = context(self.run_dir).cfg.runtime.solve_groups
+        solve_stages = [solve_stage(layer, g, groups) for g in range(groups)]
+        solves = [self.records.get(stage) for stage in solve_stages]
         last = layer == layers - 1
         after_grams = [self.records.get(f"gram/l{layer + 1:02d}/{t}") for t in tasks] if not last else []
-        if solve is None or None in grams or None in after_grams:
+        if None in solves or None in grams or None in after_grams:
             return
         props = [self.records.get(f"propagate/l{layer:02d}/{t}") for t in tasks] if not last else [None] * len(tasks)
         report = self._report() if last else None
         eps = context(self.run_dir).cfg.featcal.eps
-        grown = solve["info"].get("damping_grown", {})
+        grown = {m: d for rec in solves for m, d in rec["info"].get("damping_grown", {}).items()}
         damping = f"{eps:g}" if not grown else f"up to {max(grown.values()):g} ({len(grown)} grown from {eps:g})"
         rows = []
         for i, t in enumerate(tasks):
@@ -118,9 +120,10 @@ class LiveArtifacts:
             rows.append({"task": t, "modules solved": "", "damping used": "",
                          "drift before": _fmt(grams[i]["info"].get("drift_out_uncalibrated")), "drift after": after,
                          "seconds": round(seconds, 2)})
-        rows.append({"task": "(solve, all tasks)", "modules solved": solve["info"].get("modules", ""),
-                     "damping used": damping, "drift before": "", "drift after": "", "seconds": round(solve["seconds"], 2)})
-        stages = [f"gram/l{layer:02d}/{t}" for t in tasks] + [f"solve/l{layer:02d}"]
+        rows.append({"task": "(solve, all tasks)", "modules solved": sum(rec["info"].get("modules", 0) for rec in solves),
+                     "damping used": damping, "drift before": "", "drift after": "",
+                     "seconds": round(sum(rec["seconds"] for rec in solves), 2)})
+        stages = [f"gram/l{layer:02d}/{t}" for t in tasks] + solve_stages
         stages += [f"propagate/l{layer:02d}/{t}" for t in tasks] if not last else []
         cached = sum(s not in self.fresh for s in stages)
         create_table_artifact(
@@ -128,7 +131,7 @@ class LiveArtifacts:
             description=(f"block {layer:02d}: output drift ‖S−E‖/‖E‖ per task with the merged block (before) and the "
                          f"calibrated block (after), on the calibration data"
                          + (" (last block: after = evaluation data)" if last else "")
-                         + f"; seconds = gram + propagate per task, solve; {cached} of {len(stages)} stages cached"))
+                         + f"; seconds = gram + propagate per task, solve (summed over its {groups} group(s)); {cached} of {len(stages)} stages cached"))
         self.published.add(layer)
 
     def _report(self) -> dict[str, Any] | None:

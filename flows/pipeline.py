@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import yaml
 
 from featcal.config import RunConfig, digest_of
+from featcal.modeling import calibrated_modules
 from storage.atomic import write_bytes, write_json
 from storage.fingerprint import fingerprint
 from storage.rundir import MissingOutput, Record, RunDir
@@ -90,6 +91,16 @@ def direct_runner(run_dir: str, call: StageCall, done: Record | None) -> Record:
     return execute(run_dir, call.stage, call.key, STAGES[call.kind], call.needs, call.params)
 
 
+def stage_count(tasks: int, blocks: int, solve_groups: int, evaluate: bool) -> int:
+    """Stages of a run: merge, a prepare per task, per block a Gram per task and its solve groups, a propagation
+    per task between blocks, assemble, and evaluate when enabled."""
+    return 1 + tasks + blocks * (tasks + solve_groups) + (blocks - 1) * tasks + 1 + int(evaluate)
+
+
+def solve_stage(layer: int, group: int, groups: int) -> str:
+    return f"solve/l{layer:02d}" if groups == 1 else f"solve/l{layer:02d}/g{group}"
+
+
 class Progress:
     """Stage-level progress with elapsed time and an ETA, in the log (and so in the terminal and the UI)."""
 
@@ -113,8 +124,8 @@ class Pipeline:
     def __init__(self, run_dir: Path, runner: Runner, on_stage: Callable[[StageCall, Record], None] | None = None,
                  submit: Submitter | None = None):
         self.run_dir = str(run_dir)
-        self.run = RunDir(run_dir)
         self.ctx = context(run_dir)
+        self.run = self.ctx.run  # with the run's activation store
         self.cfg: RunConfig = self.ctx.cfg
         self.runner = runner
         self.submit = submit
@@ -125,8 +136,11 @@ class Pipeline:
         self.inputs.update({f"expert/{t}": fingerprint(p, memo) for t, p in self.cfg.experts.items()})
         for section, sources in (("calibration", self.cfg.calibration.data), ("evaluation", self.cfg.evaluation.data)):
             self.inputs.update({f"{section}/{t}": fingerprint(s.path, memo) for t, s in sources.items()})
-        L, T = self.ctx.num_blocks, len(self.ctx.tasks)
-        self.progress = Progress(1 + T + L * (T + 1) + (L - 1) * T + 1 + int(self.cfg.evaluation.enabled))
+        groups = self.cfg.runtime.solve_groups
+        self.solve_groups = [calibration.solve_groups(calibrated_modules(self.ctx.skeleton.block_template(layer)), groups)
+                             for layer in range(self.ctx.num_blocks)]
+        self.progress = Progress(stage_count(len(self.ctx.tasks), self.ctx.num_blocks, groups,
+                                             self.cfg.evaluation.enabled))
 
     def key(self, *parts: Any) -> str:
         return digest_of([self.code, *parts])
@@ -175,7 +189,7 @@ class Pipeline:
         for t in tasks:
             for s in ("merged", "expert"):
                 side[t, s] = (prepared[t], run.acts(t, 0, s))
-        blocks: list[Record] = []
+        blocks: list[dict[str, Record]] = []  # per block: {solve group's file: its record}
         featcal_cfg = cfg.slice("featcal")["featcal"]
         for layer in range(L):
             gram_calls = []
@@ -188,22 +202,28 @@ class Pipeline:
                            "merged": "merge"},
                     params={"task": t, "layer": layer}))
             grams = dict(zip(tasks, self.call_all(gram_calls), strict=True))
-            solved = self.call(StageCall("solve", f"solve/l{layer:02d}", f"block {layer:02d} · solve", self.key(
-                "solve", layer, [grams[t]["outputs"][run.stats(t, layer)] for t in tasks], featcal_cfg,
-                merged_digest, self.inputs["base"], [self.inputs[f"expert/{t}"] for t in tasks]),
+            groups = self.solve_groups[layer]
+            solved = self.call_all([StageCall(
+                "solve", solve_stage(layer, g, len(groups)),
+                f"block {layer:02d} · solve" + (f" · {g + 1}/{len(groups)}" if len(groups) > 1 else ""), self.key(
+                    "solve", layer, [grams[t]["outputs"][run.stats(t, layer)] for t in tasks], featcal_cfg,
+                    merged_digest, self.inputs["base"], [self.inputs[f"expert/{t}"] for t in tasks],
+                    *([modules] if len(groups) > 1 else [])),
                 needs={**{run.stats(t, layer): grams[t]["stage"] for t in tasks}, "merged": "merge"},
-                params={"layer": layer}))
-            blocks.append(solved)
+                params={"layer": layer, "group": g, "groups": len(groups)}) for g, modules in enumerate(groups)])
+            parts = {run.block(layer, g, len(groups)): rec for g, rec in enumerate(solved)}
+            blocks.append(parts)
             for t in tasks:
                 self.release(grams[t], run.stats(t, layer))
-            block_rel = run.block(layer)
+            part_digests = [rec["outputs"][rel] for rel, rec in parts.items()]
             prop_calls = []
             for t in tasks if layer < L - 1 else []:
                 s_rec, s_rel = side[t, "merged"]
                 prop_calls.append(StageCall("propagate", f"propagate/l{layer:02d}/{t}",
                                             f"block {layer:02d} · propagate · {t}", self.key(
-                    "propagate", layer, t, s_rec["outputs"][s_rel], solved["outputs"][block_rel]),
-                    needs={s_rel: s_rec["stage"], block_rel: solved["stage"], run.inputs(t): prepared[t]["stage"]},
+                    "propagate", layer, t, s_rec["outputs"][s_rel], *part_digests),
+                    needs={s_rel: s_rec["stage"], **{rel: rec["stage"] for rel, rec in parts.items()},
+                           run.inputs(t): prepared[t]["stage"]},
                     params={"task": t, "layer": layer}))
             props = dict(zip([c.params["task"] for c in prop_calls], self.call_all(prop_calls), strict=True))
             for t in tasks:
@@ -213,10 +233,11 @@ class Pipeline:
                     side[t, "expert"] = (grams[t], run.acts(t, layer + 1, "expert"))
                 self.release(s_rec, s_rel)
                 self.release(e_rec, e_rel)
-        block_digests = [b["outputs"][run.block(i)] for i, b in enumerate(blocks)]
+        block_digests = [rec["outputs"][rel] for parts in blocks for rel, rec in parts.items()]
         out = {"merge": merged, "assemble": self.call(StageCall("assemble", "assemble", "assemble calibrated checkpoint",
                                                                 self.key("assemble", merged_digest, block_digests),
-                                                                needs={run.block(i): b["stage"] for i, b in enumerate(blocks)}))}
+                                                                needs={rel: rec["stage"] for parts in blocks
+                                                                       for rel, rec in parts.items()}))}
         if cfg.evaluation.enabled:
             out["evaluate"] = self.call(StageCall("evaluate", "evaluate", "evaluate", self.key(
                 "evaluate", out["assemble"]["outputs"]["calibrated"], merged_digest, cfg.slice("evaluation"),

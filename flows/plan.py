@@ -7,6 +7,7 @@ from typing import Any
 
 from featcal.config import RunConfig
 from featcal.modeling import Skeleton, calibrated_modules, is_norm
+from flows.pipeline import stage_count
 from storage.checkpoint import CanonicalCheckpoint
 from tasks.preflight import preflight
 
@@ -37,7 +38,7 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
         "modules_per_block": list(modules),
         "tasks": {t: {"expert": cfg.experts[t], "examples": n} for t in cfg.tasks},
         "tokens_per_example_max": tokens,
-        "stages": 1 + T + adapter.num_blocks() * (2 * T + 1) - T + 1 + int(cfg.evaluation.enabled),
+        "stages": stage_count(T, adapter.num_blocks(), cfg.runtime.solve_groups, cfg.evaluation.enabled),
         "estimated_disk_gib": round((2 * model_bytes + 2 * 2 * T * boundary + T * stats
                                      + adapter.num_blocks() * block_bytes) / GIB, 3),
         "estimated_peak_ram_gib": round((3 * block_bytes + stats + 2 * chunk) / GIB + 1.0, 3),

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from storage.activations import ROOT as ACTS, ActivationStore
 from storage.atomic import digest, read_json, remove, write_json
 
 Record = dict[str, Any]
@@ -35,13 +36,21 @@ class MissingOutput(RuntimeError):
         self.paths = paths
 
 
+def _in_store(rel: str) -> bool:
+    return rel.partition("/")[0] == ACTS
+
+
 def _safe(stage: str) -> str:
     return stage.replace("/", "__")
 
 
 class RunDir:
-    def __init__(self, root: str | Path):
+    """Outputs are named relative to the run directory; those under `acts/` live in the activation store
+    (by default the run directory's own `acts/`, or an fsspec URL: storage/activations.py)."""
+
+    def __init__(self, root: str | Path, store: ActivationStore | None = None):
         self.root = Path(root).resolve()
+        self.store = store if store is not None else ActivationStore.of_run(self.root, None)
 
     def __truediv__(self, rel: str) -> Path:
         return self.root / rel
@@ -60,8 +69,9 @@ class RunDir:
         return f"stats/l{layer:02d}/{task}.safetensors"
 
     @staticmethod
-    def block(layer: int) -> str:
-        return f"blocks/l{layer:02d}.safetensors"
+    def block(layer: int, group: int = 0, groups: int = 1) -> str:
+        """One solve stage's share of block `layer`: the whole block, or group `group` of `groups`."""
+        return f"blocks/l{layer:02d}.safetensors" if groups == 1 else f"blocks/l{layer:02d}.g{group}.safetensors"
 
     # ---- lock ------------------------------------------------------------------------------
     @contextmanager
@@ -113,8 +123,13 @@ class RunDir:
         released = self._release_path(rel)
         if released.is_file() and read_json(released).get("digest") == expected:
             return True
-        path = self.root / rel
-        return path.exists() and digest(path) == expected
+        return self.exists(rel) and self.digest(rel) == expected
+
+    def exists(self, rel: str) -> bool:
+        return self.store.exists(self.store.location(rel)) if _in_store(rel) else (self.root / rel).exists()
+
+    def digest(self, rel: str) -> str:
+        return self.store.digest(self.store.location(rel)) if _in_store(rel) else digest(self.root / rel)
 
     def verified(self, stage: str, key: str) -> Record | None:
         """The stage's record if it was made under `key` and every output is intact (or released)."""
@@ -128,16 +143,23 @@ class RunDir:
     def release(self, rel: str, expected: str) -> None:
         """Delete an intermediate nobody needs any more, leaving a marker that it existed with this digest."""
         write_json(self._release_path(rel), {"digest": expected, "at": time.time()})
-        remove(self.root / rel)
-        parent = (self.root / rel).parent
-        while parent != self.root and parent.is_dir() and not any(parent.iterdir()):
+        if _in_store(rel):
+            self.store.remove(self.store.location(rel))
+            if not self.store.local:
+                return  # an object store has no empty directories to tidy
+            path, top = Path(self.store.location(rel)), Path(self.store.root)
+        else:
+            path, top = self.root / rel, self.root
+            remove(path)
+        parent = path.parent
+        while parent != top and top in parent.parents and parent.is_dir() and not any(parent.iterdir()):
             parent.rmdir()
             parent = parent.parent
 
     def require(self, needs: dict[str, str]) -> None:
         """Check inputs {rel: producer stage} exist before a stage reads them (their digests were
         checked when the producer's record was verified)."""
-        gone = {rel: prod for rel, prod in needs.items() if not (self.root / rel).exists()}
+        gone = {rel: prod for rel, prod in needs.items() if not self.exists(rel)}
         if gone:
             for rel in gone:
                 remove(self._release_path(rel))

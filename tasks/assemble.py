@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from storage.checkpoint import write_checkpoint
+from tasks.calibration import calibrated_tensors
 from tasks.context import RunContext
 from tasks.merge import MERGED, head_file
 
@@ -27,7 +28,7 @@ def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
                 yield merged.file_name(name), merged.get(name)
                 continue
             if layer != layer_loaded:  # one calibrated block in memory at a time
-                block, layer_loaded = load_file(ctx.run / ctx.run.block(layer)), layer
+                block, layer_loaded = calibrated_tensors(ctx, layer), layer
             yield merged.file_name(name), block[name[len(prefixes[layer]):]]
 
     heads = {head_file(t): load_file(ctx.run / MERGED / head_file(t)) for t in ctx.tasks}

@@ -18,7 +18,6 @@ from featcal.modeling import calibrated_modules, is_norm
 from featcal.statistics import (
     accumulate, captured_inputs, flatten_stats, linear_moments, new_stats, norm_moments, unflatten_stats,
 )
-from storage.activations import iter_row_blocks, open_array, write_array
 from storage.atomic import atomic_path
 from storage.checkpoint import read_header, read_tensor
 from tasks.context import RunContext
@@ -47,9 +46,9 @@ def _model_inputs(ctx: RunContext, task: str) -> tuple[Callable[[], Iterator[dic
 
 def stored_inputs(ctx: RunContext, task: str) -> Iterator[dict[str, torch.Tensor]]:
     """The task's stored model inputs, one batch at a time."""
-    root = ctx.run / ctx.run.inputs(task)
-    names = sorted(p.name for p in root.iterdir() if (p / "zarr.json").is_file())
-    streams = {n: iter_row_blocks(root / n, ctx.cfg.calibration.batch_size) for n in names}
+    store = ctx.run.store
+    root = store.location(ctx.run.inputs(task))
+    streams = {n: store.iter_row_blocks(f"{root}/{n}", ctx.cfg.calibration.batch_size) for n in store.array_names(root)}
     while True:
         try:
             yield {n: next(s) for n, s in streams.items()}
@@ -62,15 +61,17 @@ def prepare(ctx: RunContext, task: str) -> tuple[list[str], dict[str, Any]]:
     bs = ctx.cfg.calibration.batch_size
     inputs_rel = ctx.run.inputs(task)
     first = next(batches())
-    with atomic_path(ctx.run / inputs_rel) as tmp:
+    store = ctx.run.store
+    with store.staged(store.location(inputs_rel)) as tmp:
         for name, value in first.items():
             shape = (n, *value.shape[1:])
-            write_array(tmp / name, shape, bs, str(value.numpy().dtype), (b[name] for b in batches()))
+            store.write_array(f"{tmp}/{name}", shape, bs, str(value.numpy().dtype), (b[name] for b in batches()))
         # Every architecture gets a token mask: padding is weight 0 in every statistic downstream.
         if "attention_mask" not in first:
             tokens = ctx.adapter.embed(ctx.skeleton.embedding(ctx.checkpoint(MERGED)), first).shape[1]
-            write_array(tmp / "attention_mask", (n, tokens), bs, "int64", [np.ones((n, tokens), dtype=np.int64)])
-    mask = open_array(ctx.run / inputs_rel / "attention_mask")
+            store.write_array(f"{tmp}/attention_mask", (n, tokens), bs, "int64",
+                              [np.ones((n, tokens), dtype=np.int64)])
+    mask = store.open_array(_mask(ctx, task))
     tokens = mask.shape[1]
     info.update(tokens_per_example=tokens, real_tokens=int(np.asarray(mask[:]).sum()))
     outputs = [inputs_rel]
@@ -81,7 +82,7 @@ def prepare(ctx: RunContext, task: str) -> tuple[list[str], dict[str, Any]]:
             rows = (ctx.adapter.embed(modules, b).reshape(-1, ctx.adapter.text_or_vision_config().hidden_size)
                     for b in stored_inputs(ctx, task))
             hidden = ctx.adapter.text_or_vision_config().hidden_size
-            write_array(ctx.run / rel, (n * tokens, hidden), bs * tokens, "float32", rows)
+            store.write_array(store.location(rel), (n * tokens, hidden), bs * tokens, "float32", rows)
         outputs.append(rel)
     return outputs, info
 
@@ -113,8 +114,9 @@ def emphasis_for(ctx: RunContext, layer: int, modules: list[str]) -> dict[str, f
 def _boundary(ctx: RunContext, task: str, layer: int, sides: tuple[str, ...]) -> Iterator[tuple[torch.Tensor, ...]]:
     """(mask [B,T], then one [B,T,H] chunk per side) for boundary `layer` of a task, chunk by chunk."""
     bs, tokens = ctx.cfg.calibration.batch_size, _tokens(ctx, task)
-    masks = iter_row_blocks(ctx.run / ctx.run.inputs(task) / "attention_mask", bs)
-    streams = [iter_row_blocks(ctx.run / ctx.run.acts(task, layer, side), bs * tokens) for side in sides]
+    store = ctx.run.store
+    masks = store.iter_row_blocks(_mask(ctx, task), bs)
+    streams = [store.iter_row_blocks(store.location(ctx.run.acts(task, layer, side)), bs * tokens) for side in sides]
     for mask, *chunks in zip(masks, *streams, strict=True):
         yield mask, *(c.reshape(mask.shape[0], tokens, -1) for c in chunks)
 
@@ -175,9 +177,10 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
             pass
     else:
         rel = ctx.run.acts(task, layer + 1, "expert")
-        shape = open_array(ctx.run / ctx.run.acts(task, layer, "expert")).shape
-        write_array(ctx.run / rel, tuple(shape), ctx.cfg.calibration.batch_size * _tokens(ctx, task), "float32",
-                    expert_outputs())
+        store = ctx.run.store
+        shape = store.open_array(store.location(ctx.run.acts(task, layer, "expert"))).shape
+        store.write_array(store.location(rel), tuple(shape), ctx.cfg.calibration.batch_size * _tokens(ctx, task),
+                          "float32", expert_outputs())
         outputs.append(rel)
     stats_rel = ctx.run.stats(task, layer)
     with atomic_path(ctx.run / stats_rel) as tmp:
@@ -190,7 +193,11 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
 
 
 def _tokens(ctx: RunContext, task: str) -> int:
-    return open_array(ctx.run / ctx.run.inputs(task) / "attention_mask").shape[1]
+    return ctx.run.store.open_array(_mask(ctx, task)).shape[1]
+
+
+def _mask(ctx: RunContext, task: str) -> str:
+    return ctx.run.store.location(f"{ctx.run.inputs(task)}/attention_mask")
 
 
 # ---- solve --------------------------------------------------------------------------------------
@@ -203,8 +210,32 @@ def _task_stats(ctx: RunContext, layer: int, module: str) -> Iterator[dict[str, 
         yield unflatten_stats(wanted)[module]
 
 
-def solve(ctx: RunContext, layer: int) -> tuple[list[str], dict[str, Any]]:
-    """Every module of block `layer` from the tasks' statistics, summed in task order.
+def solve_groups(modules: dict[str, torch.nn.Module], groups: int) -> list[list[str]]:
+    """A block's modules in `groups` lists of about equal solve cost, each in block order.
+
+    A linear map costs about in² · (in + out) (its Gram products and its Cholesky), a norm its width; the
+    costliest module goes first to the least loaded group (ties: the lower group), so the split is fixed."""
+    if not 1 <= groups <= len(modules):
+        raise ValueError(f"runtime.solve_groups must be between 1 and {len(modules)} (the calibrated modules of a "
+                         f"block), got {groups}")
+    order = list(modules)
+
+    def cost(name: str) -> int:
+        m = modules[name]
+        return m.weight.shape[0] if is_norm(m) else m.in_features ** 2 * (m.in_features + m.out_features)
+
+    members: list[list[str]] = [[] for _ in range(groups)]
+    load = [0] * groups
+    for name in sorted(order, key=lambda n: (-cost(n), order.index(n))):
+        g = min(range(groups), key=lambda i: (load[i], i))
+        members[g].append(name)
+        load[g] += cost(name)
+    return [sorted(m, key=order.index) for m in members]
+
+
+def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple[list[str], dict[str, Any]]:
+    """The modules of solve group `group` (of `groups`) of block `layer`, from the tasks' statistics summed in
+    task order; the group's file holds every parameter of its modules, solved or kept.
 
     featcal solves linear weights, biases and norms (DESIGN.md §2); the RegMean variants solve linear
     weights only (G_t = the task's per-token mean Gram) and keep the merged biases and norms."""
@@ -215,12 +246,16 @@ def solve(ctx: RunContext, layer: int) -> tuple[list[str], dict[str, Any]]:
     merged = ctx.checkpoint(MERGED).with_prefix(prefix)
     base = ctx.checkpoint("base")
     experts = [ctx.checkpoint(t) for t in ctx.tasks]
-    solved = dict(merged)
+    modules = calibrated_modules(ctx.skeleton.block_template(layer))
+    names = solve_groups(modules, groups)[group]
+    solved: dict[str, torch.Tensor] = {}
     damping: dict[str, float] = {}
-    for name, module in calibrated_modules(ctx.skeleton.block_template(layer)).items():
+    for name in names:
+        module = modules[name]
         p = f"{name}." if name else ""
         weight, bias = f"{p}weight", f"{p}bias"
         has_bias = bias in merged
+        solved.update({k: merged[k] for k in (weight, bias) if k in merged})
         where = f"{prefix}{name}"
         if is_norm(module):
             if not (featcal and fc.calibrate_norm):
@@ -258,7 +293,7 @@ def solve(ctx: RunContext, layer: int) -> tuple[list[str], dict[str, Any]]:
         damping[name] = sol.damping
         if sol.damping > hp.eps:
             log.warning("block %d module %s: Cholesky needed damping %.3g (asked %.3g)", layer, name, sol.damping, hp.eps)
-    rel = ctx.run.block(layer)
+    rel = ctx.run.block(layer, group, groups)
     with atomic_path(ctx.run / rel) as tmp:
         save_file({k: v.contiguous() for k, v in solved.items()}, str(tmp))
     grown = {m: d for m, d in damping.items() if d > hp.eps}
@@ -266,9 +301,19 @@ def solve(ctx: RunContext, layer: int) -> tuple[list[str], dict[str, Any]]:
 
 
 # ---- propagate ----------------------------------------------------------------------------------
+def calibrated_tensors(ctx: RunContext, layer: int) -> dict[str, torch.Tensor]:
+    """Block `layer`'s calibrated parameters (names relative to the block): the merged block with every solve
+    group's file laid over it."""
+    tensors = ctx.checkpoint(MERGED).with_prefix(ctx.adapter.block_prefix(layer))
+    groups = ctx.cfg.runtime.solve_groups
+    for group in range(groups):
+        tensors.update(load_file(ctx.run / ctx.run.block(layer, group, groups)))
+    return tensors
+
+
 def calibrated_block(ctx: RunContext, layer: int) -> torch.nn.Module:
     path = ctx.adapter.block_prefix(layer).rstrip(".")
-    return ctx.skeleton.materialize(path, load_file(ctx.run / ctx.run.block(layer)))
+    return ctx.skeleton.materialize(path, calibrated_tensors(ctx, layer))
 
 
 def propagate(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, Any]]:
@@ -281,6 +326,8 @@ def propagate(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[s
             yield out.reshape(-1, out.shape[-1])
 
     rel = ctx.run.acts(task, layer + 1, "merged")
-    shape = open_array(ctx.run / ctx.run.acts(task, layer, "merged")).shape
-    write_array(ctx.run / rel, tuple(shape), ctx.cfg.calibration.batch_size * _tokens(ctx, task), "float32", outputs())
+    store = ctx.run.store
+    shape = store.open_array(store.location(ctx.run.acts(task, layer, "merged"))).shape
+    store.write_array(store.location(rel), tuple(shape), ctx.cfg.calibration.batch_size * _tokens(ctx, task), "float32",
+                      outputs())
     return [rel], {}

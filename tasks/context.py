@@ -10,6 +10,7 @@ import yaml
 
 from featcal.config import RunConfig, config_from_dict
 from featcal.modeling import Skeleton
+from storage.activations import ActivationStore
 from storage.checkpoint import CanonicalCheckpoint
 from storage.rundir import RunDir
 
@@ -18,9 +19,11 @@ CONFIG_NAME = "run.yaml"
 
 class RunContext:
     def __init__(self, run_dir: str | Path):
-        self.run = RunDir(run_dir)
-        raw = yaml.safe_load((self.run / CONFIG_NAME).read_text())
-        self.cfg: RunConfig = config_from_dict(raw, root=self.run.root, source=str(self.run / CONFIG_NAME))
+        root = Path(run_dir).resolve()
+        raw = yaml.safe_load((root / CONFIG_NAME).read_text())
+        self.cfg: RunConfig = config_from_dict(raw, root=root, source=str(root / CONFIG_NAME))
+        runtime = self.cfg.runtime
+        self.run = RunDir(root, ActivationStore.of_run(root, runtime.activation_store, runtime.storage_options))
         if self.cfg.runtime.threads:
             torch.set_num_threads(self.cfg.runtime.threads)
         self.skeleton = Skeleton.from_checkpoint(self.cfg.experts[self.cfg.tasks[0]])

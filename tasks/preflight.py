@@ -9,6 +9,7 @@ from transformers import AutoConfig
 from featcal.adapters import Adapter, adapter_for
 from featcal.config import RunConfig
 from featcal.data import InputBuilder, load_split
+from storage.activations import ActivationError, ActivationStore
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
 
 
@@ -64,7 +65,19 @@ def check_data(cfg: RunConfig, adapter: Adapter) -> None:
                 raise ValueError(f"{where}.label_column: {source.label_column!r} is not a column ({ds.column_names})")
 
 
+def check_activation_store(cfg: RunConfig) -> None:
+    url = cfg.runtime.activation_store
+    if url is None:
+        return
+    try:
+        store = ActivationStore(url, cfg.runtime.storage_options)
+    except (ImportError, ValueError, TypeError) as exc:  # e.g. "Install s3fs to access S3"
+        raise ActivationError(f"runtime.activation_store: {url}: {exc}") from exc
+    store.check_writable()
+
+
 def preflight(cfg: RunConfig) -> Adapter:
     adapter = check_checkpoints(cfg)
     check_data(cfg, adapter)
+    check_activation_store(cfg)
     return adapter

@@ -7,7 +7,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from storage.atomic import digest
 from storage.rundir import Record, RunDir
 from tasks.context import RunContext, context
 
@@ -34,7 +33,7 @@ def recorded(run: RunDir, stage: str, key: str, work: Callable[[], tuple[list[st
     record = {
         "stage": stage,
         "key": key,
-        "outputs": {rel: digest(run / rel) for rel in outputs},
+        "outputs": {rel: run.digest(rel) for rel in outputs},
         "info": info,
         "seconds": round(seconds, 4),
         # The process's peak so far: where it jumps between consecutive records is the stage that set it.

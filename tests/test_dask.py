@@ -1,8 +1,14 @@
 """Stages on Dask workers (prefect-dask): a local cluster of 2 worker processes reproduces the single-process
 weights bit for bit; usage and connection errors name what is wrong."""
 
+import json
 import os
 import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +20,7 @@ from storage.atomic import digest
 from storage.rundir import RunDir
 from tests.conftest import example_config
 
-pytest_plugins = ("tests.prefect_server",)
+pytest_plugins = ("tests.prefect_server", "tests.s3_server")
 
 
 def test_local_cluster_of_two_workers_is_bit_identical_to_one_process(prefect_server, tiny_example, tmp_path):
@@ -28,6 +34,59 @@ def test_local_cluster_of_two_workers_is_bit_identical_to_one_process(prefect_se
         assert digest(tmp_path / "dask" / rel) == digest(tmp_path / "single" / rel), rel
     started = {e["pid"] for e in RunDir(tmp_path / "dask").events() if e["event"] == "start"}
     assert len(started) == 2 and os.getpid() not in started  # every stage ran on one of the two workers
+
+
+@pytest.fixture
+def dask_cluster(tmp_path) -> Iterator[str]:
+    """A Dask cluster started the way a user starts one: `dask scheduler` and `dask worker` processes."""
+    dask = str(Path(sys.executable).parent / "dask")
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    logs = tmp_path / "dask-logs"
+    logs.mkdir()
+    procs = [subprocess.Popen([dask, "scheduler", "--host", "127.0.0.1", "--port", address.rsplit(":", 1)[1],
+                               "--no-dashboard"], env=env, stdout=subprocess.DEVNULL,
+                              stderr=(logs / "scheduler.log").open("w"))]
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                check_scheduler(address, timeout=1.0)
+                break
+            except DaskUnavailable:
+                assert time.monotonic() < deadline, (logs / "scheduler.log").read_text()
+                time.sleep(0.2)
+        procs.append(subprocess.Popen([dask, "worker", address, "--nworkers", "2", "--nthreads", "1", "--no-dashboard"],
+                                      env=env, stdout=subprocess.DEVNULL, stderr=(logs / "workers.log").open("w")))
+        yield address
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def test_existing_cluster_at_an_address_runs_split_solves_bit_identically(prefect_server, tiny_example, dask_cluster,
+                                                                         s3_options, s3_bucket, tmp_path):
+    """`--runner dask --address`: a scheduler and two worker processes started by hand, the activations in an
+    S3 object store, each block's solve in three groups submitted together; the weights equal a single-process
+    run with local activations and one solve per block."""
+    run_pipeline(example_config(tiny_example, "bert", evaluation={"enabled": False}), tmp_path / "single")
+    overrides = ["evaluation.enabled=false", "runtime.solve_groups=3", f"runtime.activation_store=s3://{s3_bucket}/run",
+                 f"runtime.storage_options={json.dumps(s3_options)}"]
+    state = featcal_flow(str(tiny_example / "bert" / "example.yaml"), str(tmp_path / "dask"), overrides,
+                         runner="dask", address=dask_cluster, return_state=True)
+    assert state.is_completed(), state
+    for rel in ("calibrated/model.safetensors", "merged/model.safetensors"):
+        assert digest(tmp_path / "dask" / rel) == digest(tmp_path / "single" / rel), rel
+    events = RunDir(tmp_path / "dask").events()
+    solvers = {e["pid"] for e in events if e["event"] == "start" and e["stage"].startswith("solve/")}
+    started = {e["pid"] for e in events if e["event"] == "start"}
+    assert len(started) == 2 and os.getpid() not in started and solvers <= started
+    assert not (tmp_path / "dask" / "acts").exists()
+    assert len([e for e in events if e["event"] == "start" and e["stage"].startswith("solve/")]) == 3 * 3
 
 
 def _free_port() -> int:

@@ -2,6 +2,7 @@
 
 import json
 
+import fsspec
 import pytest
 import torch
 import transformers
@@ -9,10 +10,15 @@ from safetensors.torch import load_file
 
 from featcal.modeling import task_model
 from flows.pipeline import run_pipeline
+from storage.activations import ActivationError
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
+from storage.atomic import digest
 from storage.rundir import RunDir
+from tasks.calibration import solve_groups
 from tasks.context import context
 from tests.conftest import example_config
+
+pytest_plugins = ("tests.s3_server",)
 
 ARCHS = ["bert", "clip"]
 
@@ -163,3 +169,52 @@ def test_keep_activations_keeps_boundaries_and_stats(tiny_example, tmp_path):
                 assert (tmp_path / "keep" / "acts" / task / f"l{layer:02d}" / side / "zarr.json").is_file()
             assert (tmp_path / "keep" / "stats" / f"l{layer:02d}" / f"{task}.safetensors").is_file()
     assert not (tmp_path / "keep" / "records" / "released").exists()
+
+
+def test_solve_groups_split_a_block_by_cost_and_keep_block_order():
+    lin, norm = torch.nn.Linear, torch.nn.LayerNorm
+    modules = {"q": lin(8, 8), "k": lin(8, 8), "v": lin(8, 8), "o": lin(8, 8), "ln1": norm(8),
+               "fc1": lin(8, 32), "fc2": lin(32, 8), "ln2": norm(8)}
+    # costs in² · (in + out): q, k, v, o 1024; fc1 2560; fc2 40960; norms their width, 8
+    assert solve_groups(modules, 1) == [list(modules)]
+    assert solve_groups(modules, 2) == [["fc2"], ["q", "k", "v", "o", "ln1", "fc1", "ln2"]]
+    assert solve_groups(modules, 3) == [["fc2"], ["o", "fc1"], ["q", "k", "v", "ln1", "ln2"]]
+    assert solve_groups(modules, 8) == [[m] for m in ["fc2", "fc1", "q", "k", "v", "o", "ln1", "ln2"]]
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match=rf"runtime.solve_groups must be between 1 and 8 .*got {bad}"):
+            solve_groups(modules, bad)
+
+
+def test_split_solves_give_the_same_weights(three_expert_run, tiny_example, tmp_path):
+    arch, _, run_dir, _ = three_expert_run
+    grouped = example_config(tiny_example, arch, runtime={"solve_groups": 3}, evaluation={"enabled": False})
+    run_pipeline(grouped, tmp_path / "grouped")
+    for rel in ("calibrated/model.safetensors", "merged/model.safetensors"):
+        assert digest(tmp_path / "grouped" / rel) == digest(run_dir / rel), rel
+    run, whole = RunDir(tmp_path / "grouped"), RunDir(run_dir)
+    for layer in range(context(run_dir).num_blocks):
+        solved = [run.record(f"solve/l{layer:02d}/g{g}")["info"]["modules"] for g in range(3)]
+        assert min(solved) > 0 and sum(solved) == whole.record(f"solve/l{layer:02d}")["info"]["modules"]
+    assert run.record("solve/l00") is None and run.record("solve/l00/g3") is None
+
+
+def test_activations_in_an_object_store_give_the_same_weights(three_expert_run, tiny_example, s3_options, s3_bucket,
+                                                              tmp_path):
+    arch, cfg, run_dir, _ = three_expert_run
+    url = f"s3://{s3_bucket}/runs/{arch}"
+    remote = example_config(tiny_example, arch, evaluation={"enabled": False},
+                            runtime={"activation_store": url, "storage_options": s3_options})
+    run_pipeline(remote, tmp_path / "s3")
+    assert digest(tmp_path / "s3" / "calibrated" / "model.safetensors") == digest(run_dir / "calibrated" / "model.safetensors")
+    assert not (tmp_path / "s3" / "acts").exists()
+    fs = fsspec.filesystem("s3", **s3_options)
+    fs.invalidate_cache()
+    left = {"/".join(key.split("/")[3:5]) for key in fs.find(f"{s3_bucket}/runs/{arch}")}  # bucket/runs/arch/task/…
+    assert left == {f"{task}/inputs" for task in cfg.tasks}  # the block boundaries were released after use
+
+
+def test_unknown_activation_store_is_named_before_any_work(tiny_example, tmp_path):
+    cfg = example_config(tiny_example, "bert", runtime={"activation_store": "nosuch://bucket/run"})
+    with pytest.raises(ActivationError, match=r"runtime.activation_store: nosuch://bucket/run: .*nosuch"):
+        run_pipeline(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

@@ -9,10 +9,12 @@ from safetensors.torch import save_file
 from transformers import BertConfig
 
 from featcal.adapters import adapter_for
-from storage.activations import ActivationError, iter_row_blocks, write_array
+from storage.activations import ActivationError, ActivationStore
 from storage.atomic import atomic_path, digest
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError, TensorFiles, write_checkpoint
 from storage.rundir import MissingOutput, RunDir, RunDirLocked
+
+pytest_plugins = ("tests.s3_server",)
 
 
 def test_atomic_path_leaves_nothing_on_failure(tmp_path):
@@ -66,11 +68,12 @@ def test_canonical_names_across_prefixes(tmp_path):
 
 def test_activation_array_streams_and_checks_rows(tmp_path):
     blocks = [np.arange(12, dtype=np.float32).reshape(3, 4), np.ones((2, 4), dtype=np.float32)]
-    write_array(tmp_path / "a", (5, 4), 3, "float32", blocks)
-    got = torch.cat(list(iter_row_blocks(tmp_path / "a", 2)))
+    store = ActivationStore(str(tmp_path))
+    store.write_array(str(tmp_path / "a"), (5, 4), 3, "float32", blocks)
+    got = torch.cat(list(store.iter_row_blocks(str(tmp_path / "a"), 2)))
     assert torch.equal(got, torch.from_numpy(np.concatenate(blocks)))
     with pytest.raises(ActivationError, match="wrote 3 rows, expected 5"):
-        write_array(tmp_path / "b", (5, 4), 3, "float32", blocks[:1])
+        store.write_array(str(tmp_path / "b"), (5, 4), 3, "float32", blocks[:1])
     assert not (tmp_path / "b").exists()
 
 
@@ -109,3 +112,36 @@ def test_events_skip_a_line_cut_by_a_kill(tmp_path):
         fh.write('{"stage": "b", "ev')
     assert [e["stage"] for e in run.events()] == ["a"]
     assert json.loads((tmp_path / "records" / "events.jsonl").read_text().splitlines()[0])["event"] == "start"
+
+
+def test_activation_store_on_s3_publishes_whole_arrays_only(s3_options, s3_bucket):
+    store = ActivationStore(f"s3://{s3_bucket}/runs/r1", s3_options)
+    store.check_writable()
+    blocks = [np.arange(12, dtype=np.float32).reshape(3, 4), np.ones((2, 4), dtype=np.float32)]
+    group = store.location("acts/t/inputs")
+    assert group == f"{s3_bucket}/runs/r1/t/inputs"
+    with store.staged(group) as tmp:
+        store.write_array(f"{tmp}/input_ids", (5, 4), 3, "float32", blocks)
+        store.write_array(f"{tmp}/attention_mask", (5, 4), 3, "float32", blocks)
+        assert not store.exists(group)  # nothing under the final name until the group is complete
+    assert store.array_names(group) == ["attention_mask", "input_ids"]
+    got = torch.cat(list(store.iter_row_blocks(f"{group}/input_ids", 2)))
+    assert torch.equal(got, torch.from_numpy(np.concatenate(blocks)))
+    first = store.digest(group)
+    store.write_array(f"{group}/input_ids", (5, 4), 3, "float32", blocks)  # rewritten: same bytes, same digest
+    assert store.digest(group) == first
+    store.write_array(f"{group}/input_ids", (5, 4), 3, "float32", blocks[::-1])
+    assert store.digest(group) != first
+    with pytest.raises(ActivationError, match="wrote 3 rows, expected 5"):
+        store.write_array(f"{group}/more", (5, 4), 3, "float32", blocks[:1])
+    store.fs.invalidate_cache()
+    assert not store.exists(f"{group}/more") and not store.fs.glob(f"{group}/more.partial-*")
+    with pytest.raises(ActivationError, match=rf"activation array s3://{s3_bucket}/runs/r1/t/inputs/more is missing"):
+        store.open_array(f"{group}/more")
+    store.remove(group)
+    assert not store.exists(group)
+
+
+def test_activation_store_that_cannot_be_reached_is_named(s3_options):
+    with pytest.raises(ActivationError, match=r"runtime.activation_store: cannot write to s3://featcal-no-such-bucket/r"):
+        ActivationStore("s3://featcal-no-such-bucket/r", s3_options).check_writable()
