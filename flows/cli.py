@@ -18,6 +18,8 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "featcal")
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")  # --no-prefect logs outside any flow
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Prefect waits 20 s for its ephemeral server; a busy 2-core machine can take longer (seen: a failed start).
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
 def _add_overrides(p: argparse.ArgumentParser) -> None:
