@@ -111,8 +111,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def _saved(fig: plt.Figure, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # tight_layout cannot fit long method names in small figures
     plt.close(fig)
     return path
 
