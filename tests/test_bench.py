@@ -90,6 +90,10 @@ def test_method_runs_and_report(built) -> None:
     for row in rows.values():
         assert set(row["accuracy"]) == set(spec.tasks) and all(0 <= a <= 1 for a in row["accuracy"].values())
     assert rows["TA + FeatCal"]["calibration_seconds"] > 0 and rows["TA + FeatCal"]["peak_rss_mib"] > 0
+    for row in rows.values():  # binomial s.e. of the task average, over the spec's test rows per task
+        accs = list(row["accuracy"].values())
+        expected = (sum(a * (1 - a) for a in accs) / spec.test) ** 0.5 / len(accs)
+        assert row["standard_error"] == pytest.approx(expected, rel=1e-12)
     assert records["report"]["outputs"]  # report files recorded with digests
     assert (bench / "report" / "fixture_accuracy.png").stat().st_size > 0
 

@@ -34,6 +34,12 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+def _standard_error(accuracies: list[float], rows: int) -> float:
+    """Binomial standard error of a task average, each task scored on `rows` test rows: how far apart two
+    methods must be before the benchmark can tell them apart."""
+    return sum(a * (1 - a) / rows for a in accuracies) ** 0.5 / len(accuracies)
+
+
 def _sample_run(method: str, n: int) -> str:
     if n == FULL:
         return {"featcal": "ta_featcal", "regmean_pp": "regmean_pp"}[method]
@@ -49,6 +55,7 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
         per_task = {t: results[run]["accuracy"][t].get(model) for t in tasks}
         return None if any(v is None for v in per_task.values()) else per_task
 
+    test_rows = meta.get("spec", {}).get("test")
     experts, ta = acc("ta_featcal", "expert"), acc("ta_featcal", "merged")
     expert_avg = _mean(list(experts.values())) if experts else None
     ta_avg = _mean(list(ta.values())) if ta else None
@@ -59,6 +66,8 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
             continue
         avg = _mean(list(per_task.values()))
         row: dict[str, Any] = {"method": label, "run": run, "accuracy": per_task, "average": avg}
+        if test_rows:
+            row["standard_error"] = _standard_error(list(per_task.values()), test_rows)
         if expert_avg:
             row["normalized"] = avg / expert_avg
         if expert_avg is not None and ta_avg is not None and expert_avg != ta_avg:
@@ -94,7 +103,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines.append("|---|" + "---:|" * (len(tasks) + 5))
     for row in report["methods"]:
         cells = [f"{100 * row['accuracy'][t]:.1f}" for t in tasks]
-        extra = [f"{100 * row['average']:.1f}", f"{100 * row['normalized']:.1f}" if "normalized" in row else "",
+        extra = [f"{100 * row['average']:.1f}" + (f" ± {100 * row['standard_error']:.1f}" if "standard_error" in row else ""),
+                 f"{100 * row['normalized']:.1f}" if "normalized" in row else "",
                  f"{100 * row['gap_closed']:.1f} %" if "gap_closed" in row else "",
                  f"{row['seconds']:.1f}" if "seconds" in row else "", f"{row['peak_rss_mib']:.0f}" if "peak_rss_mib" in row else ""]
         lines.append(f"| {row['method']} | " + " | ".join(cells + extra) + " |")
@@ -103,6 +113,9 @@ def markdown(report: dict[str, Any]) -> str:
     names = {"featcal": "TA + FeatCal", "regmean_pp": "RegMean++"}
     for method, points in report["sample_efficiency"].items():
         lines.append(f"| {names[method]} | " + " | ".join(f"{100 * points[n]:.1f}" if n in points else "" for n in SAMPLE_SIZES) + " |")
+    if any("standard_error" in row for row in report["methods"]):
+        lines += ["", "± is one binomial standard error of the task average over the test rows; two methods scored "
+                      "on the same rows differ less by chance than two independent samples would (√2 × that)."]
     if "featcal_8_of_256_gain" in report:
         lines += ["", f"FeatCal with 8 examples/task keeps {100 * report['featcal_8_of_256_gain']:.1f} % of its 256-example gain over TA."]
     for note in report.get("notes", []):
