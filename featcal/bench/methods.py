@@ -35,6 +35,7 @@ class MethodRun:
     examples: int = FULL
     models: tuple[str, ...] = ("calibrated",)
     featcal: dict[str, Any] = field(default_factory=dict)
+    scaling: float = 0.3  # task arithmetic's (and TIES') scale s; 0.3 is the published default
 
 
 # FeatCal's hyperparameters for this benchmark, chosen on a validation split (200 rows of each task's
@@ -53,6 +54,10 @@ def method_runs() -> dict[str, MethodRun]:
         "regmean": MethodRun("average", "regmean", models=("merged", "calibrated")),
         "regmean_pp": MethodRun("average", "regmean_plus_plus"),
         "ta_surgery": MethodRun("task_arithmetic", "surgery"),
+        # FeatCal from a stronger merge: TA at 0.9 (alone far below TA at 0.3) with the CLIP defaults was the
+        # best setting of the validation sweep (benchmarks/results/minilm8_tuning.md).
+        "ta09_featcal": MethodRun("task_arithmetic", "featcal", models=("merged", "calibrated"), scaling=0.9),
+        "ta09_featcal_n008": MethodRun("task_arithmetic", "featcal", examples=8, scaling=0.9),
     }
     for n in SAMPLE_SIZES[:-1]:
         runs[f"ta_featcal_n{n:03d}"] = MethodRun("task_arithmetic", "featcal", examples=n, featcal=FEATCAL)
@@ -70,7 +75,7 @@ def pipeline_config(bench: Path, spec: BenchSpec, run: MethodRun) -> dict[str, A
     return {
         "base": str(bench / BASE),
         "experts": {t: str(bench / expert_dir(t)) for t in spec.tasks},
-        "merge": {"method": run.merge, "scaling": 0.3},
+        "merge": {"method": run.merge, "scaling": run.scaling},
         "calibration": {"data": {t: source(t, "calibration") for t in spec.tasks}, "examples_per_task": run.examples,
                         "batch_size": 32, "max_length": spec.finetune.max_length, "seed": 42},
         "featcal": {"method": run.method if run.method in ("regmean", "regmean_plus_plus") else "featcal", **run.featcal},

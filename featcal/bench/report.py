@@ -27,6 +27,8 @@ METHOD_ROWS = (
     ("TA + Surgery", "ta_surgery", "calibrated", "total"),
     ("TA + FeatCal", "ta_featcal", "calibrated", "total"),
     ("TIES + FeatCal", "ties_featcal", "calibrated", "total"),
+    ("task arithmetic 0.9", "ta09_featcal", "merged", "merge"),
+    ("TA 0.9 + FeatCal (λ 0.05, ρ 2.2)", "ta09_featcal", "calibrated", "total"),
 )
 
 
@@ -40,10 +42,14 @@ def _standard_error(accuracies: list[float], rows: int) -> float:
     return sum(a * (1 - a) / rows for a in accuracies) ** 0.5 / len(accuracies)
 
 
-def _sample_run(method: str, n: int) -> str:
-    if n == FULL:
-        return {"featcal": "ta_featcal", "regmean_pp": "regmean_pp"}[method]
-    return f"{'ta_featcal' if method == 'featcal' else 'regmean_pp'}_n{n:03d}"
+# sample-efficiency curve → (its 256-example run, its label); run `{run}_n{n:03d}` has n examples per task
+CURVES = {"featcal": ("ta_featcal", "TA + FeatCal"), "regmean_pp": ("regmean_pp", "RegMean++"),
+          "featcal_ta09": ("ta09_featcal", "TA 0.9 + FeatCal")}
+
+
+def _sample_run(curve: str, n: int) -> str:
+    run = CURVES[curve][0]
+    return run if n == FULL else f"{run}_n{n:03d}"
 
 
 def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dict[str, Any]) -> dict[str, Any]:
@@ -79,17 +85,21 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
             row["peak_rss_mib"] = cost["merge_peak_rss_mib"] if cost_kind == "merge" else cost["peak_rss_mib"]
         rows.append(row)
     curve = {}
-    for method in ("featcal", "regmean_pp"):
+    for name in CURVES:
         points = {}
         for n in SAMPLE_SIZES:
-            per_task = acc(_sample_run(method, n), "calibrated")
+            per_task = acc(_sample_run(name, n), "calibrated")
             if per_task is not None:
                 points[n] = _mean(list(per_task.values()))
-        curve[method] = points
+        if points:
+            curve[name] = points
     out: dict[str, Any] = {**meta, "tasks": tasks, "methods": rows, "sample_efficiency": curve}
-    featcal_curve = curve.get("featcal", {})
-    if ta_avg is not None and 8 in featcal_curve and FULL in featcal_curve and featcal_curve[FULL] != ta_avg:
-        out["featcal_8_of_256_gain"] = (featcal_curve[8] - ta_avg) / (featcal_curve[FULL] - ta_avg)
+    kept = {name: (points[8] - ta_avg) / (points[FULL] - ta_avg) for name, points in curve.items()
+            if name != "regmean_pp" and ta_avg is not None and 8 in points and FULL in points and points[FULL] != ta_avg}
+    if "featcal" in kept:
+        out["featcal_8_of_256_gain"] = kept["featcal"]
+    if "featcal_ta09" in kept:
+        out["featcal_ta09_8_of_256_gain"] = kept["featcal_ta09"]
     if "ta_featcal" in results:
         out["drift"] = results["ta_featcal"].get("drift", {})
     return out
@@ -108,16 +118,17 @@ def markdown(report: dict[str, Any]) -> str:
                  f"{100 * row['gap_closed']:.1f} %" if "gap_closed" in row else "",
                  f"{row['seconds']:.1f}" if "seconds" in row else "", f"{row['peak_rss_mib']:.0f}" if "peak_rss_mib" in row else ""]
         lines.append(f"| {row['method']} | " + " | ".join(cells + extra) + " |")
-    lines += ["", "## Sample efficiency (average accuracy, %)", "", "| examples/task | " + " | ".join(str(n) for n in SAMPLE_SIZES) + " |",
-              "|---|" + "---:|" * len(SAMPLE_SIZES)]
-    names = {"featcal": "TA + FeatCal", "regmean_pp": "RegMean++"}
-    for method, points in report["sample_efficiency"].items():
-        lines.append(f"| {names[method]} | " + " | ".join(f"{100 * points[n]:.1f}" if n in points else "" for n in SAMPLE_SIZES) + " |")
     if any("standard_error" in row for row in report["methods"]):
         lines += ["", "± is one binomial standard error of the task average over the test rows; two methods scored "
                       "on the same rows differ less by chance than two independent samples would (√2 × that)."]
+    lines += ["", "## Sample efficiency (average accuracy, %)", "", "| examples/task | " + " | ".join(str(n) for n in SAMPLE_SIZES) + " |",
+              "|---|" + "---:|" * len(SAMPLE_SIZES)]
+    for name, points in report["sample_efficiency"].items():
+        lines.append(f"| {CURVES[name][1]} | " + " | ".join(f"{100 * points[n]:.1f}" if n in points else "" for n in SAMPLE_SIZES) + " |")
     if "featcal_8_of_256_gain" in report:
         lines += ["", f"FeatCal with 8 examples/task keeps {100 * report['featcal_8_of_256_gain']:.1f} % of its 256-example gain over TA."]
+    if "featcal_ta09_8_of_256_gain" in report:
+        lines += ["", f"From TA at 0.9 it keeps {100 * report['featcal_ta09_8_of_256_gain']:.1f} % (gains over TA at 0.3)."]
     for note in report.get("notes", []):
         lines += ["", note]
     return "\n".join(lines) + "\n"
@@ -142,10 +153,10 @@ def plots(report: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
     paths.append(_saved(fig, out_dir / f"{stem}_accuracy.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    names = {"featcal": "TA + FeatCal", "regmean_pp": "RegMean++"}
-    for method, points in report["sample_efficiency"].items():
+    for name, points in report["sample_efficiency"].items():
         ns = sorted(points)
-        ax.plot(ns, [100 * points[n] for n in ns], marker="o", label=names[method])
+        dotted = len(ns) < len(SAMPLE_SIZES)  # sizes between its points were not run: no line through them
+        ax.plot(ns, [100 * points[n] for n in ns], ":" if dotted else "-", marker="o", label=CURVES[name][1])
     for r in rows:
         if r["method"] in ("task arithmetic", "experts (individual)"):
             ax.axhline(100 * r["average"], ls="--", color="grey")
