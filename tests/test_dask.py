@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import fsspec
 import pytest
 
 from flows.cli import main
@@ -18,20 +19,29 @@ from flows.pipeline import run_pipeline
 from flows.prefect_flow import featcal_flow
 from storage.atomic import digest
 from storage.rundir import RunDir
+from tasks.context import context
 from tests.conftest import example_config
 
 pytest_plugins = ("tests.prefect_server", "tests.s3_server")
 
 
-def test_local_cluster_of_two_workers_is_bit_identical_to_one_process(prefect_server, tiny_example, tmp_path):
+@pytest.fixture(scope="module")
+def single_process_run(tiny_example, tmp_path_factory) -> Path:
+    """The reference both clusters must reproduce: one process, local activations, one solve per block."""
+    run_dir = tmp_path_factory.mktemp("single")
+    run_pipeline(example_config(tiny_example, "bert", evaluation={"enabled": False}), run_dir)
+    return run_dir
+
+
+def test_local_cluster_of_two_workers_is_bit_identical_to_one_process(prefect_server, tiny_example,
+                                                                      single_process_run, tmp_path):
     no_eval = ["evaluation.enabled=false"]
-    run_pipeline(example_config(tiny_example, "bert", evaluation={"enabled": False}), tmp_path / "single")
     state = featcal_flow(str(tiny_example / "bert" / "example.yaml"), str(tmp_path / "dask"), no_eval,
                          runner="dask", workers=2, return_state=True)
     assert state.is_completed(), state
     for rel in ("calibrated/model.safetensors", "merged/model.safetensors",
                 *(f"blocks/l{b:02d}.safetensors" for b in range(3))):
-        assert digest(tmp_path / "dask" / rel) == digest(tmp_path / "single" / rel), rel
+        assert digest(tmp_path / "dask" / rel) == digest(single_process_run / rel), rel
     started = {e["pid"] for e in RunDir(tmp_path / "dask").events() if e["event"] == "start"}
     assert len(started) == 2 and os.getpid() not in started  # every stage ran on one of the two workers
 
@@ -69,24 +79,28 @@ def dask_cluster(tmp_path) -> Iterator[str]:
 
 
 def test_existing_cluster_at_an_address_runs_split_solves_bit_identically(prefect_server, tiny_example, dask_cluster,
-                                                                         s3_options, s3_bucket, tmp_path):
+                                                                         single_process_run, s3_options, s3_bucket,
+                                                                         tmp_path):
     """`--runner dask --address`: a scheduler and two worker processes started by hand, the activations in an
     S3 object store, each block's solve in three groups submitted together; the weights equal a single-process
-    run with local activations and one solve per block."""
-    run_pipeline(example_config(tiny_example, "bert", evaluation={"enabled": False}), tmp_path / "single")
+    run with local activations and one solve per block, and the bucket keeps only what is still needed."""
     overrides = ["evaluation.enabled=false", "runtime.solve_groups=3", f"runtime.activation_store=s3://{s3_bucket}/run",
                  f"runtime.storage_options={json.dumps(s3_options)}"]
     state = featcal_flow(str(tiny_example / "bert" / "example.yaml"), str(tmp_path / "dask"), overrides,
                          runner="dask", address=dask_cluster, return_state=True)
     assert state.is_completed(), state
     for rel in ("calibrated/model.safetensors", "merged/model.safetensors"):
-        assert digest(tmp_path / "dask" / rel) == digest(tmp_path / "single" / rel), rel
+        assert digest(tmp_path / "dask" / rel) == digest(single_process_run / rel), rel
     events = RunDir(tmp_path / "dask").events()
     solvers = {e["pid"] for e in events if e["event"] == "start" and e["stage"].startswith("solve/")}
     started = {e["pid"] for e in events if e["event"] == "start"}
     assert len(started) == 2 and os.getpid() not in started and solvers <= started
     assert not (tmp_path / "dask" / "acts").exists()
     assert len([e for e in events if e["event"] == "start" and e["stage"].startswith("solve/")]) == 3 * 3
+    fs = fsspec.filesystem("s3", **s3_options)
+    fs.invalidate_cache()
+    left = {"/".join(key.split("/")[2:4]) for key in fs.find(f"{s3_bucket}/run")}  # bucket/run/task/…
+    assert left == {f"{task}/inputs" for task in context(tmp_path / "dask").tasks}  # boundaries released after use
 
 
 def _free_port() -> int:
