@@ -176,12 +176,7 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
         for _ in expert_outputs():
             pass
     else:
-        rel = ctx.run.acts(task, layer + 1, "expert")
-        store = ctx.run.store
-        shape = store.open_array(store.location(ctx.run.acts(task, layer, "expert"))).shape
-        store.write_array(store.location(rel), tuple(shape), ctx.cfg.calibration.batch_size * _tokens(ctx, task),
-                          "float32", expert_outputs())
-        outputs.append(rel)
+        outputs.append(_write_next_boundary(ctx, task, layer, "expert", expert_outputs()))
     stats_rel = ctx.run.stats(task, layer)
     with atomic_path(ctx.run / stats_rel) as tmp:
         save_file(flatten_stats(stats), str(tmp))
@@ -190,6 +185,15 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
     if merged_block is not None:  # the uncalibrated merged block runs only for FeatCal's statistics
         info["drift_out_uncalibrated"] = (drift["out_diff"] / max(drift["out_ref"], 1e-30)) ** 0.5
     return outputs, info
+
+
+def _write_next_boundary(ctx: RunContext, task: str, layer: int, side: str, rows: Iterator[torch.Tensor]) -> str:
+    """Boundary `layer + 1` of one side, chunked and shaped like boundary `layer`; returns its output name."""
+    store, rel = ctx.run.store, ctx.run.acts(task, layer + 1, side)
+    shape = store.open_array(store.location(ctx.run.acts(task, layer, side))).shape
+    store.write_array(store.location(rel), tuple(shape), ctx.cfg.calibration.batch_size * _tokens(ctx, task),
+                      "float32", rows)
+    return rel
 
 
 def _tokens(ctx: RunContext, task: str) -> int:
@@ -325,9 +329,4 @@ def propagate(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[s
                 out = ctx.adapter.run_block(block, s, ctx.adapter.block_input({"attention_mask": mask}))
             yield out.reshape(-1, out.shape[-1])
 
-    rel = ctx.run.acts(task, layer + 1, "merged")
-    store = ctx.run.store
-    shape = store.open_array(store.location(ctx.run.acts(task, layer, "merged"))).shape
-    store.write_array(store.location(rel), tuple(shape), ctx.cfg.calibration.batch_size * _tokens(ctx, task), "float32",
-                      outputs())
-    return [rel], {}
+    return [_write_next_boundary(ctx, task, layer, "merged", outputs())], {}
