@@ -159,17 +159,23 @@ def digest_of(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def _apply_override(raw: dict[str, Any], assignment: str) -> None:
+def _apply_override(raw: dict[str, Any], assignment: str) -> tuple[str, ...]:
+    """Apply `--set KEY.PATH=VALUE` to the raw config; returns the key path it set."""
     if "=" not in assignment:
         raise ConfigError(f"--set {assignment!r}: expected KEY.PATH=VALUE, e.g. featcal.lambda=0.1")
     dotted, value = assignment.split("=", 1)
-    keys = dotted.strip().split(".")
+    keys = tuple(dotted.strip().split("."))
     node = raw
-    for key in keys[:-1]:
+    for depth, key in enumerate(keys[:-1]):
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"--set {assignment!r}: {key!r} is not a section")
-    node[keys[-1]] = yaml.safe_load(value)
+            raise ConfigError(f"--set {assignment!r}: {'.'.join(keys[: depth + 1])} is not a section "
+                              f"(the config has {node!r} there)")
+    try:
+        node[keys[-1]] = yaml.safe_load(value)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {assignment!r}: the value is not valid YAML ({exc.problem})") from None
+    return keys
 
 
 def _resolve_paths(cfg: RunConfig, root: Path) -> RunConfig:
@@ -196,21 +202,28 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {path} is not valid YAML{at}: {getattr(exc, 'problem', None) or exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path}: expected a mapping at the top level, got {type(raw).__name__}")
-    for assignment in overrides:
-        _apply_override(raw, assignment)
-    return config_from_dict(raw, root=path.parent, source=str(path))
+    origins = {_apply_override(raw, assignment): f"--set {assignment}" for assignment in overrides}
+    return config_from_dict(raw, root=path.parent, source=str(path), origins=origins)
 
 
-def config_from_dict(raw: dict[str, Any], root: Path, source: str = "config") -> RunConfig:
+def config_from_dict(raw: dict[str, Any], root: Path, source: str = "config",
+                     origins: dict[tuple[str, ...], str] | None = None) -> RunConfig:
+    """`origins` maps key paths set outside `source` (by `--set`) to where they came from, for error messages."""
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as exc:
-        lines = []
+        problems = []
         for err in exc.errors():
-            field = ".".join(str(p) for p in err["loc"]) or "(top level)"
-            lines.append(f"  {field}: {err['msg']} (got {err.get('input')!r})")
-        raise ConfigError(f"{source} is invalid:\n" + "\n".join(lines)) from None
+            loc = tuple(str(p) for p in err["loc"])
+            origin = next((o for keys, o in (origins or {}).items() if loc[: len(keys)] == keys), source)
+            field = ".".join(loc) or "(top level)"
+            got = repr(err.get("input"))
+            got = f"got {got}, " if loc and len(got) <= 80 else ""
+            problems.append(f"{field}: {err['msg']} ({got}from {origin})")
+        raise ConfigError("; ".join(problems)) from None
     return _resolve_paths(cfg, root.resolve())

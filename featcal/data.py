@@ -66,6 +66,10 @@ class InputBuilder:
         self.is_text = "input_ids" in input_names
         self.max_length = max_length
         self.pair_column = source.text_pair_column
+        if source.column is not None and source.column not in columns:
+            raise DataError(f"{where}.column: {source.column!r} is not a column of the data (it has {columns})")
+        if self.pair_column is not None and self.pair_column not in columns:
+            raise DataError(f"{where}.text_pair_column: {self.pair_column!r} is not a column of the data (it has {columns})")
         self.ready = [c for c in ("input_ids", "pixel_values") if c in columns and c in input_names]
         if self.ready:
             self.column = None
@@ -73,9 +77,9 @@ class InputBuilder:
             self.pad_id = _pad_token_id(base_dir)
             return
         self.column = source.column or next((c for c in (*TEXT_COLUMNS, *IMAGE_COLUMNS) if c in columns), None)
-        if self.column is None or self.column not in columns:
+        if self.column is None:
             raise DataError(
-                f"{where}.column: no model input column found; the data has columns {columns}, expected "
+                f"{where}.column: not set, and the data has no model input column: it has columns {columns}, expected "
                 f"ready inputs ({', '.join(input_names)}) or a raw column such as {TEXT_COLUMNS + IMAGE_COLUMNS}"
             )
         from transformers import AutoImageProcessor, AutoTokenizer

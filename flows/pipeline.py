@@ -22,6 +22,7 @@ import yaml
 
 from featcal.config import RunConfig, digest_of
 from featcal.modeling import calibrated_modules
+from flows import signals
 from storage.atomic import write_bytes, write_json
 from storage.fingerprint import fingerprint
 from storage.rundir import MissingOutput, Record, RunDir
@@ -146,6 +147,7 @@ class Pipeline:
         return digest_of([self.code, *parts])
 
     def call(self, call: StageCall) -> Record:
+        signals.at_stage(call.label, self.progress.done, self.progress.total)
         done = self.run.verified(call.stage, call.key)
         record = self.runner(self.run_dir, call, done)
         self._finished(call, record, fresh=done is None)
@@ -159,6 +161,9 @@ class Pipeline:
         for c, d in zip(calls, done, strict=True):
             if d is None:
                 self.run.require(c.needs)  # a missing input rewinds here, before anything is sent to a worker
+        todo = [c.label for c, d in zip(calls, done, strict=True) if d is None] or [calls[0].label]
+        signals.at_stage(todo[0] + (f" and {len(todo) - 1} more at once" if len(todo) > 1 else ""),
+                         self.progress.done, self.progress.total)
         pending = [self.submit(self.run_dir, c, d) for c, d in zip(calls, done, strict=True)]
         records = [p.result() for p in pending]
         for c, r, d in zip(calls, records, done, strict=True):
@@ -233,6 +238,8 @@ class Pipeline:
                     side[t, "expert"] = (grams[t], run.acts(t, layer + 1, "expert"))
                 self.release(s_rec, s_rel)
                 self.release(e_rec, e_rel)
+        for t in tasks:  # the model inputs were read by every block's Gram and propagation, now all done
+            self.release(prepared[t], run.inputs(t))
         block_digests = [rec["outputs"][rel] for parts in blocks for rel, rec in parts.items()]
         out = {"merge": merged, "assemble": self.call(StageCall("assemble", "assemble", "assemble calibrated checkpoint",
                                                                 self.key("assemble", merged_digest, block_digests),
@@ -248,7 +255,9 @@ class Pipeline:
     def run_all(self, max_rewinds: int = 64) -> dict[str, Record]:
         for _ in range(max_rewinds):
             try:
-                return self.stages()
+                records = self.stages()
+                signals.at_stage(None, self.progress.done, self.progress.total)
+                return records
             except MissingOutput as exc:
                 log.warning("%s: running them again", exc)
                 for producer in exc.producers:
@@ -279,10 +288,13 @@ def versions() -> dict[str, str]:
 def run_pipeline(cfg: RunConfig, run_dir: str | Path, runner: Runner = direct_runner,
                  on_stage: Callable[[StageCall, Record], None] | None = None,
                  submit: Submitter | None = None) -> dict[str, Record]:
-    """Validate, lock the run directory, run (or resume) every stage, and write the manifest."""
+    """Lock the run directory, validate, run (or resume) every stage, and write the manifest.
+
+    Ctrl-C or SIGTERM stops it within seconds (flows/signals.py); rerunning resumes."""
     run = RunDir(run_dir)
     preflight(cfg)
-    with run.lock():
+    # Inside a Prefect flow too: the flow engine installs its own SIGTERM handler, this takes it back.
+    with signals.stop_on_signals(), run.lock():
         resolved = yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False).encode()
         if not (run / CONFIG_NAME).is_file() or (run / CONFIG_NAME).read_bytes() != resolved:
             write_bytes(run / CONFIG_NAME, resolved)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import shutil
+from pathlib import Path
 from typing import Any
 
 from featcal.config import RunConfig
@@ -39,10 +41,33 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
         "tasks": {t: {"expert": cfg.experts[t], "examples": n} for t in cfg.tasks},
         "tokens_per_example_max": tokens,
         "stages": stage_count(T, adapter.num_blocks(), cfg.runtime.solve_groups, cfg.evaluation.enabled),
-        "estimated_disk_gib": round((2 * model_bytes + 2 * 2 * T * boundary + T * stats
-                                     + adapter.num_blocks() * block_bytes) / GIB, 3),
+        "estimated_disk_gib": round((2 * model_bytes + (0 if cfg.runtime.activation_store else 2 * 2 * T * boundary)
+                                     + T * stats + adapter.num_blocks() * block_bytes) / GIB, 3),
         "estimated_peak_ram_gib": round((3 * block_bytes + stats + 2 * chunk) / GIB + 1.0, 3),
     }
+
+
+class NotEnoughDisk(RuntimeError):
+    """Less free space under the run directory than the plan says the run still needs."""
+
+
+def check_free_space(p: dict[str, Any], run_dir: Path) -> None:
+    """Refuse to start when the run directory's file system has less room than the plan's estimate, less what
+    the run directory already holds (a resumed run has written part of it)."""
+    existing = Path(run_dir)
+    while not existing.exists():
+        existing = existing.parent
+    held = sum(f.stat().st_size for f in Path(run_dir).rglob("*") if f.is_file()) if Path(run_dir).is_dir() else 0
+    needed = p["estimated_disk_gib"] * GIB - held
+    free = shutil.disk_usage(existing).free
+    if free < needed:
+        raise NotEnoughDisk(f"{run_dir}: {_size(free)} free on its file system, the run needs about {_size(needed)} "
+                            f"more (`featcal plan` estimate {p['estimated_disk_gib']} GiB, {_size(held)} already "
+                            "written); free some space or choose another --run-dir (--skip-disk-check starts anyway)")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 1024**2:.1f} MiB"
 
 
 def render(p: dict[str, Any]) -> str:

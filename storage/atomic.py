@@ -33,6 +33,10 @@ def atomic_path(final: Path) -> Iterator[Path]:
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(final.parent)
+    except OSError as exc:
+        if exc.errno is not None and exc.filename is None:  # a failed write() names no file: name the one it was for
+            raise OSError(exc.errno, exc.strerror, str(final)) from exc
+        raise
     finally:
         shutil.rmtree(tmp.parent, ignore_errors=True)
 

@@ -9,12 +9,14 @@ map every name to the body-relative one, and fail loudly when a checkpoint does 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from featcal.adapters import Adapter
@@ -140,6 +142,32 @@ class CanonicalCheckpoint:
         return {n[len(prefix):]: self.get(n) for n in self.names() if n.startswith(prefix)}
 
 
+def finite(tensor: torch.Tensor, name: str, owner: str, directory: Path) -> torch.Tensor:
+    """`tensor` itself, or a CheckpointError naming `owner` (a config field), the tensor and its directory when it
+    holds NaN or inf: a merge must not spread one expert's corruption into every weight it writes."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise CheckpointError(f"{owner}: tensor {name} holds {bad} NaN/inf value(s) of {tensor.numel()} "
+                              f"(checkpoint {directory}); nothing was merged")
+    return tensor
+
+
+_OS_ERROR = re.compile(r"os error (\d+)")
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, with its I/O failures (a full disk, say) raised as the OSError they are, naming
+    the file: safetensors reports them as a SafetensorError that names neither."""
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    except SafetensorError as exc:
+        found = _OS_ERROR.search(str(exc))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from exc
+
+
 def copy_side_files(source: Path, target: Path) -> None:
     for name in SIDE_FILES:
         if (Path(source) / name).is_file():
@@ -165,7 +193,7 @@ def write_checkpoint(
 
         def flush() -> None:
             name = f"model-{len(written) + 1:05d}.safetensors"
-            save_file(shards[-1], str(tmp / name), metadata={"format": "pt"})
+            save_tensors(shards[-1], tmp / name)
             written.append(name)
             weight_map.update({k: name for k in shards[-1]})
             shards[-1], sizes[-1] = {}, 0
@@ -187,4 +215,4 @@ def write_checkpoint(
             copy_side_files(side_files_from, tmp)
         for rel, extra in (extra_files or {}).items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in extra.items()}, str(tmp / rel), metadata={"format": "pt"})
+            save_tensors(extra, tmp / rel)

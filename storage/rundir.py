@@ -23,8 +23,13 @@ from storage.atomic import digest, read_json, remove, write_json
 Record = dict[str, Any]
 
 
-class RunDirLocked(RuntimeError):
+class RunDirError(RuntimeError):
+    """The run directory cannot be used: held by another run, or not writable."""
+
+
+class RunDirLocked(RunDirError):
     pass
+
 
 
 class MissingOutput(RuntimeError):
@@ -77,9 +82,12 @@ class RunDir:
     @contextmanager
     def lock(self) -> Iterator[None]:
         """One run per directory: a second one is refused with who holds it (released even on kill -9)."""
-        self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / ".lock"
-        fh = open(path, "a+")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fh = open(path, "a+")
+        except OSError as exc:
+            raise RunDirError(f"run directory {self.root} is not writable: {exc.strerror} ({exc.filename})") from None
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -87,15 +95,31 @@ class RunDir:
             holder = fh.read().strip() or "another process"
             fh.close()
             raise RunDirLocked(f"run directory {self.root} is in use by {holder}; wait for it or use another --run-dir") from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
-        fh.flush()
+        try:
+            fh.seek(0)
+            fh.truncate()
+            fh.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+            fh.flush()
+        except OSError as exc:
+            fh.close()
+            raise RunDirError(f"run directory {self.root} is not writable: {exc.strerror} ({path})") from None
         try:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
             fh.close()
+
+    def check_usable(self) -> None:
+        """Refuse a busy or unwritable run directory in a second, creating nothing: `featcal run` asks this
+        before Prefect starts or any input is read; the run itself then holds the lock throughout."""
+        if self.root.exists():
+            with self.lock():
+                return
+        parent = self.root.parent
+        while not parent.exists():
+            parent = parent.parent
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise RunDirError(f"run directory {self.root} cannot be created: {parent} is not writable")
 
     # ---- records -----------------------------------------------------------------------------
     def _record_path(self, stage: str) -> Path:

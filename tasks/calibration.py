@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from featcal.closed_form import (
     BiasTerm, Hyper, LinearMoments, solve_linear_bias, solve_linear_weight, solve_norm_affine, solve_regmean_weight,
@@ -19,7 +19,7 @@ from featcal.statistics import (
     accumulate, captured_inputs, flatten_stats, linear_moments, new_stats, norm_moments, unflatten_stats,
 )
 from storage.atomic import atomic_path
-from storage.checkpoint import read_header, read_tensor
+from storage.checkpoint import read_header, read_tensor, save_tensors
 from tasks.context import RunContext
 from tasks.merge import MERGED
 
@@ -179,7 +179,7 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
         outputs.append(_write_next_boundary(ctx, task, layer, "expert", expert_outputs()))
     stats_rel = ctx.run.stats(task, layer)
     with atomic_path(ctx.run / stats_rel) as tmp:
-        save_file(flatten_stats(stats), str(tmp))
+        save_tensors(flatten_stats(stats), tmp)
     outputs.append(stats_rel)
     info = {"drift_in": (drift["in_diff"] / max(drift["in_ref"], 1e-30)) ** 0.5}
     if merged_block is not None:  # the uncalibrated merged block runs only for FeatCal's statistics
@@ -299,7 +299,7 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
             log.warning("block %d module %s: Cholesky needed damping %.3g (asked %.3g)", layer, name, sol.damping, hp.eps)
     rel = ctx.run.block(layer, group, groups)
     with atomic_path(ctx.run / rel) as tmp:
-        save_file({k: v.contiguous() for k, v in solved.items()}, str(tmp))
+        save_tensors(solved, tmp)
     grown = {m: d for m, d in damping.items() if d > hp.eps}
     return [rel], {"method": fc.method, "modules": len(damping), "damping_grown": grown}
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from featcal.merging import merged_tensor
-from storage.checkpoint import write_checkpoint
+from storage.checkpoint import CanonicalCheckpoint, finite, write_checkpoint
 from tasks.context import RunContext
 
 MERGED = "merged"
@@ -20,18 +20,22 @@ def head_file(task: str) -> str:
 
 def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
     base = ctx.checkpoint("base")
-    experts = [ctx.checkpoint(t) for t in ctx.tasks]
+    experts = {f"experts.{t}": ctx.checkpoint(t) for t in ctx.tasks}
+
+    def read(owner: str, ckpt: CanonicalCheckpoint, name: str) -> torch.Tensor:
+        return finite(ckpt.get(name), name, owner, ckpt.directory)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for name in base.names():
             if ctx.adapter.is_head(name):
-                yield base.file_name(name), base.get(name)
+                yield base.file_name(name), read("base", base, name)
                 continue
-            yield base.file_name(name), merged_tensor(base.get(name), lambda: (e.get(name) for e in experts), ctx.cfg.merge)
+            yield base.file_name(name), merged_tensor(
+                read("base", base, name), lambda: (read(o, e, name) for o, e in experts.items()), ctx.cfg.merge)
 
     heads = {
-        head_file(task): {n: e.get(n) for n in e.names() if ctx.adapter.is_head(n)}
-        for task, e in zip(ctx.tasks, experts)
+        head_file(task): {n: read(owner, e, n) for n in e.names() if ctx.adapter.is_head(n)}
+        for task, (owner, e) in zip(ctx.tasks, experts.items())
     }
     write_checkpoint(ctx.run / MERGED, tensors(), side_files_from=base.directory, extra_files=heads)
     return [MERGED], {"method": ctx.cfg.merge.method, "tensors": len(base.names())}

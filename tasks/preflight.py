@@ -76,8 +76,16 @@ def check_activation_store(cfg: RunConfig) -> None:
     store.check_writable()
 
 
+# Configs this process has checked already: `featcal run` checks before Prefect starts, then the flow's
+# pipeline would check the same config again seconds later.
+_checked: dict[str, Adapter] = {}
+
+
 def preflight(cfg: RunConfig) -> Adapter:
-    adapter = check_checkpoints(cfg)
-    check_data(cfg, adapter)
-    check_activation_store(cfg)
-    return adapter
+    key = cfg.fingerprint()
+    if key not in _checked:
+        adapter = check_checkpoints(cfg)
+        check_data(cfg, adapter)
+        check_activation_store(cfg)
+        _checked[key] = adapter
+    return _checked[key]

@@ -1,6 +1,8 @@
-"""Shared fixtures: one tiny example build per test session."""
+"""Shared fixtures: one tiny example build per test session, and one uninterrupted reference run of it."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,3 +30,33 @@ def example_config(root: Path, arch: str, **sections) -> RunConfig:
             node = node.setdefault(p, {})
         node[leaf] = value
     return config_from_dict(raw, root / arch)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def featcal_process(*args: str, **kw) -> subprocess.Popen:
+    """`featcal ARGS` in a session (and process group) of its own, as a user's terminal would start it."""
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+@pytest.fixture(scope="session")
+def resume_config(tiny_example) -> Path:
+    """The tiny BERT example without evaluation: what interrupted-and-resumed runs are compared on."""
+    raw = yaml.safe_load((tiny_example / "bert" / "example.yaml").read_text())
+    raw["evaluation"] = {"enabled": False}
+    path = tiny_example / "bert" / "resume.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.fixture(scope="session")
+def reference_run(resume_config, tmp_path_factory) -> Path:
+    """An uninterrupted run of `resume_config`, for the bits every resumed run must reproduce."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    proc = featcal_process("run", str(resume_config), "--run-dir", str(run_dir), "--no-prefect")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    return run_dir

@@ -69,3 +69,25 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("base: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_errors_say_whether_the_bad_value_came_from_set_or_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("base: base\nexperts: {a: ea}\ncalibration: {data: {a: {path: da}}}\nfeatcal: {alpha: 3}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["featcal.lamda=0.1"])
+    assert str(err.value) == (
+        "featcal.alpha: Input should be less than or equal to 1 (got 3, from " + str(path) + "); "
+        "featcal.lamda: Extra inputs are not permitted (got 0.1, from --set featcal.lamda=0.1)")
+    with pytest.raises(ConfigError, match=r"--set 'featcal.alpha.x=1': featcal.alpha is not a section \(the config has 3"):
+        load_config(path, ["featcal.alpha.x=1"])
+    with pytest.raises(ConfigError, match=r"--set 'featcal.rho=\[1': the value is not valid YAML"):
+        load_config(path, ["featcal.rho=[1"])
+
+
+def test_bad_yaml_is_one_line_with_its_position(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("base: x\nexperts: [unclosed\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
+    assert "\n" not in str(err.value) and f"config file {bad} is not valid YAML at line 3, column 1" in str(err.value)

@@ -83,8 +83,7 @@ def test_intermediates_are_released_but_records_kept(three_expert_run):
     arch, cfg, run_dir, _ = three_expert_run
     assert not (run_dir / "stats").exists() or not any((run_dir / "stats").rglob("*.safetensors"))
     for task in cfg.tasks:
-        assert not any((run_dir / "acts" / task).glob("l*")), "block boundaries should be deleted after use"
-        assert (run_dir / "acts" / task / "inputs").is_dir()
+        assert not (run_dir / "acts" / task).exists(), "boundaries and model inputs should be deleted after use"
     run = RunDir(run_dir)
     assert run.record("gram/l00/" + cfg.tasks[0])["outputs"]
 
@@ -104,6 +103,7 @@ def test_single_expert_exactness(tiny_example, tmp_path, arch):
         merge={"method": "average"},
         featcal={"lambda": 1e-9, "alpha": 1.0, "rho": 2.2},
         evaluation={"enabled": False},
+        runtime={"keep_activations": True},  # the check below reads the stored model inputs
     )
 
     def deviation(run_dir):
@@ -201,5 +201,14 @@ def test_split_solves_give_the_same_weights(three_expert_run, tiny_example, tmp_
 def test_unknown_activation_store_is_named_before_any_work(tiny_example, tmp_path):
     cfg = example_config(tiny_example, "bert", runtime={"activation_store": "nosuch://bucket/run"})
     with pytest.raises(ActivationError, match=r"runtime.activation_store: nosuch://bucket/run: .*nosuch"):
+        run_pipeline(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_named_column_that_is_not_there_is_named(tiny_example, tmp_path):
+    cfg = example_config(tiny_example, "bert")
+    task = cfg.tasks[0]
+    cfg.calibration.data[task].column = "txt"
+    with pytest.raises(ValueError, match=rf"calibration\.data\.{task}\.column: 'txt' is not a column of the data \(it has \["):
         run_pipeline(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()

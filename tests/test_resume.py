@@ -1,28 +1,18 @@
-"""Crash safety: kill -9 mid-flow and rerun, corrupted outputs, changed settings, a held run directory."""
+"""Crash safety: kill -9 or a stop signal mid-flow and rerun, corrupted outputs, changed settings, a held run directory."""
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
-import yaml
 
 from flows.pipeline import run_pipeline
 from storage.atomic import digest
 from storage.rundir import RunDir, RunDirLocked
-from tests.conftest import example_config
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _cli(*args: str, **kw) -> subprocess.Popen:
-    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+from tests.conftest import example_config, featcal_process
 
 
 def _weights(run_dir: Path) -> str:
@@ -36,56 +26,80 @@ def _by_pid(run_dir: Path) -> dict[int, list[tuple[str, str]]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def config_file(tiny_example, tmp_path_factory):
-    raw = yaml.safe_load((tiny_example / "bert" / "example.yaml").read_text())
-    raw["evaluation"] = {"enabled": False}
-    path = tiny_example / "bert" / "resume.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
-@pytest.fixture(scope="module")
-def reference(config_file, tmp_path_factory):
-    """An uninterrupted run, for the bits every resumed run must reproduce."""
-    run_dir = tmp_path_factory.mktemp("reference")
-    proc = _cli("run", str(config_file), "--run-dir", str(run_dir), "--no-prefect")
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out
-    return run_dir
-
-
-def test_kill9_mid_flow_then_rerun_is_bit_identical(config_file, reference, tmp_path):
-    run_dir = tmp_path / "victim"
-    proc = _cli("run", str(config_file), "--run-dir", str(run_dir))  # real Prefect flow, ephemeral server
+def _started(proc: subprocess.Popen, run_dir: Path, stage: str) -> None:
+    """Wait until `stage` has started in the run of `proc`."""
     deadline = time.time() + 300
     while time.time() < deadline:
-        if any(e["stage"] == "gram/l01/count" and e["event"] == "start" for e in RunDir(run_dir).events()):
-            break
+        if any(e["stage"] == stage and e["event"] == "start" for e in RunDir(run_dir).events()):
+            return
         if proc.poll() is not None:
-            pytest.fail("the run ended before it could be killed:\n" + proc.stdout.read())
+            pytest.fail("the run ended before it could be stopped:\n" + proc.stdout.read())
         time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)  # the flow process and its ephemeral Prefect server, no clean-up
-    proc.wait()
+    pytest.fail(f"stage {stage} did not start within 300 s")
+
+
+def _resumes_bit_identically(resume_config: Path, run_dir: Path, first_pid: int, reference_run: Path,
+                             *options: str) -> None:
+    """Rerun the same command: the weights equal an uninterrupted run's, and no finished stage runs again."""
     assert not (run_dir / "calibrated").exists()
-    first_pid = proc.pid
     finished_before = {s for s, ev in _by_pid(run_dir).get(first_pid, []) if ev == "done"}
     assert "solve/l00" in finished_before
-
-    rerun = _cli("run", str(config_file), "--run-dir", str(run_dir))
+    rerun = featcal_process("run", str(resume_config), "--run-dir", str(run_dir), *options)
     out, _ = rerun.communicate(timeout=600)
     assert rerun.returncode == 0, out
-    assert _weights(run_dir) == _weights(reference)
+    assert _weights(run_dir) == _weights(reference_run)
     started_again = {s for pid, evs in _by_pid(run_dir).items() if pid != first_pid for s, ev in evs if ev == "start"}
     assert not (finished_before & started_again), f"recomputed after resume: {finished_before & started_again}"
     assert "assemble" in started_again
 
 
-def test_corrupted_cached_output_is_recomputed(config_file, reference, tmp_path):
+def test_kill9_mid_flow_then_rerun_is_bit_identical(resume_config, reference_run, tmp_path):
+    run_dir = tmp_path / "victim"
+    proc = featcal_process("run", str(resume_config), "--run-dir", str(run_dir))  # real Prefect flow, ephemeral server
+    _started(proc, run_dir, "gram/l01/count")
+    os.killpg(proc.pid, signal.SIGKILL)  # the flow process and its ephemeral Prefect server, no clean-up
+    proc.wait()
+    _resumes_bit_identically(resume_config, run_dir, proc.pid, reference_run)
+
+
+STOPS = {
+    # Ctrl-C in a terminal: SIGINT to the whole process group, Prefect's temporary server included.
+    "ctrl-c, prefect": (signal.SIGINT, True, ()),
+    # `kill PID` from a supervisor: SIGTERM to the main process alone.
+    "sigterm, prefect": (signal.SIGTERM, False, ()),
+    # SIGINT to the main process alone, stages called directly.
+    "sigint, no prefect": (signal.SIGINT, False, ("--no-prefect",)),
+}
+
+
+@pytest.mark.parametrize("stop", list(STOPS))
+def test_stop_signal_ends_the_run_within_10_s_and_it_resumes(stop, resume_config, reference_run, tmp_path):
+    signum, to_group, options = STOPS[stop]
+    run_dir = tmp_path / "stopped"
+    proc = featcal_process("run", str(resume_config), "--run-dir", str(run_dir), *options)
+    _started(proc, run_dir, "gram/l01/count")
+    children = psutil.Process(proc.pid).children(recursive=True)
+    if not options:  # Prefect's temporary server is a child: it must not outlive the run
+        assert any("uvicorn" in " ".join(c.cmdline()) for c in children)
+    sent = time.monotonic()
+    (os.killpg if to_group else os.kill)(proc.pid, signum)
+    out, _ = proc.communicate(timeout=60)
+    took = time.monotonic() - sent
+    assert proc.returncode == 128 + signum, out
+    assert took < 10, f"took {took:.1f} s to stop"
+    name = signal.Signals(signum).name
+    assert f"featcal: stopped by {name} during stage 'block 01 · gram · count'" in out, out
+    assert "rerun the same command to resume" in out
+    _, alive = psutil.wait_procs(children, timeout=2)
+    assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], f"left behind: {alive}"
+    _resumes_bit_identically(resume_config, run_dir, proc.pid, reference_run, "--no-prefect")
+
+
+def test_corrupted_cached_output_is_recomputed(resume_config, reference_run, tmp_path):
     run_dir = tmp_path / "corrupt"
-    cfg = example_config(config_file.parent.parent, "bert", evaluation={"enabled": False})
+    cfg = example_config(resume_config.parent.parent, "bert", evaluation={"enabled": False})
     run_pipeline(cfg, run_dir)
-    assert _weights(run_dir) == _weights(reference)
+    assert _weights(run_dir) == _weights(reference_run)
     block = run_dir / "blocks" / "l01.safetensors"
     data = bytearray(block.read_bytes())
     data[-5] ^= 0xFF
@@ -94,11 +108,11 @@ def test_corrupted_cached_output_is_recomputed(config_file, reference, tmp_path)
     run_pipeline(cfg, run_dir)
     again = {e["stage"] for e in RunDir(run_dir).events()[before:] if e["event"] == "start"}
     assert "solve/l01" in again and "merge" not in again and "solve/l00" not in again
-    assert _weights(run_dir) == _weights(reference)
+    assert _weights(run_dir) == _weights(reference_run)
 
 
-def test_changed_lambda_reuses_what_it_can(config_file, tmp_path):
-    root = config_file.parent.parent
+def test_changed_lambda_reuses_what_it_can(resume_config, tmp_path):
+    root = resume_config.parent.parent
     first = example_config(root, "bert", evaluation={"enabled": False})
     second = example_config(root, "bert", evaluation={"enabled": False}, featcal__lambda=0.2)
     run_pipeline(first, tmp_path / "shared")
@@ -110,17 +124,17 @@ def test_changed_lambda_reuses_what_it_can(config_file, tmp_path):
     assert _weights(tmp_path / "shared") == _weights(tmp_path / "fresh")
 
 
-def test_second_run_on_a_held_directory_is_refused(config_file, tmp_path):
-    cfg = example_config(config_file.parent.parent, "bert", evaluation={"enabled": False})
+def test_second_run_on_a_held_directory_is_refused(resume_config, tmp_path):
+    cfg = example_config(resume_config.parent.parent, "bert", evaluation={"enabled": False})
     with RunDir(tmp_path / "held").lock():
         with pytest.raises(RunDirLocked, match="is in use by pid"):
             run_pipeline(cfg, tmp_path / "held")
 
 
-def test_failed_assemble_leaves_no_half_checkpoint(config_file, tmp_path, monkeypatch):
+def test_failed_assemble_leaves_no_half_checkpoint(resume_config, tmp_path, monkeypatch):
     from tasks import assemble
 
-    cfg = example_config(config_file.parent.parent, "bert", evaluation={"enabled": False})
+    cfg = example_config(resume_config.parent.parent, "bert", evaluation={"enabled": False})
     real = assemble.write_checkpoint
     monkeypatch.setattr(assemble, "write_checkpoint", lambda target, tensors, **kw: real(target, _exploding(tensors), **kw))
     with pytest.raises(OSError, match="disk full"):
