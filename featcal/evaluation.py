@@ -1,8 +1,20 @@
-"""Accuracy and feature-drift bookkeeping, and the report files a user reads after a run."""
+"""Accuracy and feature-drift bookkeeping, and the report files a user reads after a run.
+
+Drift is the relative distance ‖h_model − h_expert‖ / ‖h_expert‖ to the task's expert at each block boundary
+(0 = embeddings), summed over the evaluation rows before the ratio is taken; lower is better. It is measured two
+ways: over every real (non-padding) token ("all tokens", the `drift` keys), and over the one token the
+classification head reads ("head token", the `drift_head_token` keys; the adapter's `pooled_index()`, 0 = CLS).
+FeatCal's last-block solve down-weights every token but the head token, so at the last boundary the all-token
+drift may rise while the head-token drift, the one the head sees, falls. When the head pools all tokens
+(`pooled_index()` is None) the head reads all tokens and the head-token figures equal the all-token ones.
+"""
 
 from __future__ import annotations
 
+import logging
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,40 +24,128 @@ import torch
 from featcal.config import EVALUATED_MODELS as MODELS
 
 METHOD_NAMES = {"featcal": "FeatCal", "regmean": "RegMean", "regmean_plus_plus": "RegMean++"}
+DRIFT_MODELS = ("merged", "calibrated")
+
+log = logging.getLogger("featcal")
+
+
+def head_token_label(index: int | None) -> str:
+    """How the report names the token the head reads."""
+    if index is None:
+        return "all tokens (the head pools every token)"
+    return "token 0 (CLS)" if index == 0 else f"token {index}"
+
+
+def drift_definition(head_index: int | None) -> dict[str, Any]:
+    """The report's `drift_definition`: what the `drift` and `drift_head_token` numbers measure."""
+    head = (f"only {head_token_label(head_index)}, the token the classification head reads" if head_index is not None
+            else "the head pools every token, so the head-token drift equals the all-token drift")
+    return {"measure": "relative drift ‖h_model − h_expert‖ / ‖h_expert‖ per block boundary (0 = embeddings)",
+            "lower_is_better": True, "drift": "all real (non-padding) tokens", "drift_head_token": head,
+            "head_token_index": head_index}
+
+
+def _sq(x: torch.Tensor) -> float:
+    return float((x.double() ** 2).sum())
 
 
 @dataclass
 class TaskScores:
-    """Running sums for one task: correct predictions per model, squared drift per boundary."""
+    """Running sums for one task: correct predictions per model, squared drift per boundary, over all real tokens
+    and over the head token (`head_index`, None = the head pools all tokens: no separate sums are kept)."""
 
     correct: dict[str, int] = field(default_factory=dict)
     seen: int = 0
     drift_diff: dict[str, list[float]] = field(default_factory=dict)
     drift_ref: list[float] = field(default_factory=list)
+    head_index: int | None = None
+    head_diff: dict[str, list[float]] = field(default_factory=dict)
+    head_ref: list[float] = field(default_factory=list)
 
     def add_predictions(self, model: str, logits: torch.Tensor, labels: torch.Tensor) -> None:
         self.correct[model] = self.correct.get(model, 0) + int((logits.argmax(-1) == labels).sum())
 
+    def _head(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[B, D]: the head token of every row, zero where that token is padding."""
+        return h[:, self.head_index] * mask[:, self.head_index].to(h.dtype)[:, None]
+
     def add_drift(self, model: str, hidden: tuple[torch.Tensor, ...], expert: tuple[torch.Tensor, ...],
                   mask: torch.Tensor) -> None:
-        """Σ‖h_model − h_expert‖² and Σ‖h_expert‖² over real tokens, per block boundary."""
+        """Σ‖h_model − h_expert‖² over real tokens, and over the head token, per block boundary."""
         m = mask.float()[..., None]
         diffs = [float((((h - e) * m) ** 2).sum()) for h, e in zip(hidden, expert, strict=True)]
         acc = self.drift_diff.setdefault(model, [0.0] * len(diffs))
         self.drift_diff[model] = [a + d for a, d in zip(acc, diffs)]
+        if self.head_index is not None:
+            heads = [_sq(self._head(h, mask) - self._head(e, mask)) for h, e in zip(hidden, expert, strict=True)]
+            acc = self.head_diff.setdefault(model, [0.0] * len(heads))
+            self.head_diff[model] = [a + d for a, d in zip(acc, heads)]
 
     def add_reference(self, expert: tuple[torch.Tensor, ...], mask: torch.Tensor) -> None:
+        """Σ‖h_expert‖² over real tokens, and over the head token, per block boundary."""
         m = mask.float()[..., None]
         refs = [float(((e * m) ** 2).sum()) for e in expert]
         self.drift_ref = [a + r for a, r in zip(self.drift_ref or [0.0] * len(refs), refs)]
+        if self.head_index is not None:
+            heads = [_sq(self._head(e, mask)) for e in expert]
+            self.head_ref = [a + r for a, r in zip(self.head_ref or [0.0] * len(heads), heads)]
 
     def summary(self) -> dict[str, Any]:
+        """accuracy, `drift` (all tokens), `drift_head_token` (per boundary) and `last_boundary_drift`
+        ({model: {"all_tokens", "head_token"}}); drift keys are empty when no drift was measured."""
         acc = {k: v / self.seen for k, v in self.correct.items()} if self.seen else {}
-        drift = {
-            k: [math.sqrt(d / r) if r > 0 else 0.0 for d, r in zip(v, self.drift_ref)]
-            for k, v in self.drift_diff.items()
-        }
-        return {"examples": self.seen, "accuracy": acc, "drift": drift}
+
+        def ratios(diff: dict[str, list[float]], ref: list[float]) -> dict[str, list[float]]:
+            return {k: [math.sqrt(d / r) if r > 0 else 0.0 for d, r in zip(v, ref)] for k, v in diff.items()}
+
+        drift = ratios(self.drift_diff, self.drift_ref)
+        if self.head_index is None:  # the head pools every token: its figure is the all-token one
+            head = {k: list(v) for k, v in drift.items()}
+        else:
+            head = ratios(self.head_diff, self.head_ref)
+        last = {k: {"all_tokens": drift[k][-1], "head_token": head[k][-1]} for k in drift if drift[k]}
+        return {"examples": self.seen, "accuracy": acc, "drift": drift, "drift_head_token": head,
+                "last_boundary_drift": last}
+
+
+class EvalProgress:
+    """One INFO line per evaluation batch on the `featcal` logger: task, batch i/n, examples done (task and
+    stage), elapsed time and the ETA of the whole evaluate stage (every task), from the examples still to go at
+    the stage's rate so far.
+
+    Rate limited: a batch's line is skipped when the last line is under `min_interval` seconds old, except the
+    first and the last batch of every task, which are always logged."""
+
+    def __init__(self, rows: dict[str, int], batch_size: int, min_interval: float = 2.0,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.rows, self.batch_size, self.min_interval, self.clock = dict(rows), batch_size, min_interval, clock
+        self.total = sum(self.rows.values())
+        self.done = 0
+        self.started = clock()
+        self.last_logged: float | None = None
+
+    def batches(self, task: str) -> int:
+        return math.ceil(self.rows[task] / self.batch_size)
+
+    def step(self, task: str, batch: int, task_done: int, n: int) -> None:
+        """After batch `batch` (1-based) of `task`, which held `n` rows and brought the task to `task_done`."""
+        self.done += n
+        now = self.clock()
+        total_batches = self.batches(task)
+        edge = batch == 1 or batch == total_batches
+        if not edge and self.last_logged is not None and now - self.last_logged < self.min_interval:
+            return
+        self.last_logged = now
+        elapsed = now - self.started
+        eta = elapsed / self.done * (self.total - self.done) if self.done else 0.0
+        log.info("evaluate · %s: batch %d/%d, %d/%d examples (%d/%d all tasks), elapsed %s, ETA %s",
+                 task, batch, total_batches, task_done, self.rows[task], self.done, self.total,
+                 hms(elapsed), hms(eta))
+
+
+def hms(seconds: float) -> str:
+    """A duration as HH:MM:SS, for progress lines."""
+    return time.strftime("%H:%M:%S", time.gmtime(max(0.0, seconds)))
 
 
 def summarize(tasks: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -59,10 +159,18 @@ def summarize(tasks: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out["gap_closed"] = (avg["calibrated"] - avg["merged"]) / (avg["expert"] - avg["merged"])
     drifts = [s["drift"] for s in tasks.values() if s["drift"]]
     if drifts:
-        out["average_drift"] = {
-            m: [sum(d[m][i] for d in drifts) / len(drifts) for i in range(len(drifts[0][m]))] for m in drifts[0]
+        out["average_drift"] = _average(drifts)  # all tokens; the key older readers know
+        heads = [s.get("drift_head_token") or s["drift"] for s in tasks.values() if s["drift"]]
+        out["average_drift_head_token"] = _average(heads)
+        out["average_last_boundary_drift"] = {
+            m: {"all_tokens": out["average_drift"][m][-1], "head_token": out["average_drift_head_token"][m][-1]}
+            for m in out["average_drift"] if out["average_drift"][m]
         }
     return out
+
+
+def _average(per_task: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    return {m: [sum(d[m][i] for d in per_task) / len(per_task) for i in range(len(per_task[0][m]))] for m in per_task[0]}
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -85,32 +193,86 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append("")
     else:
         lines += ["No task has labelled evaluation data and a head: accuracy not measured.", ""]
-    drift = report["summary"].get("average_drift")
-    if drift:
-        lines += ["## Feature drift ‖S(l) − E(l)‖ / ‖E(l)‖ (average over tasks; boundary 0 = embeddings)", ""]
-        lines += ["| boundary | " + " | ".join(drift) + " |", "|---" * (len(drift) + 1) + "|"]
-        for i in range(len(next(iter(drift.values())))):
-            lines.append(f"| {i} | " + " | ".join(f"{drift[m][i]:.4f}" for m in drift) + " |")
+    lines += drift_markdown(report)
     return "\n".join(lines) + "\n"
 
 
+def _head_index(report: dict[str, Any]) -> int | None:
+    return (report.get("drift_definition") or {}).get("head_token_index")
+
+
+def drift_markdown(report: dict[str, Any]) -> list[str]:
+    """The drift section: the last boundary per task (all tokens and head token side by side), then every
+    boundary averaged over tasks. Reports written before the head-token figures show the all-token table only."""
+    drift = report["summary"].get("average_drift")
+    if not drift:
+        return []
+    has_head = "average_drift_head_token" in report["summary"]
+    index = _head_index(report)
+    separate = has_head and index is not None  # a head token distinct from "all tokens"
+    models = [m for m in drift if drift[m]]
+    last = len(drift[models[0]]) - 1
+    lines = ["## Feature drift ‖S(l) − E(l)‖ / ‖E(l)‖ vs each task's expert (lower is better)", ""]
+    if separate:
+        lines += [f"*all tokens*: over every real (non-padding) token. *head token*: only {head_token_label(index)}, "
+                  "the token the classification head reads, which is the drift that reaches the head. FeatCal's "
+                  "last-block solve weights that token above the others, so at the last boundary the all-token "
+                  "drift may rise while the head-token drift falls.", ""]
+    elif has_head:
+        lines += ["*all tokens*: over every real (non-padding) token. The head pools every token, so it reads "
+                  "all tokens: the all-token figure is also the head figure.", ""]
+    if has_head:
+        kinds = [("all_tokens", "all tokens"), ("head_token", "head token")]
+        if not separate:
+            kinds = [("all_tokens", "all tokens = head")]
+        cols = [(m, k, f"{m} · {label}") for m in models for k, label in kinds]
+        lines += [f"### Last boundary ({last}, the last block's output; the head reads it), per task (lower is better)", "",
+                  "| task | " + " | ".join(c[2] for c in cols) + " |", "|---|" + "---:|" * len(cols)]
+        for task, s in report["tasks"].items():
+            lb = s.get("last_boundary_drift") or {}
+            lines.append(f"| {task} | " + " | ".join(f"{lb[m][k]:.4f}" if m in lb else "–" for m, k, _ in cols) + " |")
+        avg = report["summary"]["average_last_boundary_drift"]
+        lines.append("| **average** | " + " | ".join(f"{avg[m][k]:.4f}" if m in avg else "–" for m, k, _ in cols) + " |")
+        lines.append("")
+    heads = report["summary"].get("average_drift_head_token") if separate else None
+    cols = [(drift, m, f"{m} · all tokens" if has_head else m) for m in models]
+    cols += [(heads, m, f"{m} · head token") for m in models] if heads else []
+    lines += ["### Every boundary, average over tasks (0 = embeddings; lower is better)", "",
+              "| boundary | " + " | ".join(c[2] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for i in range(last + 1):
+        lines.append(f"| {i} | " + " | ".join(f"{src[m][i]:.4f}" for src, m, _ in cols) + " |")
+    return lines
+
+
 def drift_plot(report: dict[str, Any], path: Path) -> None:
+    """One colour per task, dashed = merged, solid = calibrated. Left panel: all tokens; right panel (when the head
+    reads one token): that token only. The last boundary is the one the head reads."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for i, (task, s) in enumerate(report["tasks"].items()):
-        for model, style in (("merged", "--"), ("calibrated", "-")):
-            if model in s["drift"]:  # one colour per task: dashed before, solid after
-                ax.plot(s["drift"][model], style, marker="o", color=f"C{i}", label=f"{task} · {model}")
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("block boundary (0 = embeddings)")
-    ax.set_ylabel("relative drift vs expert")
-    ax.set_title(f"Feature drift before and after {METHOD_NAMES[report['method']]}")
-    if ax.lines:  # no drift when neither merged nor calibrated was evaluated
-        ax.legend(fontsize=7)
+    index = _head_index(report)
+    separate = index is not None and any("drift_head_token" in s for s in report["tasks"].values())
+    pooled = "drift_definition" in report and index is None
+    panels = [("drift", "all real tokens (the head reads all of them)" if pooled else "all real tokens")]
+    if separate:
+        panels.append(("drift_head_token", f"head token only: {head_token_label(index)}"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 3.8), sharey=True, squeeze=False)
+    drawn = False
+    for ax, (key, title) in zip(axes[0], panels):
+        for i, (task, s) in enumerate(report["tasks"].items()):
+            for model, style in (("merged", "--"), ("calibrated", "-")):
+                if model in s.get(key, {}):  # one colour per task: dashed before, solid after
+                    ax.plot(s[key][model], style, marker="o", color=f"C{i}", label=f"{task} · {model}")
+                    drawn = True
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_xlabel("block boundary (0 = embeddings; last = what the head reads)")
+        ax.set_title(title, fontsize=9)
+    axes[0][0].set_ylabel("relative drift vs expert (lower is better)")
+    fig.suptitle(f"Feature drift before and after {METHOD_NAMES[report['method']]} (lower is better)", fontsize=10)
+    if drawn:  # no drift when neither merged nor calibrated was evaluated
+        axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -113,7 +113,10 @@ class LiveArtifacts:
             if not last:
                 after = _fmt(after_grams[i]["info"].get("drift_in"))
             elif report is not None and report["tasks"][t].get("drift", {}).get("calibrated"):
-                after = _fmt(report["tasks"][t]["drift"]["calibrated"][layer + 1]) + " (eval)"
+                after = _fmt(report["tasks"][t]["drift"]["calibrated"][layer + 1]) + " (eval, all tokens)"
+                head = report["tasks"][t].get("last_boundary_drift", {}).get("calibrated", {}).get("head_token")
+                if head is not None and (report.get("drift_definition") or {}).get("head_token_index") is not None:
+                    after += f"; {_fmt(head)} (eval, head token)"
             else:
                 after = "n/a"
             seconds = grams[i]["seconds"] + (props[i]["seconds"] if props[i] else 0.0)
@@ -128,9 +131,10 @@ class LiveArtifacts:
         cached = sum(s not in self.fresh for s in stages)
         create_table_artifact(
             rows, key=block_key(layer),
-            description=(f"block {layer:02d}: output drift ‖S−E‖/‖E‖ per task with the merged block (before) and the "
-                         f"calibrated block (after), on the calibration data"
-                         + (" (last block: after = evaluation data)" if last else "")
+            description=(f"block {layer:02d}: output drift ‖S−E‖/‖E‖ over all real tokens (lower is better) per task "
+                         f"with the merged block (before) and the calibrated block (after), on the calibration data"
+                         + (" (last block: after = evaluation data, all tokens and, where the head reads one token, "
+                            "that head token; the head-token figure is the one the head sees)" if last else "")
                          + f"; seconds = gram + propagate per task, solve (summed over its {groups} group(s)); {cached} of {len(stages)} stages cached"))
         self.published.add(layer)
 

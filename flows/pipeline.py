@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import yaml
 
 from featcal.config import RunConfig, digest_of
+from featcal.evaluation import hms
 from featcal.modeling import calibrated_modules
 from flows import signals
 from storage.atomic import write_bytes, write_json
@@ -114,11 +115,7 @@ class Progress:
         eta = elapsed / self.done * (self.total - self.done)
         how = f"{record['seconds']:.1f}s" if fresh else "cached"
         log.info("[%3d/%d] %-32s %8s  elapsed %s  ETA %s", self.done, self.total, call.label, how,
-                 _clock(elapsed), _clock(eta))
-
-
-def _clock(seconds: float) -> str:
-    return time.strftime("%H:%M:%S", time.gmtime(seconds))
+                 hms(elapsed), hms(eta))
 
 
 class Pipeline:

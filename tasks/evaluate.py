@@ -1,14 +1,22 @@
-"""Stage `evaluate`: accuracy of the models in `evaluation.models` and per-block drift, per task."""
+"""Stage `evaluate`: accuracy of the models in `evaluation.models` and per-block drift, per task.
+
+Drift is measured over all real tokens and over the token the head reads (`featcal.evaluation`); every task's
+split is loaded first, so that the per-batch progress lines can give an ETA for the whole stage."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
+import datasets
 import torch
 
+from featcal.config import DataSource
 from featcal.data import InputBuilder, load_split, pick_examples, row_batches
-from featcal.evaluation import MODELS, TaskScores, drift_plot, markdown, summarize
+from featcal.evaluation import (
+    DRIFT_MODELS, MODELS, EvalProgress, TaskScores, drift_definition, drift_plot, markdown, summarize,
+)
 from featcal.modeling import task_model
 from storage.atomic import atomic_path, write_bytes, write_json
 from tasks.context import RunContext
@@ -17,26 +25,39 @@ log = logging.getLogger("featcal")
 REPORT_FILES = ("report.json", "report.md", "drift.png")
 
 
-def _task_scores(ctx: RunContext, task: str) -> dict[str, Any]:
+@dataclass
+class _Split:
+    source: DataSource
+    where: str
+    rows: datasets.Dataset
+
+
+def _split(ctx: RunContext, task: str) -> _Split:
     ev = ctx.cfg.evaluation
     source = ev.data.get(task) or ctx.cfg.calibration.data[task]
     where = f"evaluation.data.{task}" if task in ev.data else f"calibration.data.{task} (no evaluation.data entry)"
     ds = load_split(source, where)
     if ev.max_examples:
         ds = pick_examples(ds, ev.max_examples, ctx.cfg.calibration.seed, where)
+    return _Split(source, where, ds)
+
+
+def _task_scores(ctx: RunContext, task: str, split: _Split, progress: EvalProgress) -> dict[str, Any]:
+    ev = ctx.cfg.evaluation
+    source, ds = split.source, split.rows
     builder = InputBuilder(ctx.cfg.base, ctx.adapter.model_input_names(), source, ctx.cfg.calibration.max_length,
-                           ds.column_names, where)
+                           ds.column_names, split.where)
     expert_dir = ctx.checkpoint_dir(task)
     listed = ev.models
-    drifting = [m for m in ("merged", "calibrated") if m in listed]
+    drifting = [m for m in DRIFT_MODELS if m in listed]
     # Each model is the task's expert with the body of checkpoint `name`; the expert also runs unlisted
     # while its hidden states are the drift reference.
     models = {name: task_model(expert_dir, None if name == "expert" else ctx.checkpoint(name)) for name in listed}
     if drifting and "expert" not in models:
         models["expert"] = task_model(expert_dir)
     label_column = source.label_column if task in ev.data else None
-    scores = TaskScores()
-    for rows in row_batches(ds, ev.batch_size):
+    scores = TaskScores(head_index=ctx.adapter.pooled_index())
+    for batch, rows in enumerate(row_batches(ds, ev.batch_size), start=1):
         inputs = builder(rows)
         mask = inputs.get("attention_mask")
         with torch.inference_mode():
@@ -52,19 +73,24 @@ def _task_scores(ctx: RunContext, task: str) -> dict[str, Any]:
             labels = torch.as_tensor(rows[label_column])
             for name in listed:
                 scores.add_predictions(name, outs[name].logits, labels)
-        scores.seen += len(next(iter(rows.values())))
+        n = len(next(iter(rows.values())))
+        scores.seen += n
+        progress.step(task, batch, scores.seen, n)
     if not label_column:
         scores.correct = {}
     return scores.summary()
 
 
 def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
+    splits = {task: _split(ctx, task) for task in ctx.tasks}
+    progress = EvalProgress({task: len(s.rows) for task, s in splits.items()}, ctx.cfg.evaluation.batch_size)
     tasks = {}
     for task in ctx.tasks:
-        tasks[task] = _task_scores(ctx, task)
+        tasks[task] = _task_scores(ctx, task, splits[task], progress)
         log.info("evaluate · %s: %s", task, {k: round(v, 4) for k, v in tasks[task]["accuracy"].items()})
     report = {"method": ctx.cfg.featcal.method, "models": [m for m in MODELS if m in ctx.cfg.evaluation.models],
-              "tasks": tasks, "summary": summarize(tasks), "config_fingerprint": ctx.cfg.fingerprint()}
+              "tasks": tasks, "summary": summarize(tasks), "drift_definition": drift_definition(ctx.adapter.pooled_index()),
+              "config_fingerprint": ctx.cfg.fingerprint()}
     write_json(ctx.run / "report.json", report)
     write_bytes(ctx.run / "report.md", markdown(report).encode())
     with atomic_path(ctx.run / "drift.png") as tmp:
