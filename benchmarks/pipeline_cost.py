@@ -4,7 +4,7 @@ floor of forward passes any calibration must make — all measured side by side 
     python benchmarks/pipeline_cost.py --shape vit-b32 --experts 2 4 8 --examples 32 --threads 1 \
         --out benchmarks/results/pipeline_cost.md
 
-The ViT-B/32 shape is the one DESIGN.md §6 quotes for the official implementation on these CPUs
+The ViT-B/32 shape is the one docs/design.md §5 quotes for the official implementation on these CPUs
 (8 experts, 32 examples/task, 1 thread: 291 s, 7.0 GiB peak RSS). Weights here are synthetic
 (random base, experts = base + seeded perturbations): cost does not depend on what the weights learned.
 """

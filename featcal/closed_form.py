@@ -1,4 +1,4 @@
-"""The closed-form FeatCal solves of DESIGN.md §2, on per-task moments, in float64."""
+"""The closed-form FeatCal solves of docs/design.md §2, on per-task moments, in float64."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ class CalibrationConfig(_Strict):
 class FeatCalConfig(_Strict):
     """The block-by-block solve. `method` picks the objective; the same stages and caches serve all three.
 
-    - featcal: DESIGN.md §2 (every field below is used).
+    - featcal: docs/design.md §2 (every field below is used).
     - regmean: W = (Σ_t G̃_t)⁻¹ Σ_t G̃_t W_t per linear module, G_t from expert t's own inputs (its block on
       its own stream). Only linear weights are solved; biases, norms and everything outside the blocks keep
       the merged checkpoint's values, so `merge.method: average` gives the published RegMean (non-linear

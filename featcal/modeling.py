@@ -97,7 +97,7 @@ def norm_eps(module: nn.Module) -> float:
 
 
 def normalized(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The norm's input with the normalisation applied and the affine left out (z in DESIGN.md §2)."""
+    """The norm's input with the normalisation applied and the affine left out (z in docs/design.md §2)."""
     x = x.float()
     eps = norm_eps(module)
     if isinstance(module, nn.LayerNorm):

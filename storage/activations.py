@@ -3,7 +3,7 @@
 The store is the run directory's `acts/` (plain files), or any fsspec URL (`runtime.activation_store`: a
 shared file system, `s3://…`, `gs://…`), so Dask workers on other machines can reach the activations without
 mounting the run directory's disk. One writer per array, preallocated, filled chunk by chunk under a temporary
-name and published under its final name only when complete (DESIGN.md §3: no appends or shared shards).
+name and published under its final name only when complete (docs/design.md §3: no appends or shared shards).
 On a local file system publishing is a rename; on an object store it is a copy of the finished objects, so a
 crash can leave a half-copied array: its digest then differs from the record's and the stage runs again.
 """

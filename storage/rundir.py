@@ -60,7 +60,7 @@ class RunDir:
     def __truediv__(self, rel: str) -> Path:
         return self.root / rel
 
-    # ---- layout (DESIGN.md §3) -------------------------------------------------------------
+    # ---- layout (docs/design.md §3) -------------------------------------------------------------
     @staticmethod
     def acts(task: str, layer: int, side: str) -> str:
         return f"acts/{task}/l{layer:02d}/{side}"

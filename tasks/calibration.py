@@ -1,4 +1,4 @@
-"""Stages of the layer-by-layer calibration: prepare, gram, solve, propagate (DESIGN.md §2–§3)."""
+"""Stages of the layer-by-layer calibration: prepare, gram, solve, propagate (docs/design.md §2–§3)."""
 
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ def _sq_norms(diff: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> tupl
 def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, Any]]:
     """Statistics of block `layer`'s module inputs for one task, and E_t(layer+1) (expert block on E_t).
 
-    Which block runs on which stream depends on `featcal.method` (DESIGN.md §2):
+    Which block runs on which stream depends on `featcal.method` (docs/design.md §2):
     - featcal: merged block on S_t (x_s) and expert block on E_t (x_e);
     - regmean: expert block on E_t, its inputs on both sides (only C_ss = G_t is used);
     - regmean_plus_plus: expert block on S_t, its inputs on both sides.
@@ -241,7 +241,7 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
     """The modules of solve group `group` (of `groups`) of block `layer`, from the tasks' statistics summed in
     task order; the group's file holds every parameter of its modules, solved or kept.
 
-    featcal solves linear weights, biases and norms (DESIGN.md §2); the RegMean variants solve linear
+    featcal solves linear weights, biases and norms (docs/design.md §2); the RegMean variants solve linear
     weights only (G_t = the task's per-token mean Gram) and keep the merged biases and norms."""
     fc = ctx.cfg.featcal
     hp = Hyper(lam=fc.lam, rho=fc.rho, alpha=fc.alpha, eps=fc.eps)

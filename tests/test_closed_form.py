@@ -1,4 +1,4 @@
-"""Each closed form of DESIGN.md §2 against a brute-force least-squares solve of the same objective."""
+"""Each closed form of docs/design.md §2 against a brute-force least-squares solve of the same objective."""
 
 import pytest
 import torch

@@ -90,7 +90,7 @@ def test_intermediates_are_released_but_records_kept(three_expert_run):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_single_expert_exactness(tiny_example, tmp_path, arch):
-    """T=1, α=1, λ→0: the calibrated model reproduces the expert's features (DESIGN.md §2).
+    """T=1, α=1, λ→0: the calibrated model reproduces the expert's features (docs/design.md §2).
 
     `average` of one expert makes the merged statistics the expert's own, while the anchor (ρ=2.2 against
     the base) points elsewhere: only a correct solve lands back on the expert."""
