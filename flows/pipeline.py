@@ -152,7 +152,7 @@ class Pipeline:
 
     def call_all(self, calls: list[StageCall]) -> list[Record]:
         """Independent calls: one after the other, or submitted together when the runner can run them at once."""
-        if self.submit is None:
+        if self.submit is None or not calls:
             return [self.call(c) for c in calls]
         done = [self.run.verified(c.stage, c.key) for c in calls]
         for c, d in zip(calls, done, strict=True):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import fsspec
 import pytest
+import torch
 
 from flows.cli import main
 from flows.dask_runner import DaskUnavailable, _check_shared, check_scheduler
@@ -27,9 +28,14 @@ pytest_plugins = ("tests.prefect_server", "tests.s3_server")
 
 @pytest.fixture(scope="module")
 def single_process_run(tiny_example, tmp_path_factory) -> Path:
-    """The reference both clusters must reproduce: one process, local activations, one solve per block."""
+    """The reference both clusters must reproduce: one process, local activations, one solve per block, and one
+    torch thread like each worker (`--worker-threads 1`): a different thread count may round differently."""
     run_dir = tmp_path_factory.mktemp("single")
-    run_pipeline(example_config(tiny_example, "bert", evaluation={"enabled": False}), run_dir)
+    before = torch.get_num_threads()
+    try:
+        run_pipeline(example_config(tiny_example, "bert", evaluation={"enabled": False}, runtime={"threads": 1}), run_dir)
+    finally:
+        torch.set_num_threads(before)  # runtime.threads applies to the whole process
     return run_dir
 
 
@@ -99,8 +105,9 @@ def test_existing_cluster_at_an_address_runs_split_solves_bit_identically(prefec
     assert len([e for e in events if e["event"] == "start" and e["stage"].startswith("solve/")]) == 3 * 3
     fs = fsspec.filesystem("s3", **s3_options)
     fs.invalidate_cache()
-    left = {"/".join(key.split("/")[2:4]) for key in fs.find(f"{s3_bucket}/run")}  # bucket/run/task/…
-    assert left == {f"{task}/inputs" for task in context(tmp_path / "dask").tasks}  # boundaries released after use
+    assert fs.find(f"{s3_bucket}/run") == []  # boundaries and model inputs released after use
+    assert {f"acts/{t}/inputs" for t in context(tmp_path / "dask").tasks} <= {
+        p.stem.replace("__", "/") for p in (tmp_path / "dask" / "records" / "released").glob("*.json")}
 
 
 def _free_port() -> int:
