@@ -40,3 +40,17 @@ def test_runtime_threads_is_applied(tiny_example, tmp_path):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_errors_are_one_line_unless_debug_asks_for_the_traceback(tiny_example, tmp_path, capsys):
+    args = ["run", str(tiny_example / "bert" / "example.yaml"), "--run-dir", str(tmp_path / "r"), "--no-prefect",
+            "--set", "calibration.data.topic.column=txt"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err == ("featcal: error: calibration.data.topic.column: 'txt' is not a column of the data (it has "
+                   "['text', 'label'])\n")
+    assert main([*args, "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and "featcal/data.py" in err
+    assert err.endswith("featcal: error: calibration.data.topic.column: 'txt' is not a column of the data (it has "
+                        "['text', 'label'])\n")
