@@ -10,6 +10,8 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from featcal import secrets
+
 
 class ConfigError(ValueError):
     """A configuration problem, with the offending field named in the message."""
@@ -146,12 +148,18 @@ class RunConfig(_Strict):
         return sorted(self.experts)
 
     def slice(self, *sections: str) -> dict[str, Any]:
-        """The parts of the config a stage depends on, for its cache key."""
-        dumped = self.model_dump(mode="json", by_alias=True)
+        """The parts of the config a stage depends on, for its cache key (secrets as their hashes)."""
+        dumped = self.redacted()
         return {name: dumped[name] for name in sections}
 
     def fingerprint(self) -> str:
-        return digest_of(self.model_dump(mode="json", by_alias=True))
+        """Changes with every value, secrets included, but is computed from their salted hashes only."""
+        return digest_of(self.redacted())
+
+    def redacted(self) -> dict[str, Any]:
+        """The config as JSON-able data with credential-looking values replaced by placeholders
+        (featcal/secrets.py): what `run.yaml` holds. Identical to the plain dump when there are none."""
+        return secrets.redact(self.model_dump(mode="json", by_alias=True))
 
 
 def digest_of(obj: Any) -> str:
@@ -161,20 +169,21 @@ def digest_of(obj: Any) -> str:
 
 def _apply_override(raw: dict[str, Any], assignment: str) -> tuple[str, ...]:
     """Apply `--set KEY.PATH=VALUE` to the raw config; returns the key path it set."""
+    shown = secrets.redact_override(assignment)  # the assignment itself unless it holds a credential
     if "=" not in assignment:
-        raise ConfigError(f"--set {assignment!r}: expected KEY.PATH=VALUE, e.g. featcal.lambda=0.1")
+        raise ConfigError(f"--set {shown!r}: expected KEY.PATH=VALUE, e.g. featcal.lambda=0.1")
     dotted, value = assignment.split("=", 1)
     keys = tuple(dotted.strip().split("."))
     node = raw
     for depth, key in enumerate(keys[:-1]):
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"--set {assignment!r}: {'.'.join(keys[: depth + 1])} is not a section "
-                              f"(the config has {node!r} there)")
+            raise ConfigError(f"--set {shown!r}: {'.'.join(keys[: depth + 1])} is not a section "
+                              f"(the config has {secrets.redact_value(node, keys[: depth + 1])!r} there)")
     try:
         node[keys[-1]] = yaml.safe_load(value)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {assignment!r}: the value is not valid YAML ({exc.problem})") from None
+        raise ConfigError(f"--set {shown!r}: the value is not valid YAML ({exc.problem})") from None
     return keys
 
 
@@ -207,13 +216,17 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise ConfigError(f"config file {path} is not valid YAML{at}: {getattr(exc, 'problem', None) or exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path}: expected a mapping at the top level, got {type(raw).__name__}")
-    origins = {_apply_override(raw, assignment): f"--set {assignment}" for assignment in overrides}
+    origins = {_apply_override(raw, assignment): f"--set {secrets.redact_override(assignment)}"
+               for assignment in overrides}
     return config_from_dict(raw, root=path.parent, source=str(path), origins=origins)
 
 
 def config_from_dict(raw: dict[str, Any], root: Path, source: str = "config",
                      origins: dict[tuple[str, ...], str] | None = None) -> RunConfig:
-    """`origins` maps key paths set outside `source` (by `--set`) to where they came from, for error messages."""
+    """`origins` maps key paths set outside `source` (by `--set`) to where they came from, for error messages.
+
+    Placeholders of secrets this process knows (featcal/secrets.py) are replaced by their values."""
+    raw = secrets.restore(raw)
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as exc:
@@ -223,7 +236,8 @@ def config_from_dict(raw: dict[str, Any], root: Path, source: str = "config",
             origin = next((o for keys, o in (origins or {}).items() if loc[: len(keys)] == keys), source)
             field = ".".join(loc) or "(top level)"
             got = repr(err.get("input"))
-            got = f"got {got}, " if loc and len(got) <= 80 else ""
+            secret = any(secrets.looks_secret(p) for p in loc) or secrets.redact(err.get("input")) != err.get("input")
+            got = f"got {got}, " if loc and len(got) <= 80 and not secret else ""
             problems.append(f"{field}: {err['msg']} ({got}from {origin})")
         raise ConfigError("; ".join(problems)) from None
     return _resolve_paths(cfg, root.resolve())

@@ -14,6 +14,7 @@ from prefect.artifacts import (
     create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact,
 )
 
+from featcal.secrets import scrub
 from flows.pipeline import StageCall, solve_stage, stage_count
 from storage.rundir import Record
 from tasks.context import context
@@ -149,7 +150,8 @@ class LiveArtifacts:
                                      description=f"{total}/{total} stages ({total - len(self.fresh)} from cache); done")
         report_md = self.run_dir / "report.md"
         if report_md.is_file():
-            create_markdown_artifact(report_md.read_text(), key=REPORT_KEY, description=str(self.run_dir))
+            # Whatever a report quotes, a credential this process knows is shown as its placeholder.
+            create_markdown_artifact(scrub(report_md.read_text()), key=REPORT_KEY, description=str(self.run_dir))
         report = self._report()
         if report is not None:
             rows = accuracy_rows(report)
@@ -158,7 +160,7 @@ class LiveArtifacts:
         links = [("run directory", self.run_dir), ("calibrated checkpoint", self.run_dir / "calibrated"),
                  ("report", report_md), ("manifest", self.run_dir / "manifest.json")]
         md = "\n".join(f"- {name}: [`{path}`]({path.as_uri()})" for name, path in links if path.exists())
-        create_markdown_artifact(md, key=RUN_DIR_KEY, description=f"where this run's files are ({self.run_dir})")
+        create_markdown_artifact(scrub(md), key=RUN_DIR_KEY, description=f"where this run's files are ({self.run_dir})")
 
 
 def _fmt(value: float | None) -> str:

@@ -32,9 +32,13 @@ def _add_flow_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("where the stages run")
     g.add_argument("--runner", choices=["local", "dask"], default="local",
                    help="local: in this process (default); dask: on Dask workers, a block's independent stages at once")
-    g.add_argument("--address", metavar="tcp://HOST:PORT", help="with --runner dask: the scheduler of an existing cluster")
+    g.add_argument("--address", metavar="tcp://HOST:PORT",
+                   help="with --runner dask: the scheduler of an existing cluster (tls://HOST:PORT: over TLS)")
     g.add_argument("--workers", type=int, metavar="N", help="with --runner dask: start a local cluster of N worker processes")
     g.add_argument("--worker-threads", type=int, default=1, metavar="N", help="torch threads per Dask worker (default 1)")
+    g.add_argument("--tls-ca-file", metavar="PEM", help="with --address tls://…: the CA that signed the cluster's certificates")
+    g.add_argument("--tls-cert", metavar="PEM", help="with --address tls://…: this client's certificate (signed by that CA)")
+    g.add_argument("--tls-key", metavar="PEM", help="with --address tls://…: its private key (if not in --tls-cert)")
     p.add_argument("--tag-task-runs", action="store_true",
                    help="tag every task run, not only the flow run, with model, merge method and run directory "
                         "(Prefect then checks each stage against tag concurrency limits: one server round trip each)")
@@ -73,6 +77,13 @@ def _add_server(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine only)")
     s.add_argument("--port", type=int, default=4200, help="port (default 4200; 0 picks a free one)")
     s.add_argument("--home", help="where the server keeps its state (default $FEATCAL_HOME or ~/.featcal)")
+    auth = s.add_mutually_exclusive_group()
+    auth.add_argument("--auth", action="store_true",
+                      help="require Prefect's basic authentication (the default on any address but loopback); the "
+                           "secret is made once and kept in HOME/server-auth (mode 0600)")
+    auth.add_argument("--insecure", action="store_true",
+                      help="on an address other than loopback, start WITHOUT authentication: anyone who reaches "
+                           "the port can read every run and run code through deployments")
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -190,6 +201,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     estimate = plan(cfg)  # checks every input (checkpoints, data, store) and estimates the disk the run needs
     if not args.skip_disk_check:
         check_free_space(estimate, run_dir)
+    if args.tls_ca_file or args.tls_cert or args.tls_key:
+        from flows.dask_runner import check_tls
+
+        check_tls(args.address if args.runner == "dask" else None, args.tls_ca_file, args.tls_cert, args.tls_key)
     if args.no_prefect:
         from flows.pipeline import run_pipeline
 
@@ -199,8 +214,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         api, source = server.api_url_for_runs()
         if args.runner == "dask" and args.address:
-            from flows.dask_runner import check_scheduler
+            from flows.dask_runner import check_scheduler, check_tls
 
+            check_tls(args.address, args.tls_ca_file, args.tls_cert, args.tls_key)
             check_scheduler(args.address)
         with server.using_api(api):
             from flows.prefect_flow import featcal_flow
@@ -213,7 +229,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             _quiet_prefect_tracebacks(args.debug)
             state = featcal_flow(args.config, str(run_dir), args.overrides, runner=args.runner, address=args.address,
                                  workers=args.workers, worker_threads=args.worker_threads,
-                                 tag_task_runs=args.tag_task_runs, return_state=True)
+                                 tag_task_runs=args.tag_task_runs, tls_ca_file=args.tls_ca_file,
+                                 tls_cert=args.tls_cert, tls_key=args.tls_key, return_state=True)
             if api is not None:
                 print(f"flow run: {server.ui_url(api)}/runs/flow-run/{state.state_details.flow_run_id}")
             state.result()  # raises the flow's error, if any
@@ -229,10 +246,27 @@ def _cmd_server(args: argparse.Namespace) -> int:
 
     where = server.home(args.home)
     if args.action == "start":
-        info, started = server.start(where, args.host, args.port)
+        info, started = server.start(where, args.host, args.port, auth=True if args.auth else None,
+                                     insecure=args.insecure)
         print(("started" if started else "already running:") + f" Prefect server, pid {info.pid}, home {where}")
-        print(f"UI:  {info.url}")
+        print(f"UI:  {info.url}" + ("   (it asks for the secret: paste the whole line of the file below)"
+                                    if info.auth else ""))
         print(f"API: {info.api_url}   (featcal run uses it while it runs; stop it with `featcal server stop`)")
+        if info.auth:
+            secret_file = server.auth_file(where)
+            print(f"authentication: on (Prefect basic auth); the secret is in {secret_file} (mode 0600, kept across "
+                  "restarts; delete it to make a new one)\n"
+                  "  featcal run / serve / deployments with this FEATCAL_HOME send it by themselves; anywhere else:\n"
+                  f"    export PREFECT_API_URL={info.api_url}\n"
+                  f"    export PREFECT_API_AUTH_STRING=\"$(cat {secret_file})\"\n"
+                  "  Dask workers need nothing: each stage carries the client's Prefect settings (use --address "
+                  "tls://… so they travel encrypted)")
+        elif not server.is_loopback(info.host):
+            print(f"featcal: warning: no authentication: anyone who reaches port {info.port} can read every run and "
+                  "run code through deployments (--insecure)", file=sys.stderr)
+        elif args.auth and not started:
+            print("featcal: note: the running server does not require authentication; stop it and start it again "
+                  "with --auth", file=sys.stderr)
         return 0
     if args.action == "stop":
         info = server.stop(where)
@@ -242,7 +276,9 @@ def _cmd_server(args: argparse.Namespace) -> int:
     if info is None:
         print(f"no featcal Prefect server is running (home {where})")
         return 1
-    print(f"running: Prefect server at {info.url} (pid {info.pid}, home {where})")
+    print(f"running: Prefect server at {info.url} (pid {info.pid}, home {where})"
+          + (f"; basic authentication, secret in {server.auth_file(where)}" if info.auth else
+             ("; NO authentication" if not server.is_loopback(info.host) else "")))
     return 0
 
 
@@ -251,15 +287,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     api = deploy.require_api()
     if args.runner == "dask" and args.address:
-        from flows.dask_runner import check_scheduler
+        from flows.dask_runner import check_scheduler, check_tls
 
+        check_tls(args.address, args.tls_ca_file, args.tls_cert, args.tls_key)
         check_scheduler(args.address)
+    elif args.tls_ca_file or args.tls_cert or args.tls_key:
+        from flows.dask_runner import check_tls
+
+        check_tls(None, args.tls_ca_file, args.tls_cert, args.tls_key)  # refuses: TLS options without a tls:// address
     name = args.name or f"featcal-{Path(args.config).stem}"
     with server.using_api(api):
         print(f"featcal: serving deployment featcal/{name} on '{args.cron}' (UTC) at {server.ui_url(api)}; "
               "Ctrl-C stops serving and pauses its schedule", file=sys.stderr)
         deploy.serve(args.config, args.run_dir, args.cron, name, args.overrides, args.runner, args.address,
-                     args.workers, args.worker_threads, args.tag_task_runs)
+                     args.workers, args.worker_threads, args.tag_task_runs, args.tls_ca_file, args.tls_cert,
+                     args.tls_key)
     return 0
 
 

@@ -5,14 +5,23 @@ runner) and a cron schedule, then runs Prefect's runner in this process: it pick
 (and runs triggered by hand from the UI or `prefect deployment run`) and executes each in a subprocess.
 Every run works in the same run directory, so a run resumes what the last one left: new or changed
 experts (a new checksum, so a new fingerprint) recompute only the stages that depend on them.
+
+The deployment's parameters live in the server's database and show in the UI, so credentials in `--set`
+overrides are stored as placeholders (featcal/secrets.py). Their values stay in this process's memory and
+reach the runs it starts (its subprocesses) through the environment variable FEATCAL_SECRETS; a run started
+by anything else cannot restore them and says so. Credentials in the config file are read from the file
+by each run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+import os
+import re
 from pathlib import Path
 from typing import Any
 
+from featcal import secrets
 from featcal.config import load_config
 
 FLOW_NAME = "featcal"
@@ -44,17 +53,36 @@ def check_cron(cron: str) -> None:
 
 
 def deployment_parameters(config: str, run_dir: str, overrides: list[str], runner: str, address: str | None,
-                          workers: int | None, worker_threads: int, tag_task_runs: bool) -> dict[str, Any]:
+                          workers: int | None, worker_threads: int, tag_task_runs: bool,
+                          tls_ca_file: str | None = None, tls_cert: str | None = None,
+                          tls_key: str | None = None) -> dict[str, Any]:
+    """The deployment's parameters, as stored by the server: overrides with their credentials redacted."""
     params: dict[str, Any] = {"config_path": str(Path(config).resolve()), "run_dir": str(Path(run_dir).resolve()),
-                              "overrides": list(overrides), "runner": runner, "tag_task_runs": tag_task_runs}
+                              "overrides": secrets.redact_overrides(overrides), "runner": runner,
+                              "tag_task_runs": tag_task_runs}
     if runner == "dask":
         params.update(address=address, workers=workers, worker_threads=worker_threads)
+        tls = {"tls_ca_file": tls_ca_file, "tls_cert": tls_cert, "tls_key": tls_key}
+        params.update({k: str(Path(v).resolve()) for k, v in tls.items() if v is not None})
     return params
+
+
+def export_override_secrets(overrides: list[str]) -> None:
+    """Let the runs this process starts restore the credentials of `overrides` (FEATCAL_SECRETS, memory only)."""
+    values = secrets.known()
+    wanted = {ph: values[ph] for o in secrets.redact_overrides(overrides) for ph in _placeholders(o) if ph in values}
+    if wanted:
+        os.environ[secrets.ENV_VAR] = secrets.export_env(wanted)
+
+
+def _placeholders(text: str) -> list[str]:
+    return re.findall(r"<redacted:[0-9a-f]{16}>", text)
 
 
 def serve(config: str, run_dir: str, cron: str, name: str, overrides: list[str], runner: str = "local",
           address: str | None = None, workers: int | None = None, worker_threads: int = 1,
-          tag_task_runs: bool = False) -> None:
+          tag_task_runs: bool = False, tls_ca_file: str | None = None, tls_cert: str | None = None,
+          tls_key: str | None = None) -> None:
     """Register the deployment and serve it until interrupted (its schedule is paused on shutdown)."""
     from prefect.deployments.runner import EntrypointType
 
@@ -62,7 +90,9 @@ def serve(config: str, run_dir: str, cron: str, name: str, overrides: list[str],
 
     check_cron(cron)
     cfg = load_config(config, overrides)  # a bad config fails now, not at 2 a.m.
-    params = deployment_parameters(config, run_dir, overrides, runner, address, workers, worker_threads, tag_task_runs)
+    params = deployment_parameters(config, run_dir, overrides, runner, address, workers, worker_threads, tag_task_runs,
+                                   tls_ca_file, tls_cert, tls_key)
+    export_override_secrets(overrides)
     featcal_flow.serve(
         name=name,
         cron=cron,

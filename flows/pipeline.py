@@ -292,7 +292,8 @@ def run_pipeline(cfg: RunConfig, run_dir: str | Path, runner: Runner = direct_ru
     preflight(cfg)
     # Inside a Prefect flow too: the flow engine installs its own SIGTERM handler, this takes it back.
     with signals.stop_on_signals(), run.lock():
-        resolved = yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False).encode()
+        # Credentials as placeholders (featcal/secrets.py): stages restore them from memory, never from this file.
+        resolved = yaml.safe_dump(cfg.redacted(), sort_keys=False).encode()
         if not (run / CONFIG_NAME).is_file() or (run / CONFIG_NAME).read_bytes() != resolved:
             write_bytes(run / CONFIG_NAME, resolved)
         pipeline = Pipeline(run.root, runner, on_stage, submit)

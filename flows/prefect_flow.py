@@ -4,6 +4,9 @@ Stages run in the flow's process (`runner="local"`), or on Dask workers (`runner
 where the independent stages of a block run at the same time. Either way the flow run carries tags (model,
 merge method, run directory), its task runs carry readable names (`block 03 · gram · sentiment`), and the UI
 shows live progress, a table per block and the final report (flows/artifacts.py).
+
+Credentials in `--set` overrides never reach the Prefect API: the flow run's `overrides` parameter is stored
+with them replaced by placeholders (featcal/secrets.py); the flow itself is called with the real values.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from prefect import flow, get_client, task
+from prefect import Flow, get_client, task
 from prefect.context import FlowRunContext
 from prefect.runtime import flow_run as current_flow_run
 
+from featcal import secrets
 from featcal.config import RunConfig, load_config
 from flows.artifacts import LiveArtifacts
 from flows.pipeline import STAGES, StageCall, run_pipeline
@@ -127,20 +131,35 @@ def _flow_run_name() -> str:
     return f"featcal · {Path(params['run_dir']).name}" + (f" · {runner}" if runner != "local" else "")
 
 
-@flow(name="featcal", flow_run_name=_flow_run_name)
+class RedactingFlow(Flow):
+    """A flow whose `overrides` parameter is recorded (in the API, so in the UI) with credentials redacted."""
+
+    def serialize_parameters(self, parameters: dict[str, Any]) -> dict[str, Any]:
+        serialized = super().serialize_parameters(parameters)
+        if isinstance(serialized.get("overrides"), list):
+            serialized["overrides"] = secrets.redact_overrides(serialized["overrides"])
+        return serialized
+
+
 def featcal_flow(config_path: str, run_dir: str, overrides: list[str] | None = None, runner: str = "local",
                  address: str | None = None, workers: int | None = None, worker_threads: int = 1,
-                 tag_task_runs: bool = False) -> dict[str, str]:
+                 tag_task_runs: bool = False, tls_ca_file: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> dict[str, str]:
     """Calibrate the merged model of CONFIG into RUN_DIR, resuming whatever a previous run finished.
 
     runner: "local" (stages in this process) or "dask" (on the Dask cluster at `address`, or on a local
-    cluster of `workers` processes, each using `worker_threads` torch threads). The flow run is tagged with
-    the model, merge method and run directory; `tag_task_runs` puts those tags on every task run too."""
+    cluster of `workers` processes, each using `worker_threads` torch threads; `tls_*`: the CA, certificate and
+    key for a tls:// address). The flow run is tagged with the model, merge method and run directory;
+    `tag_task_runs` puts those tags on every task run too."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
     cfg = load_config(config_path, overrides or [])
+    plain = cfg.model_dump(mode="json", by_alias=True)
+    # A deployment's overrides are stored redacted: their values come from `featcal serve`'s memory, or not at all.
+    secrets.require_known(plain, f"the config of this run ({config_path} with its overrides)")
+    known_secrets = secrets.found(plain)
     run_dir = str(Path(run_dir).resolve())
     labels = run_tags(cfg, run_dir)
     _tag_this_flow_run(labels)
@@ -151,9 +170,14 @@ def featcal_flow(config_path: str, run_dir: str, overrides: list[str] | None = N
             from flows.dask_runner import dask_task_runner
 
             stack.enter_context(temporary_settings(updates={PREFECT_API_URL: _api_for_workers(address)}))
-            stages = StageRunner(task_tags, stack.enter_context(dask_task_runner(run_dir, address, workers, worker_threads)))
+            stages = StageRunner(task_tags, stack.enter_context(dask_task_runner(
+                run_dir, address, workers, worker_threads, known_secrets=known_secrets, tls_ca_file=tls_ca_file,
+                tls_cert=tls_cert, tls_key=tls_key)))
             records = run_pipeline(cfg, run_dir, stages, on_stage=live.on_stage, submit=stages.submit)
         else:
             records = run_pipeline(cfg, run_dir, StageRunner(task_tags), on_stage=live.on_stage)
     live.finish()
     return {name: str(Path(run_dir) / next(iter(rec["outputs"]))) for name, rec in records.items()}
+
+
+featcal_flow = RedactingFlow(featcal_flow, name="featcal", flow_run_name=_flow_run_name)

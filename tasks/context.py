@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from featcal import secrets
 from featcal.config import RunConfig, config_from_dict
 from featcal.modeling import Skeleton
 from storage.activations import ActivationStore
@@ -21,7 +22,9 @@ class RunContext:
     def __init__(self, run_dir: str | Path):
         root = Path(run_dir).resolve()
         raw = yaml.safe_load((root / CONFIG_NAME).read_text())
+        # run.yaml holds credentials as placeholders; the values come from this process's memory (featcal/secrets.py).
         self.cfg: RunConfig = config_from_dict(raw, root=root, source=str(root / CONFIG_NAME))
+        secrets.require_known(self.cfg.model_dump(mode="json", by_alias=True), str(root / CONFIG_NAME))
         runtime = self.cfg.runtime
         self.run = RunDir(root, ActivationStore.of_run(root, runtime.activation_store, runtime.storage_options))
         if self.cfg.runtime.threads:
