@@ -3,10 +3,6 @@ weights bit for bit; usage and connection errors name what is wrong."""
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +18,7 @@ from storage.atomic import digest
 from storage.rundir import RunDir
 from tasks.context import context
 from tests.conftest import example_config
+from tests.dask_processes import dask_processes, free_port
 
 pytest_plugins = ("tests.prefect_server", "tests.s3_server")
 
@@ -55,33 +52,8 @@ def test_local_cluster_of_two_workers_is_bit_identical_to_one_process(prefect_se
 @pytest.fixture
 def dask_cluster(tmp_path) -> Iterator[str]:
     """A Dask cluster started the way a user starts one: `dask scheduler` and `dask worker` processes."""
-    dask = str(Path(sys.executable).parent / "dask")
-    address = f"tcp://127.0.0.1:{_free_port()}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    logs = tmp_path / "dask-logs"
-    logs.mkdir()
-    procs = [subprocess.Popen([dask, "scheduler", "--host", "127.0.0.1", "--port", address.rsplit(":", 1)[1],
-                               "--no-dashboard"], env=env, stdout=subprocess.DEVNULL,
-                              stderr=(logs / "scheduler.log").open("w"))]
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                check_scheduler(address, timeout=1.0)
-                break
-            except DaskUnavailable:
-                assert time.monotonic() < deadline, (logs / "scheduler.log").read_text()
-                time.sleep(0.2)
-        procs.append(subprocess.Popen([dask, "worker", address, "--nworkers", "2", "--nthreads", "1", "--no-dashboard"],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=(logs / "workers.log").open("w")))
+    with dask_processes("tcp", {**os.environ, "OMP_NUM_THREADS": "1"}, tmp_path / "dask-logs") as address:
         yield address
-    finally:
-        for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 def test_existing_cluster_at_an_address_runs_split_solves_bit_identically(prefect_server, tiny_example, dask_cluster,
@@ -110,12 +82,6 @@ def test_existing_cluster_at_an_address_runs_split_solves_bit_identically(prefec
         p.stem.replace("__", "/") for p in (tmp_path / "dask" / "records" / "released").glob("*.json")}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_dask_runner_needs_a_cluster_flag(tiny_example, tmp_path, capsys):
     config = str(tiny_example / "bert" / "example.yaml")
     with pytest.raises(SystemExit) as exc:
@@ -129,7 +95,7 @@ def test_dask_runner_needs_a_cluster_flag(tiny_example, tmp_path, capsys):
 
 
 def test_dask_address_that_does_not_answer_is_named(tiny_example, tmp_path, capsys):
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     code = main(["run", str(tiny_example / "bert" / "example.yaml"), "--run-dir", str(tmp_path / "r"),
                  "--runner", "dask", "--address", address])
     assert code == 2

@@ -22,7 +22,6 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,8 +33,9 @@ from featcal import secrets as featcal_secrets
 from featcal.config import load_config
 from flows import deploy, server
 from flows.cli import main
-from flows.dask_runner import DaskUnavailable, check_scheduler, check_tls
+from flows.dask_runner import DaskUnavailable, check_tls
 from storage.rundir import RunDir
+from tests.dask_processes import dask_processes
 from tests.prefect_helpers import wait_for
 
 pytest_plugins = ("tests.s3_server",)
@@ -314,46 +314,16 @@ def _make_tls(where: Path) -> dict[str, str]:
     return {k: str(v) for k, v in files.items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def tls_cluster(tmp_path) -> Iterator[tuple[str, dict[str, str], Path]]:
     """`dask scheduler` and `dask worker` started the way docs/security.md shows, with certificates of our CA."""
     tls = _make_tls(tmp_path)
     flags = ["--tls-ca-file", tls["ca"], "--tls-cert", tls["cert"], "--tls-key", tls["key"]]
-    dask = str(Path(sys.executable).parent / "dask")
-    port = _free_port()
-    address = f"tls://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(OMP_NUM_THREADS="1", PREFECT_SERVER_ANALYTICS_ENABLED="false", HF_HUB_OFFLINE="1")
     logs = tmp_path / "dask-logs"
-    logs.mkdir()
-    procs = [subprocess.Popen([dask, "scheduler", "--protocol", "tls", "--host", "127.0.0.1", "--port", str(port),
-                               "--no-dashboard", *flags], env=env, stdout=subprocess.DEVNULL,
-                              stderr=(logs / "scheduler.log").open("w"))]
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                check_scheduler(address, timeout=1.0)
-                break
-            except DaskUnavailable:
-                assert time.monotonic() < deadline, (logs / "scheduler.log").read_text()
-                time.sleep(0.2)
-        procs.append(subprocess.Popen([dask, "worker", address, "--nworkers", "2", "--nthreads", "1", "--no-dashboard",
-                                       *flags], env=env, stdout=subprocess.DEVNULL, stderr=(logs / "workers.log").open("w")))
+    with dask_processes("tls", env, logs, flags) as address:
         yield address, tls, logs
-    finally:
-        for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 def _refused_without_a_certificate(address: str, ca_file: str) -> bool:

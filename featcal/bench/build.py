@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import datasets
 import torch
 from transformers import AutoTokenizer, BertModel
 from transformers.utils import logging as hf_logging
