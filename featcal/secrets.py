@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 ENV_VAR = "FEATCAL_SECRETS"
-PLACEHOLDER = re.compile(r"^<redacted:[0-9a-f]{16}>$")
+PLACEHOLDER = re.compile(r"<redacted:[0-9a-f]{16}>")
 _SALT = b"featcal-redaction-v1"
 _ITERATIONS = 100_000
 
@@ -72,7 +72,7 @@ def looks_secret(name: object) -> bool:
 
 
 def is_placeholder(value: object) -> bool:
-    return isinstance(value, str) and PLACEHOLDER.match(value) is not None
+    return isinstance(value, str) and PLACEHOLDER.fullmatch(value) is not None
 
 
 def placeholder(value: Any) -> str:

@@ -189,6 +189,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_cluster(args: argparse.Namespace) -> None:
+    """TLS options only with a tls:// address, naming files that exist; a scheduler that answers at --address."""
+    if not (args.address or args.tls_ca_file or args.tls_cert or args.tls_key):
+        return  # no cluster to reach: Dask is not even imported
+    from flows.dask_runner import check_scheduler, check_tls
+
+    check_tls(args.address, args.tls_ca_file, args.tls_cert, args.tls_key)
+    if args.address:
+        check_scheduler(args.address)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from featcal.config import load_config
     from storage.rundir import RunDir
@@ -201,10 +212,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     estimate = plan(cfg)  # checks every input (checkpoints, data, store) and estimates the disk the run needs
     if not args.skip_disk_check:
         check_free_space(estimate, run_dir)
-    if args.tls_ca_file or args.tls_cert or args.tls_key:
-        from flows.dask_runner import check_tls
-
-        check_tls(args.address if args.runner == "dask" else None, args.tls_ca_file, args.tls_cert, args.tls_key)
+    _check_cluster(args)
     if args.no_prefect:
         from flows.pipeline import run_pipeline
 
@@ -213,11 +221,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from flows import server
 
         api, source = server.api_url_for_runs()
-        if args.runner == "dask" and args.address:
-            from flows.dask_runner import check_scheduler, check_tls
-
-            check_tls(args.address, args.tls_ca_file, args.tls_cert, args.tls_key)
-            check_scheduler(args.address)
         with server.using_api(api):
             from flows.prefect_flow import featcal_flow
 
@@ -286,15 +289,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from flows import deploy, server
 
     api = deploy.require_api()
-    if args.runner == "dask" and args.address:
-        from flows.dask_runner import check_scheduler, check_tls
-
-        check_tls(args.address, args.tls_ca_file, args.tls_cert, args.tls_key)
-        check_scheduler(args.address)
-    elif args.tls_ca_file or args.tls_cert or args.tls_key:
-        from flows.dask_runner import check_tls
-
-        check_tls(None, args.tls_ca_file, args.tls_cert, args.tls_key)  # refuses: TLS options without a tls:// address
+    _check_cluster(args)
     name = args.name or f"featcal-{Path(args.config).stem}"
     with server.using_api(api):
         print(f"featcal: serving deployment featcal/{name} on '{args.cron}' (UTC) at {server.ui_url(api)}; "

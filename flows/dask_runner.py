@@ -26,6 +26,8 @@ from urllib.parse import urlsplit
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from flows.server import restore_environ
+
 PROBE_NAME = ".featcal-worker-probe"
 SECRETS_PLUGIN = "featcal-secrets"
 
@@ -169,7 +171,7 @@ def dask_task_runner(run_dir: str, address: str | None = None, workers: int | No
         if address is not None:
             client.wait_for_workers(1, timeout=60)
         _check_shared(client, run_dir)
-        _restore(before)
+        restore_environ(before)
         yield runner
 
 
@@ -177,14 +179,6 @@ def dask_task_runner(run_dir: str, address: str | None = None, workers: int | No
 # `pre-spawn-environ` and our thread settings): left there, every process started later — a bench method
 # run, a reference run in the tests — would run torch on one thread.
 SPAWN_ENVIRON = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MALLOC_TRIM_THRESHOLD_")
-
-
-def _restore(before: dict[str, str | None]) -> None:
-    for key, value in before.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 def _unregister(client, name: str) -> None:  # noqa: ANN001 (distributed.Client)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -70,13 +69,10 @@ def deployment_parameters(config: str, run_dir: str, overrides: list[str], runne
 def export_override_secrets(overrides: list[str]) -> None:
     """Let the runs this process starts restore the credentials of `overrides` (FEATCAL_SECRETS, memory only)."""
     values = secrets.known()
-    wanted = {ph: values[ph] for o in secrets.redact_overrides(overrides) for ph in _placeholders(o) if ph in values}
+    wanted = {ph: values[ph] for o in secrets.redact_overrides(overrides) for ph in secrets.PLACEHOLDER.findall(o)
+              if ph in values}
     if wanted:
         os.environ[secrets.ENV_VAR] = secrets.export_env(wanted)
-
-
-def _placeholders(text: str) -> list[str]:
-    return re.findall(r"<redacted:[0-9a-f]{16}>", text)
 
 
 def serve(config: str, run_dir: str, cron: str, name: str, overrides: list[str], runner: str = "local",

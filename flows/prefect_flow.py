@@ -11,7 +11,6 @@ with them replaced by placeholders (featcal/secrets.py); the flow itself is call
 
 from __future__ import annotations
 
-import ipaddress
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from featcal import secrets
 from featcal.config import RunConfig, load_config
 from flows.artifacts import LiveArtifacts
 from flows.pipeline import STAGES, StageCall, run_pipeline
+from flows.server import is_loopback
 from storage.rundir import Record
 from tasks.record import execute
 
@@ -99,15 +99,6 @@ def _tag_this_flow_run(labels: list[str]) -> None:
             client.update_flow_run(ctx.flow_run.id, tags=[*ctx.flow_run.tags, *missing])
 
 
-def _loopback(host: str | None) -> bool:
-    if host in (None, "localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _api_for_workers(address: str | None) -> str:
     """The API URL Dask workers report their task runs to. Ephemeral mode's server is this process's own
     loopback server: fine for a local cluster, unreachable from other machines."""
@@ -119,7 +110,7 @@ def _api_for_workers(address: str | None) -> str:
         server = SubprocessASGIServer()  # the ephemeral server this flow run already reports to (a singleton)
         server.start()
         api = server.api_url
-    if address is not None and not _loopback(urlsplit(address).hostname) and _loopback(urlsplit(api).hostname):
+    if address is not None and not is_loopback(urlsplit(address).hostname) and is_loopback(urlsplit(api).hostname):
         raise ValueError(f"the Dask workers at {address} cannot reach the Prefect API at {api}: start the server "
                          "on an address they reach (`featcal server start --host 0.0.0.0`) or set PREFECT_API_URL")
     return api

@@ -351,11 +351,16 @@ def using_api(url: str | None) -> Iterator[None]:
         with temporary_settings(updates=updates):
             yield
     finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        restore_environ(before)
+
+
+def restore_environ(before: dict[str, str | None]) -> None:
+    """Put environment variables back as they were ({name: value, or None for unset})."""
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def ui_url(api_url: str) -> str:

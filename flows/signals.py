@@ -32,11 +32,6 @@ class Stopped(BaseException):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
-    @property
-    def exit_code(self) -> int:
-        """The shell's convention: 128 + the signal number (130 for SIGINT, 143 for SIGTERM)."""
-        return 128 + self.signum
-
 
 @dataclass
 class _Where:
@@ -103,7 +98,7 @@ def exit_stopped(signum: int, forced: bool = False) -> NoReturn:
         drain_prefect()
     end_children(timeout=1.0 if forced else 2.0)
     sys.stdout.flush()
-    os._exit(128 + signum)
+    os._exit(128 + signum)  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
 
 
 def _watchdog(signum: int, grace: float) -> None:

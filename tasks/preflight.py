@@ -76,16 +76,19 @@ def check_activation_store(cfg: RunConfig) -> None:
     store.check_writable()
 
 
-# Configs this process has checked already: `featcal run` checks before Prefect starts, then the flow's
-# pipeline would check the same config again seconds later.
-_checked: dict[str, Adapter] = {}
+# The last config checked in this process: `featcal run` checks before Prefect starts, and the flow's pipeline,
+# seconds later, takes that verdict once instead of reading every input again. Any later check reads them anew
+# (a long-lived process may run the same config after its files changed).
+_just_checked: dict[str, Adapter] = {}
 
 
 def preflight(cfg: RunConfig) -> Adapter:
     key = cfg.fingerprint()
-    if key not in _checked:
-        adapter = check_checkpoints(cfg)
-        check_data(cfg, adapter)
-        check_activation_store(cfg)
-        _checked[key] = adapter
-    return _checked[key]
+    if key in _just_checked:
+        return _just_checked.pop(key)
+    adapter = check_checkpoints(cfg)
+    check_data(cfg, adapter)
+    check_activation_store(cfg)
+    _just_checked.clear()
+    _just_checked[key] = adapter
+    return adapter
