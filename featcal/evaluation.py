@@ -52,9 +52,14 @@ def _sq(x: torch.Tensor) -> float:
 @dataclass
 class TaskScores:
     """Running sums for one task: correct predictions per model, squared drift per boundary, over all real tokens
-    and over the head token (`head_index`, None = the head pools all tokens: no separate sums are kept)."""
+    and over the head token (`head_index`, None = the head pools all tokens: no separate sums are kept).
+
+    It also keeps every predicted class id per model and the label ids, in row order, so that two models can be
+    compared row by row (a paired test) rather than only by their accuracies."""
 
     correct: dict[str, int] = field(default_factory=dict)
+    predictions: dict[str, list[int]] = field(default_factory=dict)
+    labels: list[int] = field(default_factory=list)
     seen: int = 0
     drift_diff: dict[str, list[float]] = field(default_factory=dict)
     drift_ref: list[float] = field(default_factory=list)
@@ -63,7 +68,14 @@ class TaskScores:
     head_ref: list[float] = field(default_factory=list)
 
     def add_predictions(self, model: str, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        self.correct[model] = self.correct.get(model, 0) + int((logits.argmax(-1) == labels).sum())
+        """One batch of `model`: every model is given the same rows with the same labels, so the labels are
+        kept once, by the first model to reach these rows."""
+        predicted = logits.argmax(-1)
+        self.correct[model] = self.correct.get(model, 0) + int((predicted == labels).sum())
+        kept = self.predictions.setdefault(model, [])
+        kept += predicted.tolist()
+        if len(kept) > len(self.labels):
+            self.labels += labels.tolist()
 
     def _head(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """[B, D]: the head token of every row, zero where that token is padding."""
@@ -92,7 +104,8 @@ class TaskScores:
 
     def summary(self) -> dict[str, Any]:
         """accuracy, `drift` (all tokens), `drift_head_token` (per boundary) and `last_boundary_drift`
-        ({model: {"all_tokens", "head_token"}}); drift keys are empty when no drift was measured."""
+        ({model: {"all_tokens", "head_token"}}); drift keys are empty when no drift was measured. When predictions
+        were added, also `predictions` ({model: class ids}) and `labels` (label ids), both in row order."""
         acc = {k: v / self.seen for k, v in self.correct.items()} if self.seen else {}
 
         def ratios(diff: dict[str, list[float]], ref: list[float]) -> dict[str, list[float]]:
@@ -104,8 +117,11 @@ class TaskScores:
         else:
             head = ratios(self.head_diff, self.head_ref)
         last = {k: {"all_tokens": drift[k][-1], "head_token": head[k][-1]} for k in drift if drift[k]}
-        return {"examples": self.seen, "accuracy": acc, "drift": drift, "drift_head_token": head,
-                "last_boundary_drift": last}
+        out: dict[str, Any] = {"examples": self.seen, "accuracy": acc, "drift": drift, "drift_head_token": head,
+                               "last_boundary_drift": last}
+        if self.predictions:
+            out |= {"predictions": self.predictions, "labels": self.labels}
+        return out
 
 
 class EvalProgress:

@@ -77,7 +77,7 @@ def _task_scores(ctx: RunContext, task: str, split: _Split, progress: EvalProgre
         scores.seen += n
         progress.step(task, batch, scores.seen, n)
     if not label_column:
-        scores.correct = {}
+        scores.correct, scores.predictions, scores.labels = {}, {}, []
     return scores.summary()
 
 

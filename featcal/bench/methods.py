@@ -114,6 +114,8 @@ def run_pipeline_method(bench: Path, name: str, run: MethodRun) -> dict[str, Any
     report = read_json(run_dir / "report.json")
     return {"run_dir": str(run_dir), "cost": _stage_cost(run_dir),
             "accuracy": {t: s["accuracy"] for t, s in report["tasks"].items()},
+            "predictions": {t: s["predictions"] for t, s in report["tasks"].items() if "predictions" in s},
+            "labels": {t: s["labels"] for t, s in report["tasks"].items() if "labels" in s},
             "drift": report["summary"].get("average_drift", {})}
 
 

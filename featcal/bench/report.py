@@ -1,6 +1,7 @@
 """The benchmark report: one table of methods, the sample-efficiency curve, costs, and plots.
 
-Gap closed = (method − TA) / (experts − TA), on the task-averaged accuracy.
+Gap closed = (method − TA) / (experts − TA), on the task-averaged accuracy. Where the runs kept their per-example
+predictions, TA + FeatCal is compared with every other method on the same test rows (featcal.bench.paired).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from featcal.bench.methods import FULL, SAMPLE_SIZES  # noqa: E402
+from featcal.bench.paired import RESAMPLES, SEED, mcnemar, paired_bootstrap  # noqa: E402
 
 # (row label, run, evaluated model, what its cost is)
 METHOD_ROWS = (
@@ -30,6 +32,7 @@ METHOD_ROWS = (
     ("task arithmetic 0.9", "ta09_featcal", "merged", "merge"),
     ("TA 0.9 + FeatCal (λ 0.05, ρ 2.2)", "ta09_featcal", "calibrated", "total"),
 )
+PAIRED_REFERENCE = "TA + FeatCal"  # the method row every other row is compared with, row by row
 
 
 def _mean(values: list[float]) -> float:
@@ -40,6 +43,35 @@ def _standard_error(accuracies: list[float], rows: int) -> float:
     """Binomial standard error of a task average, each task scored on `rows` test rows: how far apart two
     methods must be before the benchmark can tell them apart."""
     return sum(a * (1 - a) / rows for a in accuracies) ** 0.5 / len(accuracies)
+
+
+def _correct(result: dict[str, Any], model: str, tasks: list[str]) -> dict[str, list[bool]] | None:
+    """Per task, whether `model` got each test row right, in row order; None when the run kept no per-example
+    predictions for it (results written before they were kept, or a task missing)."""
+    predictions, labels = result.get("predictions", {}), result.get("labels", {})
+    if any(model not in predictions.get(t, {}) or t not in labels for t in tasks):
+        return None
+    return {t: [p == y for p, y in zip(predictions[t][model], labels[t], strict=True)] for t in tasks}
+
+
+def _paired(results: dict[str, dict[str, Any]], tasks: list[str], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """TA + FeatCal against every other method row on the same test rows: the task-averaged accuracy difference
+    with its paired-bootstrap interval, and McNemar's test on the rows of all tasks pooled. Rows without
+    per-example predictions (TA + FeatCal's own included) are listed under `without_predictions`."""
+    correct = {r["method"]: _correct(results[r["run"]], r["model"], tasks) for r in rows}
+    reference = correct.get(PAIRED_REFERENCE)
+    comparisons = []
+    for row in rows:
+        other = correct[row["method"]]
+        if row["method"] == PAIRED_REFERENCE or reference is None or other is None:
+            continue
+        boot = paired_bootstrap(reference, other, RESAMPLES, SEED)
+        test = mcnemar([c for t in tasks for c in reference[t]], [c for t in tasks for c in other[t]])
+        comparisons.append({"method": row["method"], "run": row["run"], "model": row["model"], **boot,
+                            "p_value": test["p_value"], "featcal_only_right": test["only_a_right"],
+                            "other_only_right": test["only_b_right"]})
+    return {"reference": PAIRED_REFERENCE, "resamples": RESAMPLES, "seed": SEED, "comparisons": comparisons,
+            "without_predictions": [m for m, c in correct.items() if c is None]}
 
 
 # sample-efficiency curve → (its 256-example run, its label); run `{run}_n{n:03d}` has n examples per task
@@ -71,7 +103,7 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
         if per_task is None:
             continue
         avg = _mean(list(per_task.values()))
-        row: dict[str, Any] = {"method": label, "run": run, "accuracy": per_task, "average": avg}
+        row: dict[str, Any] = {"method": label, "run": run, "model": model, "accuracy": per_task, "average": avg}
         if test_rows:
             row["standard_error"] = _standard_error(list(per_task.values()), test_rows)
         if expert_avg:
@@ -94,6 +126,10 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
         if points:
             curve[name] = points
     out: dict[str, Any] = {**meta, "tasks": tasks, "methods": rows, "sample_efficiency": curve}
+    if experts and ta:
+        out["gaps"] = {t: experts[t] - ta[t] for t in tasks}
+    if any(row["method"] == PAIRED_REFERENCE for row in rows):
+        out["paired"] = _paired(results, tasks, rows)
     kept = {name: (points[8] - ta_avg) / (points[FULL] - ta_avg) for name, points in curve.items()
             if name != "regmean_pp" and ta_avg is not None and 8 in points and FULL in points and points[FULL] != ta_avg}
     if "featcal" in kept:
@@ -111,6 +147,10 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [str(report[k]) for k in ("about",) if k in report] + [""]
     lines.append("| method | " + " | ".join(tasks) + " | average | normalized | gap closed | time (s) | peak RSS (MiB) |")
     lines.append("|---|" + "---:|" * (len(tasks) + 5))
+    if "gaps" in report:
+        gaps = [report["gaps"][t] for t in tasks]  # then their average, under "average"; the other columns empty
+        lines.append("| *gap (expert − TA)* | " + " | ".join(f"*{100 * g:+.1f}*" for g in [*gaps, _mean(gaps)])
+                     + " |" * 5)
     for row in report["methods"]:
         cells = [f"{100 * row['accuracy'][t]:.1f}" for t in tasks]
         extra = [f"{100 * row['average']:.1f}" + (f" ± {100 * row['standard_error']:.1f}" if "standard_error" in row else ""),
@@ -118,9 +158,15 @@ def markdown(report: dict[str, Any]) -> str:
                  f"{100 * row['gap_closed']:.1f} %" if "gap_closed" in row else "",
                  f"{row['seconds']:.1f}" if "seconds" in row else "", f"{row['peak_rss_mib']:.0f}" if "peak_rss_mib" in row else ""]
         lines.append(f"| {row['method']} | " + " | ".join(cells + extra) + " |")
+    if "gaps" in report:
+        lines += ["", "*gap (expert − TA)*: the experts' accuracy minus task arithmetic's, in points, per task and "
+                      "on average: what calibration can win back."]
     if any("standard_error" in row for row in report["methods"]):
+        compared = bool(report.get("paired", {}).get("comparisons"))
         lines += ["", "± is one binomial standard error of the task average over the test rows; two methods scored "
-                      "on the same rows differ less by chance than two independent samples would (√2 × that)."]
+                      "on the same rows differ less by chance than two independent samples would (√2 × that)"
+                  + ("; the paired comparisons below test the differences themselves." if compared else ".")]
+    lines += paired_markdown(report)
     lines += ["", "## Sample efficiency (average accuracy, %)", "", "| examples/task | " + " | ".join(str(n) for n in SAMPLE_SIZES) + " |",
               "|---|" + "---:|" * len(SAMPLE_SIZES)]
     for name, points in report["sample_efficiency"].items():
@@ -132,6 +178,33 @@ def markdown(report: dict[str, Any]) -> str:
     for note in report.get("notes", []):
         lines += ["", note]
     return "\n".join(lines) + "\n"
+
+
+def _p_value(p: float) -> str:
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def paired_markdown(report: dict[str, Any]) -> list[str]:
+    """The paired-comparison section: one row per method, Δ = TA + FeatCal − that method."""
+    paired = report.get("paired")
+    if not paired:
+        return []
+    lines = ["", f"## Paired comparisons: {paired['reference']} against each method", ""]
+    if paired["comparisons"]:
+        lines += ["| method | Δ accuracy (points) | 95 % CI (paired bootstrap over test rows) | McNemar p | "
+                  "FeatCal right, other wrong | FeatCal wrong, other right |", "|---|" + "---:|" * 5]
+        for c in paired["comparisons"]:
+            low, high = c["ci"]
+            lines.append(f"| {c['method']} | {100 * c['difference']:+.1f} | [{100 * low:+.1f}, {100 * high:+.1f}] | "
+                         f"{_p_value(c['p_value'])} | {c['featcal_only_right']} | {c['other_only_right']} |")
+        lines += ["", f"Δ is {paired['reference']}'s task-averaged accuracy minus the method's. The CI is the 2.5–97.5 "
+                      "percentile range of a paired bootstrap: each task's test rows resampled with replacement within "
+                      f"that task, the same rows for both methods, {paired['resamples']:,} resamples, seed "
+                      f"{paired['seed']}. McNemar's test is exact (binomial on the rows where the two disagree), on the "
+                      "test rows of all tasks pooled."]
+    if paired["without_predictions"]:
+        lines += ["", "No per-example predictions for: " + ", ".join(paired["without_predictions"]) + "."]
+    return lines
 
 
 def _saved(fig: plt.Figure, path: Path) -> Path:

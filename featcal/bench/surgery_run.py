@@ -56,16 +56,18 @@ def run_surgery(bench: Path, run: MethodRun) -> dict[str, Any]:
     states = train_surgery(str(merged), cfg.experts, pools, steps=STEPS, batch_size=BATCH, seed=cfg.calibration.seed)
     seconds = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    accuracy = {}
+    accuracy, predictions, labels = {}, {}, {}
     for t in cfg.tasks:
         model = surgery_classifier(str(merged), cfg.experts[t], states[t])
-        batches, labels = _batches(cfg, t, "test")
+        batches, labels[t] = _batches(cfg, t, "test")
         with torch.inference_mode():
-            predictions = torch.cat([model(**b).argmax(-1) for b in batches])
-        accuracy[t] = {"calibrated": float((predictions == torch.tensor(labels)).float().mean())}
+            predicted = torch.cat([model(**b).argmax(-1) for b in batches])
+        accuracy[t] = {"calibrated": float((predicted == torch.tensor(labels[t])).float().mean())}
+        predictions[t] = {"calibrated": predicted.tolist()}
         log.info("TA + Surgery · %s: %.4f", t, accuracy[t]["calibrated"])
     merge = read_json(merge_record)
     cost = {"stage_seconds": {"surgery": round(seconds, 2)}, "merge_seconds": round(merge["seconds"], 2),
             "calibration_seconds": round(seconds, 2), "peak_rss_mib": round(peak, 1),
             "merge_peak_rss_mib": merge["peak_rss_mib"], "steps": STEPS, "batch_per_task": BATCH}
-    return {"run_dir": str(source_run), "cost": cost, "accuracy": accuracy, "drift": {}}
+    return {"run_dir": str(source_run), "cost": cost, "accuracy": accuracy, "predictions": predictions,
+            "labels": labels, "drift": {}}
