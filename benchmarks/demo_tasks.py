@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import logging
 import sys
 import time
 from pathlib import Path
 
 from featcal.bench.competence import failures, figures
 from featcal.bench.finetune import FineTune
-from featcal.bench.spec import PRESETS
+from featcal.bench.presets import PRESETS
 from featcal.bench.tasks import RECIPES
 from flows.bench import build_stages, direct_call, located_spec
+from flows.cli import setup_logging
 from flows.pipeline import machine
 
 OUT = Path(__file__).resolve().parent / "results" / "demo_tasks.md"
@@ -55,16 +55,6 @@ its speaker across splits, and the debates' party task already covers party); `r
 `en_usas*`, `arglex_*` (not English labelled text, or no labels)."""
 
 
-def log_progress() -> None:
-    """The builder's and the check's progress lines on stderr (importing Prefect leaves the root logger configured)."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
-    ours = logging.getLogger("featcal")
-    ours.addHandler(handler)
-    ours.setLevel(logging.INFO)
-    ours.propagate = False
-
-
 def build(work: Path, recipe: str) -> dict[str, dict]:
     spec = located_spec("demo").model_copy(update={
         "name": f"demo_candidates_{recipe}", "tasks": sorted(CANDIDATES), "finetune": RECIPES_TRIED[recipe],
@@ -81,7 +71,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default="/tmp/featcal_demo_tasks", help="where the candidate benchmarks are built")
     args = parser.parse_args()
-    log_progress()
+    setup_logging()
     rule = PRESETS["demo"].competence
     max_length = PRESETS["demo"].finetune.max_length
     started = time.time()
@@ -164,7 +154,7 @@ def report(rule, sections, chosen, seconds: float) -> str:
         ft = RECIPES_TRIED[recipe]
         lines += ["", "## Chosen", "",
                   f"`{'`, `'.join(tasks)}` with {recipe} ({ft.epochs:g} epochs): `PRESETS[\"demo\"]` in "
-                  "featcal/bench/spec.py. `featcal bench build demo` (and `featcal demo`) re-check the rule after the "
+                  "featcal/bench/presets.py. `featcal bench build demo` (and `featcal demo`) re-check the rule after the "
                   "experts and stop with the failing figures if an expert misses it (checks/competence.json)."]
     lines += ["", NOT_TRIED, ""]
     return "\n".join(lines)

