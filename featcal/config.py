@@ -92,6 +92,60 @@ class EvaluationConfig(_Strict):
         return models
 
 
+# A few generic CLIP prompts. The benchmarks' per-dataset sets (e.g. "a centered satellite photo of {}." for
+# EuroSAT) are in the task-arithmetic authors' code, mlfoundations/task_vectors src/datasets/templates.py, which
+# FusionBench reuses; put a task's set in `zero_shot.task_templates` to match them.
+DEFAULT_TEMPLATES: tuple[str, ...] = (
+    "a photo of a {}.", "a bad photo of a {}.", "a photo of the large {}.", "a photo of the small {}.",
+    "a cropped photo of a {}.", "a close-up photo of a {}.",
+)
+
+
+class ZeroShotConfig(_Strict):
+    """Head-less `CLIPVisionModel` experts, classified by zero-shot heads built from a `CLIPModel`'s text tower
+    (featcal/zeroshot.py): the setting of the public CLIP merging benchmarks, whose experts carry no head.
+
+    `base` stays the vision tower the experts were fine-tuned from; `clip_model` is the full CLIPModel it
+    belongs to (its text tower, projections, logit scale and tokenizer make the heads)."""
+
+    clip_model: str = Field(description="CLIPModel checkpoint directory whose vision tower is `base`")
+    templates: list[str] = Field(default_factory=lambda: list(DEFAULT_TEMPLATES), min_length=1,
+                                 description="prompts, each with one {} where the class name goes")
+    task_templates: dict[str, list[str]] = Field(
+        default_factory=dict, description="per task, its own prompts instead of `templates` (a dataset's set)")
+    class_names: dict[str, list[str]] = Field(
+        default_factory=dict, description="per task, in label-id order; default: the names of the datasets "
+                                          "ClassLabel label column of the task's evaluation data")
+
+    @field_validator("templates")
+    @classmethod
+    def _one_slot_each(cls, templates: list[str]) -> list[str]:
+        for template in templates:
+            if template.count("{}") != 1:
+                raise ValueError(f"template {template!r} must hold exactly one {{}} where the class name goes")
+        return templates
+
+    @field_validator("task_templates")
+    @classmethod
+    def _one_slot_each_per_task(cls, per_task: dict[str, list[str]]) -> dict[str, list[str]]:
+        for task, templates in per_task.items():
+            if not templates:
+                raise ValueError(f"task {task!r}: expected a non-empty list of templates")
+            cls._one_slot_each(templates)
+        return per_task
+
+    @field_validator("class_names")
+    @classmethod
+    def _distinct_names(cls, names: dict[str, list[str]]) -> dict[str, list[str]]:
+        for task, listed in names.items():
+            if not listed or len(set(listed)) != len(listed):
+                raise ValueError(f"task {task!r}: expected a non-empty list of distinct class names, got {listed!r}")
+        return names
+
+    def templates_for(self, task: str) -> list[str]:
+        return self.task_templates.get(task, self.templates)
+
+
 class RuntimeConfig(_Strict):
     keep_activations: bool = False
     threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's choice")
@@ -117,6 +171,7 @@ class RunConfig(_Strict):
     calibration: CalibrationConfig
     featcal: FeatCalConfig = Field(default_factory=FeatCalConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    zero_shot: ZeroShotConfig | None = Field(None, description="head-less CLIPVisionModel experts: zero-shot heads")
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
 
     @field_validator("experts")
@@ -140,6 +195,10 @@ class RunConfig(_Strict):
         extra = sorted(set(self.evaluation.data) - set(self.experts))
         if extra:
             raise ValueError(f"evaluation.data names task(s) {extra} that are not in experts")
+        for field in ("class_names", "task_templates") if self.zero_shot else ():
+            extra = sorted(set(getattr(self.zero_shot, field)) - set(self.experts))
+            if extra:
+                raise ValueError(f"zero_shot.{field} names task(s) {extra} that are not in experts")
         return self
 
     @property
@@ -201,6 +260,8 @@ def _resolve_paths(cfg: RunConfig, root: Path) -> RunConfig:
     cfg.experts = {t: resolve(p) for t, p in cfg.experts.items()}
     for source in [*cfg.calibration.data.values(), *cfg.evaluation.data.values()]:
         source.path = resolve(source.path)
+    if cfg.zero_shot is not None:
+        cfg.zero_shot.clip_model = resolve(cfg.zero_shot.clip_model)
     return cfg
 
 

@@ -23,6 +23,7 @@ import yaml
 from featcal.config import RunConfig, digest_of
 from featcal.evaluation import hms
 from featcal.modeling import calibrated_modules
+from featcal.zeroshot import class_names
 from flows import signals
 from storage.atomic import write_bytes, write_json
 from storage.fingerprint import fingerprint
@@ -134,6 +135,12 @@ class Pipeline:
         self.inputs.update({f"expert/{t}": fingerprint(p, memo) for t, p in self.cfg.experts.items()})
         for section, sources in (("calibration", self.cfg.calibration.data), ("evaluation", self.cfg.evaluation.data)):
             self.inputs.update({f"{section}/{t}": fingerprint(s.path, memo) for t, s in sources.items()})
+        # Zero-shot heads are made by the merge stage, from the CLIPModel, the prompts and each task's class names.
+        self.head_inputs: list[Any] = []
+        if self.cfg.zero_shot is not None:
+            self.inputs["zero_shot"] = fingerprint(self.cfg.zero_shot.clip_model, memo)
+            self.head_inputs = [self.cfg.slice("zero_shot"), self.inputs["zero_shot"],
+                                {t: class_names(self.cfg, t) for t in self.cfg.tasks}]
         groups = self.cfg.runtime.solve_groups
         self.solve_groups = [calibration.solve_groups(calibrated_modules(self.ctx.skeleton.block_template(layer)), groups)
                              for layer in range(self.ctx.num_blocks)]
@@ -180,7 +187,8 @@ class Pipeline:
         cfg, run, tasks, L = self.cfg, self.run, self.ctx.tasks, self.ctx.num_blocks
         cal = cfg.slice("calibration")["calibration"]
         merged = self.call(StageCall("merge", "merge", "merge", self.key(
-            "merge", cfg.slice("merge"), self.inputs["base"], [self.inputs[f"expert/{t}"] for t in tasks])))
+            "merge", cfg.slice("merge"), self.inputs["base"], [self.inputs[f"expert/{t}"] for t in tasks],
+            *self.head_inputs)))
         merged_digest = merged["outputs"]["merged"]
         # (record, rel) of the current block boundary per task and side: S (merged) and E (expert).
         side: dict[tuple[str, str], tuple[Record, str]] = {}

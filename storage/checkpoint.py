@@ -42,13 +42,22 @@ DTYPES = {
 }
 
 
-def read_header(path: Path) -> tuple[dict, int]:
-    """The safetensors header (name → dtype, shape, offsets) and where the data starts."""
+def _raw_header(path: Path) -> tuple[dict, int]:
     with open(path, "rb") as fh:
         size = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(size))
+        return json.loads(fh.read(size)), 8 + size
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """The safetensors header (name → dtype, shape, offsets) and where the data starts."""
+    header, data_start = _raw_header(path)
     header.pop("__metadata__", None)
-    return header, 8 + size
+    return header, data_start
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """A safetensors file's free-form string metadata (a zero-shot head records its prompts there)."""
+    return _raw_header(path)[0].get("__metadata__", {})
 
 
 def read_tensor(path: Path, entry: dict, data_start: int) -> torch.Tensor:
@@ -155,11 +164,12 @@ def finite(tensor: torch.Tensor, name: str, owner: str, directory: Path) -> torc
 _OS_ERROR = re.compile(r"os error (\d+)")
 
 
-def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     """safetensors' save_file, with its I/O failures (a full disk, say) raised as the OSError they are, naming
     the file: safetensors reports them as a SafetensorError that names neither."""
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
+                  metadata={"format": "pt", **(metadata or {})})
     except SafetensorError as exc:
         found = _OS_ERROR.search(str(exc))
         if found is None:
@@ -180,10 +190,12 @@ def write_checkpoint(
     side_files_from: Path | None = None,
     extra_files: dict[str, dict[str, torch.Tensor]] | None = None,
     max_shard_bytes: int = 512 * 1024**2,
+    extra_metadata: dict[str, dict[str, str]] | None = None,
 ) -> None:
     """Stream (name, tensor) pairs into safetensors shards; the directory appears only when complete.
 
-    `extra_files` are small side tensors files (per-task heads) written inside the same directory."""
+    `extra_files` are small side tensors files (per-task heads) written inside the same directory, with the
+    safetensors metadata `extra_metadata` gives for the same relative path, if any."""
     with atomic_path(Path(target)) as tmp:
         tmp.mkdir()
         shards: list[dict[str, torch.Tensor]] = [{}]
@@ -215,4 +227,4 @@ def write_checkpoint(
             copy_side_files(side_files_from, tmp)
         for rel, extra in (extra_files or {}).items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            save_tensors(extra, tmp / rel)
+            save_tensors(extra, tmp / rel, (extra_metadata or {}).get(rel))

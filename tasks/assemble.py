@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from storage.checkpoint import write_checkpoint
+from storage.checkpoint import read_metadata, write_checkpoint
 from tasks.calibration import calibrated_tensors
 from tasks.context import RunContext
 from tasks.merge import MERGED, head_file
@@ -31,6 +31,8 @@ def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
                 block, layer_loaded = calibrated_tensors(ctx, layer), layer
             yield merged.file_name(name), block[name[len(prefixes[layer]):]]
 
-    heads = {head_file(t): load_file(ctx.run / MERGED / head_file(t)) for t in ctx.tasks}
-    write_checkpoint(ctx.run / CALIBRATED, tensors(), side_files_from=merged.directory, extra_files=heads)
+    paths = {head_file(t): ctx.run / MERGED / head_file(t) for t in ctx.tasks}
+    write_checkpoint(ctx.run / CALIBRATED, tensors(), side_files_from=merged.directory,
+                     extra_files={rel: load_file(path) for rel, path in paths.items()},
+                     extra_metadata={rel: read_metadata(path) for rel, path in paths.items()})
     return [CALIBRATED], {"blocks": ctx.num_blocks}

@@ -11,6 +11,7 @@ from typing import Any
 
 import datasets
 import torch
+from safetensors.torch import load_file
 
 from featcal.config import DataSource
 from featcal.data import InputBuilder, load_split, pick_examples, row_batches
@@ -18,8 +19,10 @@ from featcal.evaluation import (
     DRIFT_MODELS, MODELS, EvalProgress, TaskScores, drift_definition, drift_plot, markdown, summarize,
 )
 from featcal.modeling import task_model
+from featcal.zeroshot import ZeroShotClassifier
 from storage.atomic import atomic_path, write_bytes, write_json
 from tasks.context import RunContext
+from tasks.merge import MERGED, head_file
 
 log = logging.getLogger("featcal")
 REPORT_FILES = ("report.json", "report.md", "drift.png")
@@ -42,19 +45,26 @@ def _split(ctx: RunContext, task: str) -> _Split:
     return _Split(source, where, ds)
 
 
+def _task_model(ctx: RunContext, task: str, name: str) -> torch.nn.Module:
+    """The task's expert with the body of checkpoint `name` (its own for "expert") and the task's head: the expert's
+    own, or with `zero_shot` the zero-shot head the merge stage stored for it (featcal/zeroshot.py)."""
+    model = task_model(ctx.checkpoint_dir(task), None if name == "expert" else ctx.checkpoint(name))
+    if ctx.cfg.zero_shot is None:
+        return model
+    return ZeroShotClassifier(model, load_file(ctx.run / MERGED / head_file(task)))
+
+
 def _task_scores(ctx: RunContext, task: str, split: _Split, progress: EvalProgress) -> dict[str, Any]:
     ev = ctx.cfg.evaluation
     source, ds = split.source, split.rows
     builder = InputBuilder(ctx.cfg.base, ctx.adapter.model_input_names(), source, ctx.cfg.calibration.max_length,
                            ds.column_names, split.where)
-    expert_dir = ctx.checkpoint_dir(task)
     listed = ev.models
     drifting = [m for m in DRIFT_MODELS if m in listed]
-    # Each model is the task's expert with the body of checkpoint `name`; the expert also runs unlisted
-    # while its hidden states are the drift reference.
-    models = {name: task_model(expert_dir, None if name == "expert" else ctx.checkpoint(name)) for name in listed}
+    # The expert also runs unlisted while its hidden states are the drift reference.
+    models = {name: _task_model(ctx, task, name) for name in listed}
     if drifting and "expert" not in models:
-        models["expert"] = task_model(expert_dir)
+        models["expert"] = _task_model(ctx, task, "expert")
     label_column = source.label_column if task in ev.data else None
     scores = TaskScores(head_index=ctx.adapter.pooled_index())
     for batch, rows in enumerate(row_batches(ds, ev.batch_size), start=1):

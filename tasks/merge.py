@@ -1,4 +1,5 @@
-"""Stage `merge`: stream the experts into one merged checkpoint; heads stay per task under heads/."""
+"""Stage `merge`: stream the experts into one merged checkpoint; heads stay per task under heads/ (the expert's own,
+or, with `zero_shot`, one made from a CLIPModel's text tower: featcal/zeroshot.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import torch
 
 from featcal.merging import merged_tensor
+from featcal.zeroshot import zero_shot_heads
 from storage.checkpoint import CanonicalCheckpoint, finite, write_checkpoint
 from tasks.context import RunContext
 
@@ -37,5 +39,10 @@ def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
         head_file(task): {n: read(owner, e, n) for n in e.names() if ctx.adapter.is_head(n)}
         for task, (owner, e) in zip(ctx.tasks, experts.items())
     }
-    write_checkpoint(ctx.run / MERGED, tensors(), side_files_from=base.directory, extra_files=heads)
+    metadata: dict[str, dict[str, str]] = {}
+    if ctx.cfg.zero_shot is not None:  # head-less experts: each task's head comes from the CLIPModel's text tower
+        for task, (head, meta) in zero_shot_heads(ctx.cfg).items():
+            heads[head_file(task)], metadata[head_file(task)] = head, meta
+    write_checkpoint(ctx.run / MERGED, tensors(), side_files_from=base.directory, extra_files=heads,
+                     extra_metadata=metadata)
     return [MERGED], {"method": ctx.cfg.merge.method, "tensors": len(base.names())}

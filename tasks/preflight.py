@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import AutoConfig
+import torch
+from transformers import AutoConfig, AutoTokenizer
 
 from featcal.adapters import Adapter, adapter_for
 from featcal.config import RunConfig
 from featcal.data import InputBuilder, load_split
+from featcal.zeroshot import class_names
 from storage.activations import ActivationError, ActivationStore
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
 
@@ -52,6 +54,38 @@ def check_checkpoints(cfg: RunConfig) -> Adapter:
     return adapter
 
 
+def check_zero_shot(cfg: RunConfig) -> None:
+    """With `zero_shot`: base and experts are CLIPVisionModels, `clip_model` is the CLIPModel whose vision tower
+    the base is, with a tokenizer, and every task has class names."""
+    zs = cfg.zero_shot
+    if zs is None:
+        return
+    clip_config = _config(zs.clip_model, "zero_shot.clip_model")
+    kind = adapter_for(clip_config).architecture if clip_config.model_type == "clip" else clip_config.model_type
+    if kind != "CLIPModel":
+        raise CheckpointError(f"zero_shot.clip_model: {zs.clip_model} is a {kind}; expected a CLIPModel checkpoint "
+                              "(its text tower, projections and logit scale make the heads)")
+    for field, path in [("base", cfg.base), *((f"experts.{t}", cfg.experts[t]) for t in cfg.tasks)]:
+        architecture = adapter_for(_config(path, field)).architecture
+        if architecture != "CLIPVisionModel":
+            raise CheckpointError(
+                f"{field}: a {architecture}; with zero_shot, base and every expert must be head-less CLIPVisionModels "
+                "(save a CLIPModel's vision tower with CLIPVisionModel.from_pretrained(CLIP_DIR).save_pretrained(DIR)); "
+                "the CLIPModel itself goes in zero_shot.clip_model")
+    adapter = adapter_for(clip_config)  # reads the vision tower of a CLIPModel and of a CLIPVisionModel alike
+    probe = adapter.probe_key
+    ours, base = (CanonicalCheckpoint(path, adapter).get(probe).float() for path in (zs.clip_model, cfg.base))
+    if ours.shape != base.shape or not torch.allclose(ours, base, rtol=1e-3, atol=1e-4):
+        raise CheckpointError(f"zero_shot.clip_model: its vision tower is not base (tensor {probe} differs); the heads "
+                              "must come from the CLIPModel whose vision tower the experts were fine-tuned from")
+    try:
+        AutoTokenizer.from_pretrained(zs.clip_model, local_files_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"zero_shot.clip_model: cannot load its tokenizer (the prompts need it): {exc}") from exc
+    for task in cfg.tasks:
+        class_names(cfg, task)
+
+
 def check_data(cfg: RunConfig, adapter: Adapter) -> None:
     sections = [("calibration.data", cfg.calibration.data)]
     if cfg.evaluation.enabled:
@@ -86,6 +120,7 @@ def preflight(cfg: RunConfig) -> Adapter:
     key = cfg.fingerprint()
     if key in _just_checked:
         return _just_checked.pop(key)
+    check_zero_shot(cfg)
     adapter = check_checkpoints(cfg)
     check_data(cfg, adapter)
     check_activation_store(cfg)
