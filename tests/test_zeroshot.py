@@ -7,52 +7,19 @@ import numpy as np
 import pytest
 import torch
 from datasets import ClassLabel, Dataset, Features, Image, load_from_disk
-from PIL import Image as PILImage
 from safetensors.torch import load_file
-from tokenizers import pre_tokenizers
-from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPTokenizer, CLIPVisionModel
+from transformers import AutoTokenizer, CLIPImageProcessorPil, CLIPModel, CLIPVisionModel
 
 from featcal.config import DEFAULT_TEMPLATES, ConfigError, config_from_dict
 from featcal.zeroshot import ZeroShotClassifier, ZeroShotError, class_embeddings, zero_shot_head, zero_shot_heads
 from flows.pipeline import run_pipeline
 from storage.checkpoint import CheckpointError, read_metadata
+from tests.clip_fixture import PROJECTION, clip_processor, save_tiny_clip, solid_images
 from tests.test_architectures import VISION, _build
 
-TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
-PROJECTION = 16
 # Many classes, so that the random tiny model's predictions differ from image to image.
 NAMES = "cat dog car bus red blue tree house bird fish ship plane truck horse frog deer apple pear lake road".split()
 TEMPLATE = "a photo of a {}."
-
-
-def _tokenizer() -> CLIPTokenizer:
-    """CLIP's tokenizer with a byte-level vocabulary and no merges, so every character is a token (CLIP's own
-    vocabulary cannot be downloaded here)."""
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[char] = len(vocab)
-        vocab[char + "</w>"] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=[])
-
-
-def _processor() -> CLIPImageProcessorPil:
-    size = VISION["image_size"]
-    return CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
-
-
-def _clip(root, vision_dir=None):
-    """A tiny CLIPModel with its tokenizer and image processor in root/clip; its vision tower is the
-    CLIPVisionModel in `vision_dir` when given, random otherwise."""
-    tokenizer = _tokenizer()
-    text = dict(TEXT, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(1)
-    clip = CLIPModel(CLIPConfig(vision_config=VISION, text_config=text, projection_dim=PROJECTION))
-    if vision_dir is not None:
-        clip.vision_model.load_state_dict(CLIPVisionModel.from_pretrained(vision_dir).state_dict())
-    for part in (clip, tokenizer, _processor()):
-        part.save_pretrained(root / "clip")
-    return root / "clip"
 
 
 def _predictions(clip_dir, images: list, vision_dir=None) -> torch.Tensor:
@@ -72,10 +39,7 @@ def _images(path, clip_dir, seed: int, rows: int = 24):
     """`rows` images of random solid colours saved with datasets, with a ClassLabel label of NAMES: what the
     CLIPModel in `clip_dir` predicts. So the base scores 1 by construction, and a pipeline score of 1 checks every
     row."""
-    rng = np.random.default_rng(seed)
-    size = VISION["image_size"]
-    images = [PILImage.fromarray(np.full((size, size, 3), rng.integers(0, 256, 3), dtype=np.uint8))
-              for _ in range(rows)]
+    images = solid_images(np.random.default_rng(seed), rows)
     features = Features(image=Image(), label=ClassLabel(names=NAMES))
     labels = _predictions(clip_dir, images).tolist()
     Dataset.from_dict({"image": images, "label": labels}, features=features).save_to_disk(str(path))
@@ -88,13 +52,13 @@ def _head_less_config(root, experts: int, tower_of_base: bool = True) -> dict:
     unless `tower_of_base`)."""
     _, cfg = _build(root, "clip-vision", experts)
     raw = cfg.model_dump(mode="json", by_alias=True)
-    raw["zero_shot"] = {"clip_model": str(_clip(root, root / "base" if tower_of_base else None))}
+    raw["zero_shot"] = {"clip_model": str(save_tiny_clip(root / "clip", root / "base" if tower_of_base else None))}
     return raw
 
 
 @pytest.fixture
 def tiny_clip(tmp_path):
-    clip_dir = _clip(tmp_path)
+    clip_dir = save_tiny_clip(tmp_path / "clip")
     return CLIPModel.from_pretrained(clip_dir).eval(), AutoTokenizer.from_pretrained(clip_dir), clip_dir
 
 
@@ -150,7 +114,7 @@ def test_each_task_gets_its_class_names_and_templates(tiny_clip, tmp_path):
 def test_head_less_experts_scored_with_zero_shot_heads(tmp_path):
     """Scored on raw images whose ClassLabel gives the class names, with one template, against CLIPModel's forward."""
     raw = _head_less_config(tmp_path, experts=2)
-    _processor().save_pretrained(tmp_path / "base")  # the evaluation images are raw: the base's processor reads them
+    clip_processor().save_pretrained(tmp_path / "base")  # the evaluation images are raw: the base's processor reads them
     clip_dir = raw["zero_shot"]["clip_model"]
     raw["zero_shot"]["templates"] = [TEMPLATE]
     raw["evaluation"]["data"] = {task: {"path": str(_images(tmp_path / f"images-{task}", clip_dir, seed=i)),

@@ -11,6 +11,7 @@ import logging
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,10 +106,14 @@ def _stage_cost(run_dir: Path) -> dict[str, Any]:
 
 
 def run_pipeline_method(bench: Path, name: str, run: MethodRun) -> dict[str, Any]:
+    return pipeline_result(bench, name, pipeline_config(bench, BenchSpec.load(bench), run))
+
+
+def pipeline_result(bench: Path, name: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """Pipeline config `raw` run in `bench/runs/{name}`: its accuracies, per-example predictions, drift and costs."""
     from flows.pipeline import run_pipeline
 
-    spec = BenchSpec.load(bench)
-    cfg = config_from_dict(pipeline_config(bench, spec, run), root=bench, source=f"bench run {name}")
+    cfg = config_from_dict(raw, root=bench, source=f"bench run {name}")
     run_dir = bench / "runs" / name
     run_pipeline(cfg, run_dir)
     report = read_json(run_dir / "report.json")
@@ -124,13 +129,18 @@ def run_method(bench: Path, name: str) -> dict[str, Any]:
     if name not in runs:
         raise ValueError(f"unknown benchmark run {name!r}; known: {sorted(runs)}")
     run = runs[name]
-    started = time.perf_counter()
     if run.method == "surgery":
         from featcal.bench.surgery_run import run_surgery
 
-        result = run_surgery(bench, run)
-    else:
-        result = run_pipeline_method(bench, name, run)
+        return timed_result(bench, name, run, lambda: run_surgery(bench, run))
+    return timed_result(bench, name, run, lambda: run_pipeline_method(bench, name, run))
+
+
+def timed_result(bench: Path, name: str, run: MethodRun, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`compute()`'s result with what the run was, its wall time and this process's peak RSS, written to
+    `bench/results/{name}.json` (the file `bench run` caches)."""
+    started = time.perf_counter()
+    result = compute()
     result.update(run=name, merge=run.merge, method=run.method, examples=run.examples,
                   process_seconds=round(time.perf_counter() - started, 2),
                   process_peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))

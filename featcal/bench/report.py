@@ -2,10 +2,13 @@
 
 Gap closed = (method − TA) / (experts − TA), on the task-averaged accuracy. Where the runs kept their per-example
 predictions, TA + FeatCal is compared with every other method on the same test rows (featcal.bench.paired).
+The rows and curves are the MiniLM benchmark's unless a caller (featcal/bench/clip_report.py) names its own; rows
+carrying a published figure (`paper`) get a column of their own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +42,11 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def _standard_error(accuracies: list[float], rows: int) -> float:
-    """Binomial standard error of a task average, each task scored on `rows` test rows: how far apart two
-    methods must be before the benchmark can tell them apart."""
-    return sum(a * (1 - a) / rows for a in accuracies) ** 0.5 / len(accuracies)
+def _standard_error(accuracies: dict[str, float], rows: int | Mapping[str, int]) -> float:
+    """Binomial standard error of a task average, each task scored on `rows` (or its own `rows[task]`) test rows:
+    how far apart two methods must be before the benchmark can tell them apart."""
+    count = rows if isinstance(rows, Mapping) else dict.fromkeys(accuracies, rows)
+    return sum(a * (1 - a) / count[t] for t, a in accuracies.items()) ** 0.5 / len(accuracies)
 
 
 def _correct(result: dict[str, Any], model: str, tasks: list[str]) -> dict[str, list[bool]] | None:
@@ -75,17 +79,19 @@ def _paired(results: dict[str, dict[str, Any]], tasks: list[str], rows: list[dic
 
 
 # sample-efficiency curve → (its 256-example run, its label); run `{run}_n{n:03d}` has n examples per task
-CURVES = {"featcal": ("ta_featcal", "TA + FeatCal"), "regmean_pp": ("regmean_pp", "RegMean++"),
-          "featcal_ta09": ("ta09_featcal", "TA 0.9 + FeatCal")}
+Curves = Mapping[str, tuple[str, str]]
+CURVES: Curves = {"featcal": ("ta_featcal", "TA + FeatCal"), "regmean_pp": ("regmean_pp", "RegMean++"),
+                  "featcal_ta09": ("ta09_featcal", "TA 0.9 + FeatCal")}
 
 
-def _sample_run(curve: str, n: int) -> str:
-    run = CURVES[curve][0]
+def _sample_run(run: str, n: int) -> str:
     return run if n == FULL else f"{run}_n{n:03d}"
 
 
-def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dict[str, Any]) -> dict[str, Any]:
-    """`results`: run name → the JSON a method run wrote."""
+def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dict[str, Any],
+                 rows: Sequence[tuple[str, str, str, str | None]] = METHOD_ROWS, curves: Curves = CURVES) -> dict[str, Any]:
+    """`results`: run name → the JSON a method run wrote. `meta` is copied into the report; its `test_rows` (per
+    task) or `spec.test` (one count for every task) sizes the standard errors."""
 
     def acc(run: str, model: str) -> dict[str, float] | None:
         if run not in results:
@@ -93,19 +99,19 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
         per_task = {t: results[run]["accuracy"][t].get(model) for t in tasks}
         return None if any(v is None for v in per_task.values()) else per_task
 
-    test_rows = meta.get("spec", {}).get("test")
+    test_rows = meta.get("test_rows") or meta.get("spec", {}).get("test")
     experts, ta = acc("ta_featcal", "expert"), acc("ta_featcal", "merged")
     expert_avg = _mean(list(experts.values())) if experts else None
     ta_avg = _mean(list(ta.values())) if ta else None
-    rows = []
-    for label, run, model, cost_kind in METHOD_ROWS:
+    methods = []
+    for label, run, model, cost_kind in rows:
         per_task = acc(run, model)
         if per_task is None:
             continue
         avg = _mean(list(per_task.values()))
         row: dict[str, Any] = {"method": label, "run": run, "model": model, "accuracy": per_task, "average": avg}
         if test_rows:
-            row["standard_error"] = _standard_error(list(per_task.values()), test_rows)
+            row["standard_error"] = _standard_error(per_task, test_rows)
         if expert_avg:
             row["normalized"] = avg / expert_avg
         if expert_avg is not None and ta_avg is not None and expert_avg != ta_avg:
@@ -115,21 +121,21 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
             row["seconds"] = cost["merge_seconds"] if cost_kind == "merge" else cost["merge_seconds"] + cost["calibration_seconds"]
             row["calibration_seconds"] = 0.0 if cost_kind == "merge" else cost["calibration_seconds"]
             row["peak_rss_mib"] = cost["merge_peak_rss_mib"] if cost_kind == "merge" else cost["peak_rss_mib"]
-        rows.append(row)
+        methods.append(row)
     curve = {}
-    for name in CURVES:
+    for name, (run, _) in curves.items():
         points = {}
         for n in SAMPLE_SIZES:
-            per_task = acc(_sample_run(name, n), "calibrated")
+            per_task = acc(_sample_run(run, n), "calibrated")
             if per_task is not None:
                 points[n] = _mean(list(per_task.values()))
         if points:
             curve[name] = points
-    out: dict[str, Any] = {**meta, "tasks": tasks, "methods": rows, "sample_efficiency": curve}
+    out: dict[str, Any] = {**meta, "tasks": tasks, "methods": methods, "sample_efficiency": curve}
     if experts and ta:
         out["gaps"] = {t: experts[t] - ta[t] for t in tasks}
-    if any(row["method"] == PAIRED_REFERENCE for row in rows):
-        out["paired"] = _paired(results, tasks, rows)
+    if any(row["method"] == PAIRED_REFERENCE for row in methods):
+        out["paired"] = _paired(results, tasks, methods)
     kept = {name: (points[8] - ta_avg) / (points[FULL] - ta_avg) for name, points in curve.items()
             if name != "regmean_pp" and ta_avg is not None and 8 in points and FULL in points and points[FULL] != ta_avg}
     if "featcal" in kept:
@@ -141,19 +147,22 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
     return out
 
 
-def markdown(report: dict[str, Any]) -> str:
+def markdown(report: dict[str, Any], curves: Curves = CURVES) -> str:
     tasks = report["tasks"]
+    paper = any("paper" in row for row in report["methods"])  # a column of published figures, after ours
     lines = [f"# {report.get('title', 'Benchmark')}", ""]
     lines += [str(report[k]) for k in ("about",) if k in report] + [""]
-    lines.append("| method | " + " | ".join(tasks) + " | average | normalized | gap closed | time (s) | peak RSS (MiB) |")
-    lines.append("|---|" + "---:|" * (len(tasks) + 5))
+    lines.append("| method | " + " | ".join(tasks) + " | average |" + (" paper |" if paper else "")
+                 + " normalized | gap closed | time (s) | peak RSS (MiB) |")
+    lines.append("|---|" + "---:|" * (len(tasks) + 5 + paper))
     if "gaps" in report:
         gaps = [report["gaps"][t] for t in tasks]  # then their average, under "average"; the other columns empty
         lines.append("| *gap (expert − TA)* | " + " | ".join(f"*{100 * g:+.1f}*" for g in [*gaps, _mean(gaps)])
-                     + " |" * 5)
+                     + " |" * (5 + paper))
     for row in report["methods"]:
         cells = [f"{100 * row['accuracy'][t]:.1f}" for t in tasks]
         extra = [f"{100 * row['average']:.1f}" + (f" ± {100 * row['standard_error']:.1f}" if "standard_error" in row else ""),
+                 *([f"{100 * row['paper']:.1f}" if "paper" in row else ""] if paper else []),
                  f"{100 * row['normalized']:.1f}" if "normalized" in row else "",
                  f"{100 * row['gap_closed']:.1f} %" if "gap_closed" in row else "",
                  f"{row['seconds']:.1f}" if "seconds" in row else "", f"{row['peak_rss_mib']:.0f}" if "peak_rss_mib" in row else ""]
@@ -169,8 +178,12 @@ def markdown(report: dict[str, Any]) -> str:
     lines += paired_markdown(report)
     lines += ["", "## Sample efficiency (average accuracy, %)", "", "| examples/task | " + " | ".join(str(n) for n in SAMPLE_SIZES) + " |",
               "|---|" + "---:|" * len(SAMPLE_SIZES)]
-    for name, points in report["sample_efficiency"].items():
-        lines.append(f"| {CURVES[name][1]} | " + " | ".join(f"{100 * points[n]:.1f}" if n in points else "" for n in SAMPLE_SIZES) + " |")
+    curve_rows = [(curves[name][1], points) for name, points in report["sample_efficiency"].items()]
+    published = report.get("paper_sample_efficiency")  # {"curve": name, "points": {n: accuracy}}
+    if published:
+        curve_rows.append((f"paper ({curves[published['curve']][1]})", published["points"]))
+    for label, points in curve_rows:
+        lines.append(f"| {label} | " + " | ".join(f"{100 * points[n]:.1f}" if n in points else "" for n in SAMPLE_SIZES) + " |")
     if "featcal_8_of_256_gain" in report:
         lines += ["", f"FeatCal with 8 examples/task keeps {100 * report['featcal_8_of_256_gain']:.1f} % of its 256-example gain over TA."]
     if "featcal_ta09_8_of_256_gain" in report:
@@ -213,7 +226,7 @@ def _saved(fig: plt.Figure, path: Path) -> Path:
     return path
 
 
-def plots(report: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
+def plots(report: dict[str, Any], out_dir: Path, stem: str, curves: Curves = CURVES) -> list[Path]:
     paths = []
     rows = report["methods"]
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -229,7 +242,7 @@ def plots(report: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
     for name, points in report["sample_efficiency"].items():
         ns = sorted(points)
         dotted = len(ns) < len(SAMPLE_SIZES)  # sizes between its points were not run: no line through them
-        ax.plot(ns, [100 * points[n] for n in ns], ":" if dotted else "-", marker="o", label=CURVES[name][1])
+        ax.plot(ns, [100 * points[n] for n in ns], ":" if dotted else "-", marker="o", label=curves[name][1])
     for r in rows:
         if r["method"] in ("task arithmetic", "experts (individual)"):
             ax.axhline(100 * r["average"], ls="--", color="grey")

@@ -1,10 +1,14 @@
 """Representation Surgery (Yang et al., ICML 2024, "Representation Surgery for Multi-Task Model Merging").
 
-A gradient-trained baseline: per task, a small adapter on the merged model's final feature z (for
-`BertForSequenceClassification`, the pooler output the classifier reads) removes the "representation
-bias" z − z_t, and the task's own head reads the corrected feature:
+A gradient-trained baseline: per task, a small adapter on the merged model's final feature z removes the
+"representation bias" z − z_t, and the task's own head reads the corrected feature:
 
     ẑ = z − W_up · ReLU(W_down · z),   logits_t = head_t(ẑ)
+
+z is what the head reads: for `BertForSequenceClassification` the pooler output the classifier reads; for a
+head-less CLIP vision tower with a zero-shot head (`featcal.zeroshot`) the image feature, its pooled output through
+CLIP's visual projection (512-d for ViT-B/32), which the head normalises and compares with the class embeddings:
+where the original code puts the adapter for CLIP (its image encoder's output, before the normalising head).
 
 Interface (independent of any pipeline run directory):
 
@@ -14,11 +18,15 @@ Interface (independent of any pipeline run directory):
     model = surgery_classifier(merged_dir, "experts/topic", states["topic"])
     logits = model(**batch)
 
+With zero-shot heads, pass `heads={task: head tensors}` (a run's `merged/heads/{task}.safetensors`) to
+`train_surgery`, and the task's head to `surgery_classifier`.
+
 - `merged_dir`: a checkpoint holding the merged body (e.g. a run's `merged/`); it is read through
   `featcal.modeling.task_model(expert_dir, body_from=CanonicalCheckpoint(merged_dir, adapter))`.
 - expert directories: each loads with `from_pretrained(dir, local_files_only=True)` and has its own head.
 - batches: per task, a list of dicts of model inputs (`input_ids`, `attention_mask`, `token_type_ids`
-  tensors [B, T]); together they are the task's unlabelled calibration pool. Widths may differ.
+  tensors [B, T], or `pixel_values` [B, 3, H, W]); together they are the task's unlabelled calibration pool.
+  Token widths may differ.
 - the result: per task, the state dict of a `SurgeryAdapter` (small; save it with safetensors).
 
 Protocol of the original code (EnnengYang/RepresentationSurgery, src/merging_model.py and
@@ -52,12 +60,14 @@ from transformers import AutoConfig
 from featcal.adapters import adapter_for
 from featcal.config import digest_of
 from featcal.modeling import task_model
+from featcal.zeroshot import ZeroShotClassifier
 from storage.checkpoint import CanonicalCheckpoint
 
 log = logging.getLogger("featcal")
 
 Batch = dict[str, torch.Tensor]
-SUPPORTED = ("BertForSequenceClassification",)
+Head = Mapping[str, torch.Tensor]  # a zero-shot head file's tensors (featcal.zeroshot.zero_shot_head)
+SUPPORTED = ("BertForSequenceClassification", "ZeroShotClassifier")
 
 
 class SurgeryAdapter(nn.Module):
@@ -78,12 +88,17 @@ class SurgeryAdapter(nn.Module):
 def _check_supported(model: nn.Module) -> None:
     name = type(model).__name__
     if name not in SUPPORTED:
-        raise ValueError(f"Representation Surgery here supports {SUPPORTED} (pooler output → classifier); got {name}")
+        raise ValueError(f"Representation Surgery here supports {SUPPORTED} (BERT's pooler output → classifier, CLIP's "
+                         f"image feature → zero-shot head); got {name}")
 
 
 def features(model: nn.Module, inputs: Batch) -> torch.Tensor:
-    """The final feature the head reads: BERT's pooler output [B, hidden]."""
+    """The final feature the head reads [B, d]: BERT's pooler output, or CLIP's image feature (the vision tower's
+    pooled output through the visual projection, not yet normalised)."""
     _check_supported(model)
+    if isinstance(model, ZeroShotClassifier):
+        pooled = model.vision(pixel_values=inputs["pixel_values"]).pooler_output.float()
+        return pooled @ model.head["visual_projection.weight"].T
     return model.bert(**inputs).pooler_output
 
 
@@ -97,18 +112,28 @@ class SurgeryClassifier(nn.Module):
 
     def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
         z = self.adapter(features(self.model, inputs))
+        if isinstance(self.model, ZeroShotClassifier):  # featcal.zeroshot.zero_shot_logits, after the projection
+            head = self.model.head
+            return head["logit_scale"].exp() * F.normalize(z, dim=-1) @ head["class_embeddings"].T
         return self.model.classifier(self.model.dropout(z))
 
 
-def _merged_task_model(merged_dir: str | Path, expert_dir: str | Path) -> nn.Module:
+def _task_model(expert_dir: str | Path, body_from: CanonicalCheckpoint | None, head: Head | None) -> nn.Module:
+    """The task's model (`featcal.modeling.task_model`), with its zero-shot head where it has one."""
+    model = task_model(expert_dir, body_from)
+    return model if head is None else ZeroShotClassifier(model, head)
+
+
+def _merged_task_model(merged_dir: str | Path, expert_dir: str | Path, head: Head | None = None) -> nn.Module:
     adapter = adapter_for(AutoConfig.from_pretrained(expert_dir, local_files_only=True))
-    return task_model(expert_dir, CanonicalCheckpoint(merged_dir, adapter))
+    return _task_model(expert_dir, CanonicalCheckpoint(merged_dir, adapter), head)
 
 
-def surgery_classifier(merged_dir: str | Path, expert_dir: str | Path,
-                       state: Mapping[str, torch.Tensor]) -> SurgeryClassifier:
-    """The evaluation model of one task: merged body, the expert's head, the trained adapter `state`."""
-    model = _merged_task_model(merged_dir, expert_dir)
+def surgery_classifier(merged_dir: str | Path, expert_dir: str | Path, state: Mapping[str, torch.Tensor],
+                       head: Head | None = None) -> SurgeryClassifier:
+    """The evaluation model of one task: merged body, the expert's head (or the zero-shot `head`), the trained
+    adapter `state`."""
+    model = _merged_task_model(merged_dir, expert_dir, head)
     rank, dim = state["down.weight"].shape
     adapter = SurgeryAdapter(dim, rank)
     adapter.load_state_dict(state, strict=True)
@@ -194,23 +219,26 @@ def fit_adapters(
 def train_surgery(
     merged_dir: str | Path, expert_dirs: Mapping[str, str | Path], batches: Mapping[str, Sequence[Batch]], *,
     rank: int = 16, lr: float = 1e-3, steps: int = 1000, batch_size: int = 16, seed: int = 0,
-    cache_features: bool = False,
+    cache_features: bool = False, heads: Mapping[str, Head] | None = None,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Representation Surgery on a merged checkpoint: per task, the trained adapter's state dict.
 
     Expert features are computed once per pool example (one expert loaded at a time). With
     cache_features=False every step runs the merged model on the drawn batch (the original protocol);
-    with True the merged features are computed once too. See the module docstring."""
+    with True the merged features are computed once too. `heads`: per task, its zero-shot head, for head-less
+    CLIP experts (only its visual projection makes the features). See the module docstring."""
     if set(expert_dirs) != set(batches):
         raise ValueError(f"expert_dirs has tasks {sorted(expert_dirs)}, batches {sorted(batches)}")
     tasks = sorted(expert_dirs)
     pools = {t: _pool(batches[t], f"batches[{t!r}]") for t in tasks}
     targets = {}
     for t in tasks:
-        expert = task_model(expert_dirs[t])
+        expert = _task_model(expert_dirs[t], None, heads[t] if heads else None)
         targets[t] = _pool_features(expert, pools[t], batch_size)
         del expert
-    merged = _merged_task_model(merged_dir, expert_dirs[tasks[0]])  # the body is shared; heads are not used
+    # The body is shared and the heads are not used (a zero-shot head's visual projection is the CLIPModel's, the
+    # same in every task's head).
+    merged = _merged_task_model(merged_dir, expert_dirs[tasks[0]], heads[tasks[0]] if heads else None)
     if cache_features:
         cached = {t: _pool_features(merged, pools[t], batch_size) for t in tasks}
         fns = {t: cached[t].__getitem__ for t in tasks}

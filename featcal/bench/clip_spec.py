@@ -1,0 +1,130 @@
+"""The CLIP ViT-B/32 eight-task benchmark: which hub models and datasets it reads, where a local mirror holds them,
+and the sizes of its splits.
+
+The models and data are the ones behind the paper's CLIP figures (FusionBench's `clip-vit-base-patch32_TA8` model
+pool: the pretrained CLIP, one head-less `CLIPVisionModel` fine-tuned per task, each task's train and test splits).
+A local mirror lays them out under their hub names:
+
+    MODELS/openai/clip-vit-base-patch32              the CLIPModel (config, weights, tokenizer, preprocessor)
+    MODELS/tanganke/clip-vit-base-patch32_{expert}   one CLIPVisionModel per task
+    DATA/{owner}/{dataset}                           each dataset with `train` and `test` splits: `save_to_disk`,
+                                                     or a hub snapshot (`huggingface-cli download --repo-type dataset`)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from storage.atomic import read_json, write_json
+
+SPEC_FILE = "clip_bench.json"
+BASE_MODEL = "openai/clip-vit-base-patch32"
+MODELS_FLAG, DATA_FLAG = "--models-from", "--data-from"
+
+
+@dataclass(frozen=True)
+class ClipTask:
+    expert: str  # hub id of the task's fine-tuned CLIPVisionModel
+    dataset: str  # hub id of its data (columns `image` and a ClassLabel `label`)
+    about: str
+    config: str | None = None  # the dataset's configuration, where it has several
+
+
+# FusionBench's data sources for these experts: the tanganke copies, SVHN's cropped digits and MNIST from their own
+# hub repositories (config/dataset/image_classification/{train,test}/*.yaml).
+CLIP_TASKS = {
+    "sun397": ClipTask("tanganke/clip-vit-base-patch32_sun397", "tanganke/sun397", "SUN397 scenes (397 classes)"),
+    "stanford_cars": ClipTask("tanganke/clip-vit-base-patch32_stanford-cars", "tanganke/stanford_cars",
+                              "Stanford Cars: make, model and year (196)"),
+    "resisc45": ClipTask("tanganke/clip-vit-base-patch32_resisc45", "tanganke/resisc45", "RESISC45 aerial scenes (45)"),
+    "eurosat": ClipTask("tanganke/clip-vit-base-patch32_eurosat", "tanganke/eurosat", "EuroSAT land use from satellite (10)"),
+    "svhn": ClipTask("tanganke/clip-vit-base-patch32_svhn", "ufldl-stanford/svhn", "SVHN house-number digits (10)",
+                     "cropped_digits"),
+    "gtsrb": ClipTask("tanganke/clip-vit-base-patch32_gtsrb", "tanganke/gtsrb", "GTSRB German traffic signs (43)"),
+    "mnist": ClipTask("tanganke/clip-vit-base-patch32_mnist", "ylecun/mnist", "MNIST handwritten digits (10)"),
+    "dtd": ClipTask("tanganke/clip-vit-base-patch32_dtd", "tanganke/dtd", "DTD describable textures (47)"),
+}
+
+
+class MirrorMissing(FileNotFoundError):
+    """A path the benchmark expects in a local mirror is not there."""
+
+
+class ClipBenchSpec(BaseModel):
+    """A build of the CLIP benchmark: its tasks, split sizes, seed, and where models and data come from (the hub
+    when `models_from` / `data_from` are None, else a local mirror laid out as the module docstring says)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    tasks: list[str]
+    calibration: int = Field(256, ge=1, description="calibration pool per task: a seeded subset of its train split")
+    test_rows: int | None = Field(None, ge=1, description="a seeded subset of each test split; None: all of it")
+    seed: int = 0
+    models_from: str | None = None
+    data_from: str | None = None
+
+    @field_validator("tasks")
+    @classmethod
+    def _known_tasks(cls, tasks: list[str]) -> list[str]:
+        unknown = sorted(set(tasks) - set(CLIP_TASKS))
+        if unknown or not tasks:
+            raise ValueError(f"unknown or no tasks {unknown}; known: {sorted(CLIP_TASKS)}")
+        return sorted(set(tasks))
+
+    def model_source(self, hub_id: str) -> str:
+        """Where `from_pretrained` reads hub model `hub_id`: its mirror directory, or the hub id itself."""
+        return str(Path(self.models_from) / hub_id) if self.models_from else hub_id
+
+    def data_source(self, task: str) -> str:
+        dataset = CLIP_TASKS[task].dataset
+        return str(Path(self.data_from) / dataset) if self.data_from else dataset
+
+    def check_mirror(self) -> None:
+        """Every path the build will read from a mirror exists: checked before any work, the first missing one named
+        with its flag and how to fill it."""
+        wanted = [(self.models_from, MODELS_FLAG, self.model_source(h), f"`huggingface-cli download {h} --local-dir DIR`")
+                  for h in [BASE_MODEL, *(CLIP_TASKS[t].expert for t in self.tasks)]]
+        wanted += [(self.data_from, DATA_FLAG, self.data_source(t),
+                    f"`huggingface-cli download --repo-type dataset {CLIP_TASKS[t].dataset} --local-dir DIR`, or "
+                    f"load_dataset(...).save_to_disk(DIR)") for t in self.tasks]
+        missing = [(root, flag, path, fill) for root, flag, path, fill in wanted if root and not Path(path).is_dir()]
+        if missing:
+            root, flag, path, fill = missing[0]
+            more = f" ({len(missing) - 1} more path(s) missing)" if len(missing) > 1 else ""
+            raise MirrorMissing(f"{flag} {root}: {path} does not exist; expected the hub's {Path(path).relative_to(root)} "
+                                f"there ({fill}){more}")
+
+    def save(self, bench_dir: Path) -> None:
+        write_json(Path(bench_dir) / SPEC_FILE, self.model_dump(mode="json"))
+
+    @classmethod
+    def load(cls, bench_dir: Path) -> ClipBenchSpec:
+        return cls.model_validate(read_json(Path(bench_dir) / SPEC_FILE))
+
+
+def is_clip_bench(bench_dir: str | Path) -> bool:
+    return (Path(bench_dir) / SPEC_FILE).is_file()
+
+
+CLIP_PRESETS = {"clip-vit-b32-ta8": ClipBenchSpec(name="clip-vit-b32-ta8", tasks=sorted(CLIP_TASKS))}
+
+
+def preset_spec(name: str, models_from: str | None = None, data_from: str | None = None,
+                tasks: list[str] | None = None, test_rows: int | None = None) -> ClipBenchSpec:
+    """Preset `name` with the command line's choices; a bad choice, or a mirror path that is missing, is named now,
+    in one line, before any work."""
+    unknown = sorted(set(tasks or []) - set(CLIP_TASKS))
+    if unknown:
+        raise ValueError(f"--tasks: {unknown} are not tasks of {name}; its tasks are {sorted(CLIP_TASKS)}")
+    if test_rows is not None and test_rows < 1:
+        raise ValueError(f"--test-rows: expected at least 1 row per task, got {test_rows}")
+    roots = {"models_from": models_from, "data_from": data_from}
+    spec = CLIP_PRESETS[name].model_copy(update={
+        **{k: str(Path(v).resolve()) if v else None for k, v in roots.items()}, "test_rows": test_rows,
+        **({"tasks": sorted(set(tasks))} if tasks else {})})
+    spec.check_mirror()
+    return spec
