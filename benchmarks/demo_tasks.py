@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from featcal.bench.competence import failures, figures
+from featcal.bench.competence import failures, figures, mix_table
 from featcal.bench.finetune import FineTune
 from featcal.bench.presets import PRESETS
 from featcal.bench.tasks import RECIPES
@@ -138,15 +138,8 @@ def report(rule, sections, chosen, seconds: float) -> str:
                          f"{pts(r['expert'])} | {100 * (r['expert'] - r['majority']):+.1f} | "
                          f"{'pass' if t in passers else 'fail'} |")
         lines += ["", "Mixes evaluated, in order (task arithmetic at "
-                  f"{rule.scaling:g} over the three; expert − TA per task; ✗ fails the rule):", "",
-                  "| mix | task: expert / TA (expert − TA) | verdict |", "|---|---|---|"]
-        for combo in walked:
-            rows = mixes[combo]
-            cells = "; ".join(f"{t}: {pts(rows[t]['expert'])} / {pts(rows[t]['merged'])} "
-                              f"({100 * (rows[t]['expert'] - rows[t]['merged']):+.1f}){' ✗' if failures(rows[t], rule) else ''}"
-                              for t in combo)
-            bad = [t for t in combo if failures(rows[t], rule)]
-            lines.append(f"| {', '.join(combo)} | {cells} | {'pass' if not bad else 'fails on ' + ', '.join(bad)} |")
+                  f"{rule.scaling:g} over the three; ✗ fails the rule):", ""]
+        lines += mix_table(walked, mixes, rule)
         if found is None:
             lines += ["", f"No mix passes under {recipe}."]
     if chosen:

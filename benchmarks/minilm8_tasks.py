@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from featcal.bench.competence import failures, figures
+from featcal.bench.competence import failures, figures, mix_table
 from featcal.bench.presets import PRESETS
 from featcal.bench.tasks import RECIPES
 from flows.bench import build_stages, direct_call, located_spec
@@ -108,16 +108,8 @@ def report(info: dict[str, dict], walked: list, mixes: dict, alone: dict, chosen
     lines += [f"- `{t}`: " + "; ".join(f"lr {lr}: " + ", ".join(pts(v) for v in scores)
                                        for lr, scores in info[t]["validation_by_lr"].items()) for t in FIRST + SPARE]
     lines += ["", "## Mixes evaluated, in order", "",
-              f"Task arithmetic at {rule.scaling:g} over the mix; per task: expert / TA (expert − TA); ✗ fails the rule.", "",
-              "| mix | per task | verdict |", "|---|---|---|"]
-    for combo in walked:
-        rows = mixes[combo]
-        cells = "; ".join(f"{t}: {pts(rows[t]['expert'])} / {pts(rows[t]['merged'])} "
-                          f"({100 * (rows[t]['expert'] - rows[t]['merged']):+.1f}){' ✗' if failures(rows[t], rule) else ''}"
-                          for t in combo)
-        bad = {t: failures(rows[t], rule) for t in combo if failures(rows[t], rule)}
-        verdict = "pass" if not bad else "; ".join(f"{t}: {', '.join(f)}" for t, f in bad.items())
-        lines.append(f"| {', '.join(combo)} | {cells} | {verdict} |")
+              f"Task arithmetic at {rule.scaling:g} over the mix; ✗ fails the rule.", ""]
+    lines += mix_table(walked, mixes, rule)
     lines += ["", "## Chosen", ""]
     if chosen is None:
         lines.append("No mix passes the rule.")

@@ -69,16 +69,21 @@ def build_flow(bench_dir: str, spec: BenchSpec) -> dict[str, Record]:
     return build_stages(Path(bench_dir), spec, prefect_call)
 
 
-def build_stages(bench: Path, spec: BenchSpec, stage: Call) -> dict[str, Record]:
-    """Base copy, then one dataset and one expert per task, then the spec's competence rule where it states one
-    (it raises when an expert fails it); each cached on its inputs' digests."""
+def prepared_bench(bench: Path, spec: Any) -> tuple[Path, Path]:
+    """The benchmark directory made and its spec saved; returns it resolved, with the fingerprint memo's path."""
     # Per-save and per-load bars would drown the stages' own progress lines.
     datasets.disable_progress_bars()
     hf_logging.disable_progress_bar()
     bench = bench.resolve()
     bench.mkdir(parents=True, exist_ok=True)
     spec.save(bench)
-    memo = bench / "records" / "fingerprints.json"
+    return bench, bench / "records" / "fingerprints.json"
+
+
+def build_stages(bench: Path, spec: BenchSpec, stage: Call) -> dict[str, Record]:
+    """Base copy, then one dataset and one expert per task, then the spec's competence rule where it states one
+    (it raises when an expert fails it); each cached on its inputs' digests."""
+    bench, memo = prepared_bench(bench, spec)
     sources = {k: fingerprint(v, memo) if v else None for k, v in spec.sources.items()}
     code = code_digest(Path(m.__file__) for m in BUILD_MODULES)  # edits elsewhere keep the experts
     records = {"base": stage(bench, "base", "base", digest_of([code, "base", sources["minilm"]]))}

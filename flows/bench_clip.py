@@ -11,10 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import datasets
 import yaml
 from prefect import flow
-from transformers.utils import logging as hf_logging
 
 from featcal.bench import clip_build, clip_methods, clip_prompts, clip_report, clip_spec, methods, surgery, surgery_run
 from featcal.bench import report as bench_report
@@ -22,7 +20,7 @@ from featcal.bench.clip_estimate import CONFIGS, cost_estimate, split_sizes
 from featcal.bench.clip_spec import BASE_MODEL, CLIP_TASKS, ClipBenchSpec
 from featcal.config import digest_of
 from flows import bench as bench_flow
-from flows.bench import STAGES, Call, built_outputs, prefect_call, save_report
+from flows.bench import STAGES, Call, built_outputs, prefect_call, prepared_bench, save_report
 from flows.pipeline import code_digest, code_version, machine
 from storage.atomic import read_json, write_bytes
 from storage.fingerprint import fingerprint
@@ -44,12 +42,7 @@ def clip_build_flow(bench_dir: str, spec: ClipBenchSpec) -> dict[str, Record]:
 def clip_build_stages(bench: Path, spec: ClipBenchSpec, stage: Call) -> dict[str, Record]:
     """The CLIPModel and its vision tower, then one dataset and one expert per task, each cached on its source's
     fingerprint (a mirror's content, or a hub id's name); then every method run's pipeline config under configs/."""
-    datasets.disable_progress_bars()
-    hf_logging.disable_progress_bar()
-    bench = bench.resolve()
-    bench.mkdir(parents=True, exist_ok=True)
-    spec.save(bench)
-    memo = bench / "records" / "fingerprints.json"
+    bench, memo = prepared_bench(bench, spec)
     code = code_digest(Path(m.__file__) for m in BUILD_MODULES)
     records = {"clip": stage(bench, "clip-clip", "clip", digest_of(
         [code, "clip", fingerprint(spec.model_source(BASE_MODEL), memo)]))}

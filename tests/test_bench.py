@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoTokenizer, BertForSequenceClassificatio
 from featcal.bench.finetune import FineTune, Selection, _train, accuracy
 from featcal.bench.probe import L2_GRID, fitted_probe
 from featcal.bench import competence
-from featcal.bench.competence import IncompetentExperts, failures, figures
+from featcal.bench.competence import IncompetentExperts, failures, figures, mix_table
 from featcal.bench.methods import MethodRun, pipeline_config
 from featcal.bench.sources import SourceMissing, Sources, general_inquirer, moral_foundations, roget, spam_mails, synsets
 from featcal.bench.presets import PRESETS
@@ -285,6 +285,11 @@ def test_competence_rule_with_the_probe(selected) -> None:
     assert failures({"majority": 0.4, "probe": 0.6, "expert": 0.63, "merged": 0.6}, rule) == []
     assert failures({"majority": 0.4, "probe": 0.61, "expert": 0.63, "merged": 0.62}, rule) == [
         "expert 63.0 % < linear probe 61.0 % + 3 points", "expert 63.0 % < task arithmetic 62.0 % + 3 points"]
+    mixes = {("a", "b"): {"a": {"majority": 0.4, "probe": 0.6, "expert": 0.7, "merged": 0.6},
+                          "b": {"majority": 0.4, "probe": 0.61, "expert": 0.63, "merged": 0.62}}}
+    assert mix_table([("a", "b")], mixes, rule)[2] == (
+        "| a, b | a: 70.0 / 60.0 (+10.0); b: 63.0 / 62.0 (+1.0) ✗ | b: expert 63.0 % < linear probe 61.0 % + 3 points, "
+        "expert 63.0 % < task arithmetic 62.0 % + 3 points |")
     # The build stops naming the task and both margins it misses.
     failing = {t: {"test_rows": 6, "majority": 0.3, "probe": 0.8, "expert": 0.7, "merged": 0.75, "probe_l2": 1.0}
                for t in spec.tasks}

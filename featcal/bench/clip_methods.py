@@ -6,8 +6,6 @@ with zero-shot heads made from the benchmark's prompts; each writes `results/{ru
 
 from __future__ import annotations
 
-import json
-import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +14,7 @@ from featcal.bench.build import BASE, data_dir, expert_dir
 from featcal.bench.clip_build import CLIP
 from featcal.bench.clip_prompts import CLASS_NAMES, TEMPLATES
 from featcal.bench.clip_spec import ClipBenchSpec
-from featcal.bench.methods import SAMPLE_SIZES, MethodRun, pipeline_result, timed_result
+from featcal.bench.methods import SAMPLE_SIZES, MethodRun, main, pipeline_result, timed_result
 from featcal.config import config_from_dict
 
 # The paper's setting for CLIP ViT-B/32 (the pipeline's defaults, docs/design.md §2.8), 256 examples per task.
@@ -78,12 +76,5 @@ def run_clip_method(bench: Path, name: str) -> dict[str, Any]:
     return timed_result(bench, name, run, lambda: pipeline_result(bench, name, raw))
 
 
-def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    bench, name = Path(argv[0]).resolve(), argv[1]
-    print(json.dumps(run_clip_method(bench, name)["cost"], indent=1))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:], run_clip_method))

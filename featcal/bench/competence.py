@@ -86,6 +86,21 @@ def failures(row: dict[str, float], rule: Competence) -> list[str]:
     return out
 
 
+def mix_table(walked: list[tuple[str, ...]], mixes: dict[tuple[str, ...], dict[str, dict[str, Any]]],
+              rule: Competence) -> list[str]:
+    """Markdown rows of the task mixes a selection tried, in order: per task expert / TA (expert − TA), ✗ where it
+    fails `rule`, and what failed."""
+    lines = ["| mix | task: expert / TA (expert − TA) | verdict |", "|---|---|---|"]
+    for combo in walked:
+        rows = mixes[combo]
+        bad = {t: failures(rows[t], rule) for t in combo if failures(rows[t], rule)}
+        cells = "; ".join(f"{t}: {100 * rows[t]['expert']:.1f} / {100 * rows[t]['merged']:.1f} "
+                          f"({100 * (rows[t]['expert'] - rows[t]['merged']):+.1f}){' ✗' if t in bad else ''}" for t in combo)
+        verdict = "pass" if not bad else "; ".join(f"{t}: {', '.join(f)}" for t, f in bad.items())
+        lines.append(f"| {', '.join(combo)} | {cells} | {verdict} |")
+    return lines
+
+
 def check(bench: Path) -> tuple[list[str], dict[str, Any]]:
     """The build's check stage: the spec's rule on every task; raises IncompetentExperts when one fails."""
     from storage.atomic import write_json

@@ -148,10 +148,11 @@ def timed_result(bench: Path, name: str, run: MethodRun, compute: Callable[[], d
     return result
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], run: Callable[[Path, str], dict[str, Any]] = run_method) -> int:
+    """`python -m MODULE BENCH_DIR RUN`: the process `bench run` starts per method run (`run` is the module's)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     bench, name = Path(argv[0]).resolve(), argv[1]
-    print(json.dumps(run_method(bench, name)["cost"], indent=1))
+    print(json.dumps(run(bench, name)["cost"], indent=1))
     return 0
 
 
