@@ -6,12 +6,14 @@ Adding an architecture means subclassing `Adapter`, filling in the names, and re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
+from transformers.models.t5.modeling_t5 import T5Attention
 
 
 class UnsupportedModelError(ValueError):
@@ -23,6 +25,20 @@ class BlockInput:
     """What one block needs besides the hidden states (e.g. the attention mask)."""
 
     attention_mask: torch.Tensor | None  # [B, T], 1 = real token, or None when every token is real
+    # Encoder–decoder models only: the stream's encoder output and its mask, read by a decoder block's
+    # cross-attention, and the relative position bias the block's stack computes in its first block.
+    encoder_hidden: torch.Tensor | None = None  # [B, S, H]
+    encoder_mask: torch.Tensor | None = None  # [B, S]
+    position_bias: torch.Tensor | None = None  # [1, heads, T, T]
+
+
+# Reads one tensor of a checkpoint by canonical name (CanonicalCheckpoint.get).
+TensorGetter = Callable[[str], torch.Tensor]
+
+
+def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where `keep` is true, the dtype's most negative value elsewhere: added to attention scores."""
+    return (~keep).to(dtype) * torch.finfo(dtype).min
 
 
 class Adapter:
@@ -36,6 +52,9 @@ class Adapter:
     blocks_path: ClassVar[str]
     # Names (inside a block) of the key/value projections, which keep full token weights in the last block.
     kv_modules: ClassVar[tuple[str, ...]]
+    # Modules inside a block whose input is the encoder output (cross-attention keys/values), so their
+    # token weights follow the encoder's mask, not the block's own.
+    memory_modules: ClassVar[tuple[str, ...]] = ()
     # Head tensors stay per task and are never merged.
     head_prefixes: ClassVar[tuple[str, ...]] = ("classifier.",)
     # Index of the token the head reads, or None when the head pools all tokens.
@@ -94,15 +113,43 @@ class Adapter:
         """Block-0 hidden states from the materialised `embedding_modules()`."""
         raise NotImplementedError
 
-    def block_input(self, inputs: dict[str, torch.Tensor]) -> BlockInput:
+    @property
+    def has_decoder(self) -> bool:
+        """Whether the model decodes a target sequence (calibration then needs decoder inputs: featcal/t5.py)."""
+        return False
+
+    def stack_starts(self) -> tuple[int, ...]:
+        """The first block of each stack (an encoder–decoder has two); each one's input comes from the embeddings."""
+        return (0,)
+
+    def embed_at(self, start: int, modules: dict[str, nn.Module], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Hidden states entering block `start`, one of `stack_starts()`."""
+        return self.embed(modules, inputs)
+
+    def mask_name(self, layer: int) -> str:
+        """The model input holding block `layer`'s token mask."""
+        return "attention_mask"
+
+    def ends_stack(self, layer: int) -> str | None:
+        """The body module (a final norm) that turns block `layer`'s output into the encoder output later blocks
+        read, when block `layer` ends such a stack; None otherwise."""
+        return None
+
+    def reads_encoder(self, layer: int) -> bool:
+        """Whether block `layer` reads the encoder output (cross-attention)."""
+        return False
+
+    def block_input(self, inputs: dict[str, torch.Tensor], layer: int = 0,
+                    weights: TensorGetter | None = None) -> BlockInput:
+        """What block `layer` needs besides its hidden states; `weights` reads the running model's tensors (for
+        what a block takes from another block of its stack)."""
         return BlockInput(attention_mask=inputs.get("attention_mask"))
 
     def run_block(self, block: nn.Module, hidden: torch.Tensor, extra: BlockInput) -> torch.Tensor:
         mask = None
         if extra.attention_mask is not None:
-            # Additive mask broadcast over heads and query positions: 0 keeps a key, -inf-ish drops it.
-            keep = extra.attention_mask[:, None, None, :].to(hidden.dtype)
-            mask = (1.0 - keep) * torch.finfo(hidden.dtype).min
+            # Broadcast over heads and query positions: 0 keeps a key, -inf-ish drops it.
+            mask = additive_mask(extra.attention_mask[:, None, None, :].bool(), hidden.dtype)
         out = block(hidden, attention_mask=mask)
         return out[0] if isinstance(out, tuple) else out
 
@@ -148,7 +195,8 @@ class BertAdapter(Adapter):
 
 
 class _ImageAdapter(Adapter):
-    def block_input(self, inputs: dict[str, torch.Tensor]) -> BlockInput:
+    def block_input(self, inputs: dict[str, torch.Tensor], layer: int = 0,
+                    weights: TensorGetter | None = None) -> BlockInput:
         return BlockInput(attention_mask=None)
 
     def model_input_names(self) -> tuple[str, ...]:
@@ -206,3 +254,112 @@ class ViTAdapter(_ImageAdapter):
     def embed(self, modules: dict[str, nn.Module], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return modules["embeddings"](inputs["pixel_values"])
 
+
+
+@register
+class T5Adapter(Adapter):
+    """T5 and FLAN-T5: the encoder's blocks, then the decoder's, as one sequence of calibrated blocks.
+
+    A decoder block's cross-attention reads its own stream's encoder output (after the encoder's final norm),
+    and every block but a stack's first takes the relative position bias from that stack's first block, in
+    the running model's weights: both travel in `BlockInput`. The shared embedding, the final norms and the
+    LM head are merged and never calibrated; nothing is per task (`head_prefixes` is empty)."""
+
+    model_types = ("t5",)
+    body_attr = {"T5ForConditionalGeneration": "", "T5EncoderModel": ""}
+    file_prefixes = ("",)
+    blocks_path = "encoder.block"  # then decoder.block: `block_prefix` numbers both stacks as one sequence
+    kv_modules = ("layer.0.SelfAttention.k", "layer.0.SelfAttention.v",
+                  "layer.1.EncDecAttention.k", "layer.1.EncDecAttention.v")
+    memory_modules = ("layer.1.EncDecAttention.k", "layer.1.EncDecAttention.v")
+    head_prefixes = ()
+    pooled_token = {"T5ForConditionalGeneration": None, "T5EncoderModel": None}
+    probe_key = "shared.weight"
+    BIAS = "layer.0.SelfAttention.relative_attention_bias.weight"
+
+    @property
+    def encoder_blocks(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def has_decoder(self) -> bool:
+        return self.architecture == "T5ForConditionalGeneration"
+
+    def num_blocks(self) -> int:
+        return self.encoder_blocks + (self.config.num_decoder_layers if self.has_decoder else 0)
+
+    def is_decoder(self, layer: int) -> bool:
+        return layer >= self.encoder_blocks
+
+    def blocks(self, body: nn.Module) -> nn.ModuleList:
+        return nn.ModuleList([*body.encoder.block, *(body.decoder.block if self.has_decoder else ())])
+
+    def block_prefix(self, layer: int) -> str:
+        if self.is_decoder(layer):
+            return f"decoder.block.{layer - self.encoder_blocks}."
+        return f"encoder.block.{layer}."
+
+    def embedding_modules(self) -> tuple[str, ...]:
+        return ("shared",)
+
+    def embed(self, modules: dict[str, nn.Module], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return modules["shared"](inputs["input_ids"])
+
+    def stack_starts(self) -> tuple[int, ...]:
+        return (0, self.encoder_blocks) if self.has_decoder else (0,)
+
+    def embed_at(self, start: int, modules: dict[str, nn.Module], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return modules["shared"](inputs["decoder_input_ids"]) if self.is_decoder(start) else self.embed(modules, inputs)
+
+    def mask_name(self, layer: int) -> str:
+        return "decoder_attention_mask" if self.is_decoder(layer) else "attention_mask"
+
+    def ends_stack(self, layer: int) -> str | None:
+        return "encoder.final_layer_norm" if self.has_decoder and layer == self.encoder_blocks - 1 else None
+
+    def reads_encoder(self, layer: int) -> bool:
+        return self.is_decoder(layer)
+
+    def model_input_names(self) -> tuple[str, ...]:
+        return ("input_ids", "attention_mask")
+
+    def evaluate_forward(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> Any:
+        # The tokenizer path adds token_type_ids, which T5 does not take.
+        return super().evaluate_forward(model, {k: v for k, v in inputs.items() if k in self.model_input_names()})
+
+    def position_bias(self, table: torch.Tensor, length: int, decoder: bool) -> torch.Tensor:
+        """[1, heads, length, length]: T5Attention.compute_bias with the stack's first block's bucket table."""
+        position = torch.arange(length)
+        buckets = T5Attention._relative_position_bucket(
+            position[None, :] - position[:, None], bidirectional=not decoder,
+            num_buckets=self.config.relative_attention_num_buckets,
+            max_distance=self.config.relative_attention_max_distance)
+        return nn.functional.embedding(buckets, table).permute(2, 0, 1).unsqueeze(0)
+
+    def block_input(self, inputs: dict[str, torch.Tensor], layer: int = 0,
+                    weights: TensorGetter | None = None) -> BlockInput:
+        mask = inputs["attention_mask"]
+        start = self.encoder_blocks if self.is_decoder(layer) else 0
+        bias = None  # a stack's first block computes its own
+        if layer != start:
+            if weights is None:
+                raise ValueError(f"block {layer} needs the weights of block {start} for T5's relative position bias")
+            bias = self.position_bias(weights(self.block_prefix(start) + self.BIAS).float(), mask.shape[1],
+                                      self.is_decoder(layer))
+        if not self.reads_encoder(layer):
+            return BlockInput(attention_mask=mask, position_bias=bias)
+        return BlockInput(attention_mask=mask, encoder_hidden=inputs["encoder_hidden_states"],
+                          encoder_mask=inputs["encoder_attention_mask"], position_bias=bias)
+
+    def run_block(self, block: nn.Module, hidden: torch.Tensor, extra: BlockInput) -> torch.Tensor:
+        keep = extra.attention_mask[:, None, None, :].bool()
+        cross = None
+        if block.is_decoder:
+            if extra.encoder_hidden is None:
+                raise ValueError("a T5 decoder block needs its stream's encoder output (BlockInput.encoder_hidden)")
+            length = hidden.shape[1]
+            keep = keep & torch.ones(length, length, dtype=torch.bool).tril()
+            cross = additive_mask(extra.encoder_mask[:, None, None, :].bool(), hidden.dtype)
+        out = block(hidden, attention_mask=additive_mask(keep, hidden.dtype), position_bias=extra.position_bias,
+                    encoder_hidden_states=extra.encoder_hidden, encoder_attention_mask=cross)
+        return out[0]

@@ -34,6 +34,8 @@ class DataSource(_Strict):
     column: str | None = Field(None, description="raw input column (text/image); default: detected")
     text_pair_column: str | None = None
     label_column: str | None = None
+    target_column: str | None = Field(None, description="encoder–decoder calibration: the target sequence (text, or "
+                                      "token ids ending in EOS); default: the expert's own greedy output")
 
 
 class CalibrationConfig(_Strict):
@@ -41,6 +43,8 @@ class CalibrationConfig(_Strict):
     examples_per_task: int = Field(256, ge=1)
     batch_size: int = Field(16, ge=1)
     max_length: int = Field(128, ge=2, description="text: truncate to this many tokens")
+    max_target_length: int = Field(16, ge=1, description="encoder–decoder: at most this many target tokens "
+                                   "(greedy generation stops there; a target column is truncated to it)")
     seed: int = 42
 
 
@@ -82,6 +86,11 @@ class EvaluationConfig(_Strict):
         default_factory=lambda: list(EVALUATED_MODELS), min_length=1,
         description="whose accuracy is measured; the expert still runs as the drift reference when merged or "
                     "calibrated is listed, so a benchmark can skip re-scoring base and experts")
+
+    label_words: dict[str, list[str]] = Field(
+        default_factory=dict, description="encoder–decoder: per task, the answer word(s) of each class in label-id "
+                                          "order; default: the label column's ClassLabel names")
+    max_new_tokens: int = Field(16, ge=1, description="encoder–decoder: greedy generation length when scoring")
 
     @field_validator("models")
     @classmethod
@@ -192,9 +201,10 @@ class RunConfig(_Strict):
         extra = sorted(set(self.calibration.data) - set(self.experts))
         if extra:
             raise ValueError(f"calibration.data names task(s) {extra} that are not in experts")
-        extra = sorted(set(self.evaluation.data) - set(self.experts))
-        if extra:
-            raise ValueError(f"evaluation.data names task(s) {extra} that are not in experts")
+        for field in ("data", "label_words"):
+            extra = sorted(set(getattr(self.evaluation, field)) - set(self.experts))
+            if extra:
+                raise ValueError(f"evaluation.{field} names task(s) {extra} that are not in experts")
         for field in ("class_names", "task_templates") if self.zero_shot else ():
             extra = sorted(set(getattr(self.zero_shot, field)) - set(self.experts))
             if extra:

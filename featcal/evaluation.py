@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from scipy.stats import spearmanr
 
 from featcal.config import EVALUATED_MODELS as MODELS
 
@@ -66,11 +67,27 @@ class TaskScores:
     head_index: int | None = None
     head_diff: dict[str, list[float]] = field(default_factory=dict)
     head_ref: list[float] = field(default_factory=list)
+    # "accuracy", or "spearman" for a regression task answered in text: then `predictions` holds each model's parsed
+    # numbers, `labels` the targets, and the accuracy figure is Spearman's ρ.
+    metric: str = "accuracy"
+    values: dict[str, list[float]] = field(default_factory=dict)
+    targets: list[float] = field(default_factory=list)
+
+    def add_values(self, model: str, values: list[float], targets: list[float]) -> None:
+        """One batch of a regression task: `model`'s parsed answers (NaN: none) and the targets (kept once)."""
+        kept = self.values.setdefault(model, [])
+        kept += values
+        if len(kept) > len(self.targets):
+            self.targets += targets
 
     def add_predictions(self, model: str, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        """One batch of `model`: every model is given the same rows with the same labels, so the labels are
-        kept once, by the first model to reach these rows."""
-        predicted = logits.argmax(-1)
+        """One batch of `model`'s logits (the predicted class is their argmax)."""
+        self.add_predicted(model, logits.argmax(-1), labels)
+
+    def add_predicted(self, model: str, predicted: torch.Tensor, labels: torch.Tensor) -> None:
+        """One batch of `model`'s predicted class ids (−1: none; a text-to-text answer that is no label word).
+        Every model is given the same rows with the same labels, so the labels are kept once, by the first
+        model to reach these rows."""
         self.correct[model] = self.correct.get(model, 0) + int((predicted == labels).sum())
         kept = self.predictions.setdefault(model, [])
         kept += predicted.tolist()
@@ -82,24 +99,26 @@ class TaskScores:
         return h[:, self.head_index] * mask[:, self.head_index].to(h.dtype)[:, None]
 
     def add_drift(self, model: str, hidden: tuple[torch.Tensor, ...], expert: tuple[torch.Tensor, ...],
-                  mask: torch.Tensor) -> None:
-        """Σ‖h_model − h_expert‖² over real tokens, and over the head token, per block boundary."""
-        m = mask.float()[..., None]
-        diffs = [float((((h - e) * m) ** 2).sum()) for h, e in zip(hidden, expert, strict=True)]
+                  mask: torch.Tensor | list[torch.Tensor]) -> None:
+        """Σ‖h_model − h_expert‖² over real tokens, and over the head token, per block boundary. `mask` is one
+        [B, T] mask, or one per boundary (an encoder–decoder's decoder boundaries have their own tokens)."""
+        masks = _per_boundary(mask, len(expert))
+        diffs = [float((((h - e) * m.float()[..., None]) ** 2).sum())
+                 for h, e, m in zip(hidden, expert, masks, strict=True)]
         acc = self.drift_diff.setdefault(model, [0.0] * len(diffs))
         self.drift_diff[model] = [a + d for a, d in zip(acc, diffs)]
         if self.head_index is not None:
-            heads = [_sq(self._head(h, mask) - self._head(e, mask)) for h, e in zip(hidden, expert, strict=True)]
+            heads = [_sq(self._head(h, m) - self._head(e, m)) for h, e, m in zip(hidden, expert, masks, strict=True)]
             acc = self.head_diff.setdefault(model, [0.0] * len(heads))
             self.head_diff[model] = [a + d for a, d in zip(acc, heads)]
 
-    def add_reference(self, expert: tuple[torch.Tensor, ...], mask: torch.Tensor) -> None:
-        """Σ‖h_expert‖² over real tokens, and over the head token, per block boundary."""
-        m = mask.float()[..., None]
-        refs = [float(((e * m) ** 2).sum()) for e in expert]
+    def add_reference(self, expert: tuple[torch.Tensor, ...], mask: torch.Tensor | list[torch.Tensor]) -> None:
+        """Σ‖h_expert‖² over real tokens, and over the head token, per block boundary (`mask` as in `add_drift`)."""
+        masks = _per_boundary(mask, len(expert))
+        refs = [float(((e * m.float()[..., None]) ** 2).sum()) for e, m in zip(expert, masks, strict=True)]
         self.drift_ref = [a + r for a, r in zip(self.drift_ref or [0.0] * len(refs), refs)]
         if self.head_index is not None:
-            heads = [_sq(self._head(e, mask)) for e in expert]
+            heads = [_sq(self._head(e, m)) for e, m in zip(expert, masks, strict=True)]
             self.head_ref = [a + r for a, r in zip(self.head_ref or [0.0] * len(heads), heads)]
 
     def summary(self) -> dict[str, Any]:
@@ -107,6 +126,8 @@ class TaskScores:
         ({model: {"all_tokens", "head_token"}}); drift keys are empty when no drift was measured. When predictions
         were added, also `predictions` ({model: class ids}) and `labels` (label ids), both in row order."""
         acc = {k: v / self.seen for k, v in self.correct.items()} if self.seen else {}
+        if self.metric == "spearman":
+            acc = {k: spearman(v, self.targets) for k, v in self.values.items()}
 
         def ratios(diff: dict[str, list[float]], ref: list[float]) -> dict[str, list[float]]:
             return {k: [math.sqrt(d / r) if r > 0 else 0.0 for d, r in zip(v, ref)] for k, v in diff.items()}
@@ -121,7 +142,20 @@ class TaskScores:
                                "last_boundary_drift": last}
         if self.predictions:
             out |= {"predictions": self.predictions, "labels": self.labels}
+        if self.metric != "accuracy":
+            out["metric"] = self.metric
         return out
+
+
+def _per_boundary(mask: torch.Tensor | list[torch.Tensor], boundaries: int) -> list[torch.Tensor]:
+    return list(mask) if isinstance(mask, list | tuple) else [mask] * boundaries
+
+
+def spearman(predicted: list[float], targets: list[float]) -> float:
+    """Spearman's ρ of parsed answers against the targets; an unparsable answer (NaN) ranks below every number."""
+    floor = min([*targets, *(p for p in predicted if not math.isnan(p))], default=0.0) - 1.0
+    rho = spearmanr([floor if math.isnan(p) else p for p in predicted], targets).statistic
+    return 0.0 if math.isnan(rho) else float(rho)
 
 
 class EvalProgress:

@@ -37,7 +37,7 @@ class Skeleton:
         return cls(AutoConfig.from_pretrained(directory))
 
     def block_template(self, layer: int) -> nn.Module:
-        return self.adapter.blocks(self.body)[layer]
+        return self.body.get_submodule(self.adapter.block_prefix(layer).rstrip("."))
 
     def materialize(self, path: str, state: Mapping[str, torch.Tensor]) -> nn.Module:
         """A real, standalone copy of body submodule `path`, with `state` (names relative to it) loaded strictly."""
@@ -83,10 +83,15 @@ def calibrated_modules(block: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
+# RMS norms (scale only) whose class name does not say so.
+RMS_NORMS = ("T5LayerNorm",)
+
+
 def is_norm(module: nn.Module) -> bool:
     if isinstance(module, nn.LayerNorm):
         return module.elementwise_affine
-    return type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), nn.Parameter)
+    name = type(module).__name__
+    return (name.endswith("RMSNorm") or name in RMS_NORMS) and isinstance(getattr(module, "weight", None), nn.Parameter)
 
 
 def norm_eps(module: nn.Module) -> float:
@@ -118,8 +123,18 @@ def task_model(expert_dir: str | Path, body_from: CanonicalCheckpoint | None = N
     if body_from is not None:
         body = adapter.body(model)
         wanted = body.state_dict()
-        missing = [n for n in wanted if n not in body_from]
+        # Tied parameters (T5's shared embedding) appear under several names, but a checkpoint stores one.
+        def storage(name: str) -> tuple[int, tuple[int, ...]] | str:
+            t = wanted[name]
+            return (t.data_ptr(), tuple(t.shape)) if t.numel() else name
+
+        stored: dict[tuple[int, tuple[int, ...]] | str, str] = {}
+        for n in wanted:
+            if n in body_from:
+                stored.setdefault(storage(n), n)
+        missing = [n for n in wanted if storage(n) not in stored]
         if missing:
             raise CheckpointError(f"{body_from.directory} lacks body tensors {missing[:5]} of {expert_dir}")
-        body.load_state_dict({n: body_from.get(n).to(wanted[n].dtype) for n in wanted}, strict=True)
+        body.load_state_dict({n: body_from.get(stored[storage(n)]).to(t.dtype) for n, t in wanted.items()},
+                             strict=True)
     return model.eval()

@@ -199,17 +199,25 @@ class Pipeline:
         for t in tasks:
             for s in ("merged", "expert"):
                 side[t, s] = (prepared[t], run.acts(t, 0, s))
+        # An encoder–decoder's encoder output per task and side, (record, rel), read by every decoder block.
+        memory: dict[tuple[str, str], tuple[Record, str]] = {}
+
+        def read(*boundaries: tuple[Record, str]) -> tuple[list[str], dict[str, str]]:
+            """The digests of `boundaries` (for a key) and their producers (for `needs`)."""
+            return [rec["outputs"][rel] for rec, rel in boundaries], {rel: rec["stage"] for rec, rel in boundaries}
+
         blocks: list[dict[str, Record]] = []  # per block: {solve group's file: its record}
         featcal_cfg = cfg.slice("featcal")["featcal"]
+        adapter = self.ctx.adapter
         for layer in range(L):
             gram_calls = []
             for t in tasks:
-                (s_rec, s_rel), (e_rec, e_rel) = side[t, "merged"], side[t, "expert"]
+                cross = [memory[t, s] for s in ("merged", "expert")] if adapter.reads_encoder(layer) else []
+                digests, needs = read(side[t, "merged"], side[t, "expert"], *cross)
                 gram_calls.append(StageCall("gram", f"gram/l{layer:02d}/{t}", f"block {layer:02d} · gram · {t}", self.key(
-                    "gram", layer, t, s_rec["outputs"][s_rel], e_rec["outputs"][e_rel], merged_digest,
+                    "gram", layer, t, *digests, merged_digest,
                     self.inputs[f"expert/{t}"], featcal_cfg["pooled_token_weight"], featcal_cfg["method"]),
-                    needs={s_rel: s_rec["stage"], e_rel: e_rec["stage"], run.inputs(t): prepared[t]["stage"],
-                           "merged": "merge"},
+                    needs={**needs, run.inputs(t): prepared[t]["stage"], "merged": "merge"},
                     params={"task": t, "layer": layer}))
             grams = dict(zip(tasks, self.call_all(gram_calls), strict=True))
             groups = self.solve_groups[layer]
@@ -228,23 +236,33 @@ class Pipeline:
             part_digests = [rec["outputs"][rel] for rel, rec in parts.items()]
             prop_calls = []
             for t in tasks if layer < L - 1 else []:
-                s_rec, s_rel = side[t, "merged"]
+                cross = [memory[t, "merged"]] if adapter.reads_encoder(layer) else []
+                digests, needs = read(side[t, "merged"], *cross)
                 prop_calls.append(StageCall("propagate", f"propagate/l{layer:02d}/{t}",
                                             f"block {layer:02d} · propagate · {t}", self.key(
-                    "propagate", layer, t, s_rec["outputs"][s_rel], *part_digests),
-                    needs={s_rel: s_rec["stage"], **{rel: rec["stage"] for rel, rec in parts.items()},
+                    "propagate", layer, t, *digests, *part_digests),
+                    needs={**needs, **{rel: rec["stage"] for rel, rec in parts.items()},
                            run.inputs(t): prepared[t]["stage"]},
                     params={"task": t, "layer": layer}))
             props = dict(zip([c.params["task"] for c in prop_calls], self.call_all(prop_calls), strict=True))
             for t in tasks:
                 (s_rec, s_rel), (e_rec, e_rel) = side[t, "merged"], side[t, "expert"]
-                if layer < L - 1:
+                if adapter.ends_stack(layer):  # the encoder's output; the decoder starts from prepare's boundary
+                    memory[t, "merged"] = (props[t], run.encoder_output(t, "merged"))
+                    memory[t, "expert"] = (grams[t], run.encoder_output(t, "expert"))
+                if layer + 1 in adapter.stack_starts():
+                    for s in ("merged", "expert"):
+                        side[t, s] = (prepared[t], run.acts(t, layer + 1, s))
+                elif layer < L - 1:
                     side[t, "merged"] = (props[t], run.acts(t, layer + 1, "merged"))
                     side[t, "expert"] = (grams[t], run.acts(t, layer + 1, "expert"))
                 self.release(s_rec, s_rel)
                 self.release(e_rec, e_rel)
-        for t in tasks:  # the model inputs were read by every block's Gram and propagation, now all done
+        for t in tasks:  # the model inputs (and encoder outputs) were read by every Gram and propagation, now all done
             self.release(prepared[t], run.inputs(t))
+            for s in ("merged", "expert"):
+                if (t, s) in memory:
+                    self.release(*memory[t, s])
         block_digests = [rec["outputs"][rel] for parts in blocks for rel, rec in parts.items()]
         out = {"merge": merged, "assemble": self.call(StageCall("assemble", "assemble", "assemble calibrated checkpoint",
                                                                 self.key("assemble", merged_digest, block_digests),
@@ -309,10 +327,14 @@ def run_pipeline(cfg: RunConfig, run_dir: str | Path, runner: Runner = direct_ru
                     "inputs": pipeline.inputs, "status": "running", "started_at": time.time()}
         write_json(run / "manifest.json", manifest)
         records = pipeline.run_all()
-        stages = {}
+        stages, targets = {}, {}
         for path in sorted((run / "records").glob("*.json")):
             rec = run.record(path.stem.replace("__", "/"))
             if rec and "key" in rec:
                 stages[rec["stage"]] = {"key": rec["key"], "seconds": rec["seconds"], "outputs": rec["outputs"]}
+                if "decoder_targets" in rec.get("info", {}):  # an encoder–decoder's: a data column or greedy output
+                    targets[rec["stage"].split("/", 1)[1]] = rec["info"]["decoder_targets"]
+        if targets:
+            manifest["decoder_targets"] = targets
         write_json(run / "manifest.json", {**manifest, "status": "complete", "finished_at": time.time(), "stages": stages})
         return records

@@ -66,6 +66,11 @@ class RunDir:
         return f"acts/{task}/l{layer:02d}/{side}"
 
     @staticmethod
+    def encoder_output(task: str, side: str) -> str:
+        """An encoder–decoder's encoder output for one stream, read by every decoder block."""
+        return f"acts/{task}/encoder/{side}"
+
+    @staticmethod
     def inputs(task: str) -> str:
         return f"acts/{task}/inputs"
 

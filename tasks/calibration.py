@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from featcal.adapters import BlockInput
 from featcal.closed_form import (
     BiasTerm, Hyper, LinearMoments, solve_linear_bias, solve_linear_weight, solve_norm_affine, solve_regmean_weight,
 )
@@ -18,6 +20,7 @@ from featcal.modeling import calibrated_modules, is_norm
 from featcal.statistics import (
     accumulate, captured_inputs, flatten_stats, linear_moments, new_stats, norm_moments, unflatten_stats,
 )
+from featcal.t5 import column_targets, decoder_batches, greedy_targets
 from storage.atomic import atomic_path
 from storage.checkpoint import read_header, read_tensor, save_tensors
 from tasks.context import RunContext
@@ -28,7 +31,8 @@ log = logging.getLogger("featcal")
 
 # ---- prepare ------------------------------------------------------------------------------------
 def _model_inputs(ctx: RunContext, task: str) -> tuple[Callable[[], Iterator[dict[str, torch.Tensor]]], int, dict[str, Any]]:
-    """Batches of the task's calibration inputs, padded to one width for the whole task."""
+    """Batches of the task's calibration inputs, padded to one width for the whole task (decoder inputs too, for an
+    encoder–decoder)."""
     cal = ctx.cfg.calibration
     where = f"calibration.data.{task}"
     source = cal.data[task]
@@ -41,7 +45,23 @@ def _model_inputs(ctx: RunContext, task: str) -> tuple[Callable[[], Iterator[dic
             yield pad_to(builder(rows), width, builder.pad_id) if builder.is_text else builder(rows)
 
     info = {"examples": len(picked), "examples_requested": cal.examples_per_task}
-    return batches, len(picked), info
+    if not ctx.adapter.has_decoder:
+        return batches, len(picked), info
+    encoder = list(batches())  # token ids only: small, and generation must not run once per stored array
+    if source.target_column is not None:  # preflight checked that the column exists
+        targets = column_targets(picked[source.target_column], ctx.cfg.base, cal.max_target_length, where)
+        info["decoder_targets"] = f"column {source.target_column}"
+    else:
+        targets = greedy_targets(ctx.checkpoint_dir(task), encoder, cal.max_target_length)
+        info["decoder_targets"] = f"expert greedy output (at most {cal.max_target_length} tokens)"
+    config = ctx.adapter.config
+    decoder = decoder_batches(targets, cal.batch_size, config.decoder_start_token_id, config.pad_token_id)
+    joined = [{**e, **d} for e, d in zip(encoder, decoder, strict=True)]
+
+    def joined_batches() -> Iterator[dict[str, torch.Tensor]]:
+        return iter(joined)
+
+    return joined_batches, len(picked), info
 
 
 def stored_inputs(ctx: RunContext, task: str) -> Iterator[dict[str, torch.Tensor]]:
@@ -72,18 +92,17 @@ def prepare(ctx: RunContext, task: str) -> tuple[list[str], dict[str, Any]]:
             store.write_array(f"{tmp}/attention_mask", (n, tokens), bs, "int64",
                               [np.ones((n, tokens), dtype=np.int64)])
     mask = store.open_array(_mask(ctx, task))
-    tokens = mask.shape[1]
-    info.update(tokens_per_example=tokens, real_tokens=int(np.asarray(mask[:]).sum()))
+    info.update(tokens_per_example=mask.shape[1], real_tokens=int(np.asarray(mask[:]).sum()))
     outputs = [inputs_rel]
+    hidden = ctx.adapter.text_or_vision_config().hidden_size
     for side, ckpt in (("merged", MERGED), ("expert", task)):
         modules = ctx.skeleton.embedding(ctx.checkpoint(ckpt))
-        rel = ctx.run.acts(task, 0, side)
-        with torch.inference_mode():
-            rows = (ctx.adapter.embed(modules, b).reshape(-1, ctx.adapter.text_or_vision_config().hidden_size)
-                    for b in stored_inputs(ctx, task))
-            hidden = ctx.adapter.text_or_vision_config().hidden_size
-            store.write_array(store.location(rel), (n * tokens, hidden), bs * tokens, "float32", rows)
-        outputs.append(rel)
+        for start in ctx.adapter.stack_starts():  # each stack's input: the encoder's, then the decoder's
+            rel, tokens = ctx.run.acts(task, start, side), _tokens(ctx, task, start)
+            with torch.inference_mode():
+                rows = (ctx.adapter.embed_at(start, modules, b).reshape(-1, hidden) for b in stored_inputs(ctx, task))
+                store.write_array(store.location(rel), (n * tokens, hidden), bs * tokens, "float32", rows)
+            outputs.append(rel)
     return outputs, info
 
 
@@ -112,13 +131,34 @@ def emphasis_for(ctx: RunContext, layer: int, modules: list[str]) -> dict[str, f
 
 
 def _boundary(ctx: RunContext, task: str, layer: int, sides: tuple[str, ...]) -> Iterator[tuple[torch.Tensor, ...]]:
-    """(mask [B,T], then one [B,T,H] chunk per side) for boundary `layer` of a task, chunk by chunk."""
-    bs, tokens = ctx.cfg.calibration.batch_size, _tokens(ctx, task)
+    """(mask [B,T], then one [B,T,H] chunk per side) for boundary `layer` of a task, chunk by chunk; the mask is
+    the one of block `layer`'s stack (an encoder–decoder's decoder blocks have their own)."""
+    bs, tokens = ctx.cfg.calibration.batch_size, _tokens(ctx, task, layer)
     store = ctx.run.store
-    masks = store.iter_row_blocks(_mask(ctx, task), bs)
+    masks = store.iter_row_blocks(_mask(ctx, task, layer), bs)
     streams = [store.iter_row_blocks(store.location(ctx.run.acts(task, layer, side)), bs * tokens) for side in sides]
     for mask, *chunks in zip(masks, *streams, strict=True):
         yield mask, *(c.reshape(mask.shape[0], tokens, -1) for c in chunks)
+
+
+def _memory(ctx: RunContext, task: str, layer: int, side: str) -> Iterator[dict[str, torch.Tensor]]:
+    """Chunk by chunk, what block `layer` reads besides its own boundary: one stream's encoder output and its mask
+    for a decoder block (nothing for any other block)."""
+    if not ctx.adapter.reads_encoder(layer):
+        yield from itertools.repeat({})
+        return
+    bs, tokens, store = ctx.cfg.calibration.batch_size, _tokens(ctx, task, 0), ctx.run.store
+    masks = store.iter_row_blocks(_mask(ctx, task, 0), bs)
+    hidden = store.iter_row_blocks(store.location(ctx.run.encoder_output(task, side)), bs * tokens)
+    for mask, h in zip(masks, hidden, strict=True):
+        yield {"encoder_attention_mask": mask, "encoder_hidden_states": h.reshape(mask.shape[0], tokens, -1)}
+
+
+def _block_input(ctx: RunContext, layer: int, mask: torch.Tensor, memory: dict[str, torch.Tensor],
+                 weights_of: str) -> BlockInput:
+    """Block `layer`'s extra inputs in the stream whose encoder output is `memory`, for a block of checkpoint
+    `weights_of` (what a block takes from its stack's first block comes from the same checkpoint)."""
+    return ctx.adapter.block_input({"attention_mask": mask, **memory}, layer, ctx.checkpoint(weights_of).get)
 
 
 def _sq_norms(diff: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
@@ -143,6 +183,7 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
     emphasis = emphasis_for(ctx, layer, list(stats_modules)) if method == "featcal" else None
     drift = {"in_diff": 0.0, "in_ref": 0.0, "out_diff": 0.0, "out_ref": 0.0}
     last = layer == ctx.num_blocks - 1
+    finish_e = _stack_end(ctx, layer, task)
 
     def run(block: torch.nn.Module, modules: dict[str, torch.nn.Module], hidden: torch.Tensor,
             extra: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -156,18 +197,28 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
         drift[f"{kind}_ref"] += r
 
     def expert_outputs() -> Iterator[torch.Tensor]:
-        for mask, s, e in _boundary(ctx, task, layer, ("merged", "expert")):
-            extra = ctx.adapter.block_input({"attention_mask": mask})
+        memories = zip(_memory(ctx, task, layer, "merged"), _memory(ctx, task, layer, "expert"))
+        for (mask, s, e), (memory_s, memory_e) in zip(_boundary(ctx, task, layer, ("merged", "expert")), memories):
+            extra_e = _block_input(ctx, layer, mask, memory_e, task)
             with torch.inference_mode():
-                out_e, sink_e = run(expert_block, modules_e, e, extra)
+                out_e, sink_e = run(expert_block, modules_e, e, extra_e)
                 weights = token_weights(mask, list(stats_modules), emphasis, ctx.adapter.pooled_index())
+                if memory_s:  # cross-attention keys/values: one row per encoder token
+                    weights.update(dict.fromkeys([m for m in ctx.adapter.memory_modules if m in stats_modules],
+                                                 memory_s["encoder_attention_mask"].reshape(-1).float()))
                 if merged_block is not None:
-                    out_m, sink_m = run(merged_block, stats_modules, s, extra)
+                    extra_m = _block_input(ctx, layer, mask, memory_s, MERGED)
+                    out_m, sink_m = run(merged_block, stats_modules, s, extra_m)
                     accumulate(stats, stats_modules, sink_m, sink_e, weights)
                     add_drift("out", out_m - out_e, out_e, mask)
                 else:  # one side only; it fills both of the statistics' slots
-                    sink = run(expert_block, modules_e, s, extra)[1] if method == "regmean_plus_plus" else sink_e
+                    if method == "regmean_plus_plus":  # the expert block on the merged stream
+                        sink = run(expert_block, modules_e, s, _block_input(ctx, layer, mask, memory_s, task))[1]
+                    else:
+                        sink = sink_e
                     accumulate(stats, stats_modules, sink, sink, weights)
+                if finish_e is not None:
+                    out_e = finish_e(out_e)
             add_drift("in", s - e, e, mask)
             yield out_e.reshape(-1, out_e.shape[-1])
 
@@ -187,21 +238,31 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
     return outputs, info
 
 
+def _stack_end(ctx: RunContext, layer: int, checkpoint: str) -> torch.nn.Module | None:
+    """The module (of `checkpoint`) that turns block `layer`'s output into the encoder output later blocks read,
+    when block `layer` ends the encoder of an encoder–decoder; None otherwise."""
+    name = ctx.adapter.ends_stack(layer)
+    return None if name is None else ctx.skeleton.materialize(name, ctx.checkpoint(checkpoint).with_prefix(f"{name}."))
+
+
 def _write_next_boundary(ctx: RunContext, task: str, layer: int, side: str, rows: Iterator[torch.Tensor]) -> str:
-    """Boundary `layer + 1` of one side, chunked and shaped like boundary `layer`; returns its output name."""
-    store, rel = ctx.run.store, ctx.run.acts(task, layer + 1, side)
+    """What block `layer` hands on for one side, chunked and shaped like boundary `layer`: boundary `layer + 1`, or
+    the encoder output when block `layer` ends the encoder (the decoder's first boundary comes from prepare).
+    Returns its output name."""
+    store = ctx.run.store
+    rel = ctx.run.encoder_output(task, side) if ctx.adapter.ends_stack(layer) else ctx.run.acts(task, layer + 1, side)
     shape = store.open_array(store.location(ctx.run.acts(task, layer, side))).shape
-    store.write_array(store.location(rel), tuple(shape), ctx.cfg.calibration.batch_size * _tokens(ctx, task),
+    store.write_array(store.location(rel), tuple(shape), ctx.cfg.calibration.batch_size * _tokens(ctx, task, layer),
                       "float32", rows)
     return rel
 
 
-def _tokens(ctx: RunContext, task: str) -> int:
-    return ctx.run.store.open_array(_mask(ctx, task)).shape[1]
+def _tokens(ctx: RunContext, task: str, layer: int = 0) -> int:
+    return ctx.run.store.open_array(_mask(ctx, task, layer)).shape[1]
 
 
-def _mask(ctx: RunContext, task: str) -> str:
-    return ctx.run.store.location(f"{ctx.run.inputs(task)}/attention_mask")
+def _mask(ctx: RunContext, task: str, layer: int = 0) -> str:
+    return ctx.run.store.location(f"{ctx.run.inputs(task)}/{ctx.adapter.mask_name(layer)}")
 
 
 # ---- solve --------------------------------------------------------------------------------------
@@ -322,11 +383,15 @@ def calibrated_block(ctx: RunContext, layer: int) -> torch.nn.Module:
 
 def propagate(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, Any]]:
     block = calibrated_block(ctx, layer)
+    finish = _stack_end(ctx, layer, MERGED)  # the encoder's final norm is merged, never calibrated
 
     def outputs() -> Iterator[torch.Tensor]:
-        for mask, s in _boundary(ctx, task, layer, ("merged",)):
+        for (mask, s), memory in zip(_boundary(ctx, task, layer, ("merged",)), _memory(ctx, task, layer, "merged")):
             with torch.inference_mode():
-                out = ctx.adapter.run_block(block, s, ctx.adapter.block_input({"attention_mask": mask}))
+                # The relative position bias table is not calibrated: the merged checkpoint's is the calibrated one.
+                out = ctx.adapter.run_block(block, s, _block_input(ctx, layer, mask, memory, MERGED))
+                if finish is not None:
+                    out = finish(out)
             yield out.reshape(-1, out.shape[-1])
 
     return [_write_next_boundary(ctx, task, layer, "merged", outputs())], {}

@@ -12,6 +12,7 @@ from typing import Any
 import datasets
 import torch
 from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 from featcal.config import DataSource
 from featcal.data import InputBuilder, load_split, pick_examples, row_batches
@@ -19,6 +20,7 @@ from featcal.evaluation import (
     DRIFT_MODELS, MODELS, EvalProgress, TaskScores, drift_definition, drift_plot, markdown, summarize,
 )
 from featcal.modeling import task_model
+from featcal.t5 import answer_kind, decoder_batches, first_number, generated, predicted_ids, targets_of
 from featcal.zeroshot import ZeroShotClassifier
 from storage.atomic import atomic_path, write_bytes, write_json
 from tasks.context import RunContext
@@ -54,17 +56,26 @@ def _task_model(ctx: RunContext, task: str, name: str) -> torch.nn.Module:
     return ZeroShotClassifier(model, load_file(ctx.run / MERGED / head_file(task)))
 
 
+def _models(ctx: RunContext, task: str) -> tuple[dict[str, torch.nn.Module], list[str]]:
+    """The listed models for one task, plus the expert whenever its hidden states are the drift reference; and the
+    models whose drift is measured."""
+    listed = ctx.cfg.evaluation.models
+    drifting = [m for m in DRIFT_MODELS if m in listed]
+    models = {name: _task_model(ctx, task, name) for name in listed}
+    if drifting and "expert" not in models:
+        models["expert"] = _task_model(ctx, task, "expert")
+    return models, drifting
+
+
 def _task_scores(ctx: RunContext, task: str, split: _Split, progress: EvalProgress) -> dict[str, Any]:
+    if ctx.adapter.has_decoder:
+        return _text_to_text_scores(ctx, task, split, progress)
     ev = ctx.cfg.evaluation
     source, ds = split.source, split.rows
     builder = InputBuilder(ctx.cfg.base, ctx.adapter.model_input_names(), source, ctx.cfg.calibration.max_length,
                            ds.column_names, split.where)
     listed = ev.models
-    drifting = [m for m in DRIFT_MODELS if m in listed]
-    # The expert also runs unlisted while its hidden states are the drift reference.
-    models = {name: _task_model(ctx, task, name) for name in listed}
-    if drifting and "expert" not in models:
-        models["expert"] = _task_model(ctx, task, "expert")
+    models, drifting = _models(ctx, task)
     label_column = source.label_column if task in ev.data else None
     scores = TaskScores(head_index=ctx.adapter.pooled_index())
     for batch, rows in enumerate(row_batches(ds, ev.batch_size), start=1):
@@ -88,6 +99,48 @@ def _task_scores(ctx: RunContext, task: str, split: _Split, progress: EvalProgre
         progress.step(task, batch, scores.seen, n)
     if not label_column:
         scores.correct, scores.predictions, scores.labels = {}, {}, []
+    return scores.summary()
+
+
+def _text_to_text_scores(ctx: RunContext, task: str, split: _Split, progress: EvalProgress) -> dict[str, Any]:
+    """An encoder–decoder scored on its greedy generations: exact match of the normalised label word (classification)
+    or Spearman's ρ of the first number in the answer (regression). Drift is measured teacher-forced on the expert's
+    greedy output, at every encoder and then decoder boundary (each stack's last one after its final norm)."""
+    ev = ctx.cfg.evaluation
+    source, ds = split.source, split.rows
+    builder = InputBuilder(ctx.cfg.base, ctx.adapter.model_input_names(), source, ctx.cfg.calibration.max_length,
+                           ds.column_names, split.where)
+    models, drifting = _models(ctx, task)
+    label_column = source.label_column if task in ev.data else None
+    words = answer_kind(ds.features, label_column, ev.label_words.get(task), split.where) if label_column else None
+    tokenizer = AutoTokenizer.from_pretrained(ctx.cfg.base, local_files_only=True) if label_column else None
+    scores = TaskScores(head_index=None, metric="spearman" if label_column and words is None else "accuracy")
+    config = ctx.adapter.config
+    for batch, rows in enumerate(row_batches(ds, ev.batch_size), start=1):
+        inputs = {k: v for k, v in builder(rows).items() if k in ctx.adapter.model_input_names()}
+        sequences = {name: generated(m, inputs, ev.max_new_tokens) for name, m in models.items()}
+        if drifting:
+            targets = targets_of(models["expert"], sequences["expert"])
+            forced = {**inputs, **decoder_batches(targets, len(targets), config.decoder_start_token_id,
+                                                  config.pad_token_id)[0]}
+            with torch.inference_mode():
+                outs = {name: models[name](**forced, output_hidden_states=True) for name in ("expert", *drifting)}
+            hidden = {name: (*o.encoder_hidden_states, *o.decoder_hidden_states) for name, o in outs.items()}
+            masks = ([forced["attention_mask"]] * len(outs["expert"].encoder_hidden_states)
+                     + [forced["decoder_attention_mask"]] * len(outs["expert"].decoder_hidden_states))
+            scores.add_reference(hidden["expert"], masks)
+            for name in drifting:
+                scores.add_drift(name, hidden[name], hidden["expert"], masks)
+        if label_column:
+            for name in ev.models:
+                texts = tokenizer.batch_decode(sequences[name], skip_special_tokens=True)
+                if words is None:
+                    scores.add_values(name, [first_number(t) for t in texts], [float(v) for v in rows[label_column]])
+                else:
+                    scores.add_predicted(name, predicted_ids(texts, words), torch.as_tensor(rows[label_column]))
+        n = len(next(iter(rows.values())))
+        scores.seen += n
+        progress.step(task, batch, scores.seen, n)
     return scores.summary()
 
 

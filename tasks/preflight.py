@@ -9,7 +9,8 @@ from transformers import AutoConfig, AutoTokenizer
 
 from featcal.adapters import Adapter, adapter_for
 from featcal.config import RunConfig
-from featcal.data import InputBuilder, load_split
+from featcal.data import DataError, InputBuilder, load_split
+from featcal.t5 import answer_kind
 from featcal.zeroshot import class_names
 from storage.activations import ActivationError, ActivationStore
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
@@ -97,6 +98,14 @@ def check_data(cfg: RunConfig, adapter: Adapter) -> None:
             InputBuilder(cfg.base, adapter.model_input_names(), source, cfg.calibration.max_length, ds.column_names, where)
             if section == "evaluation.data" and source.label_column and source.label_column not in ds.column_names:
                 raise ValueError(f"{where}.label_column: {source.label_column!r} is not a column ({ds.column_names})")
+            if source.target_column is not None and source.target_column not in ds.column_names:
+                raise DataError(f"{where}.target_column: {source.target_column!r} is not a column ({ds.column_names})")
+            if section == "evaluation.data" and source.label_column and adapter.has_decoder:
+                answer_kind(ds.features, source.label_column, cfg.evaluation.label_words.get(task), where)
+                try:  # generated answers are read as text
+                    AutoTokenizer.from_pretrained(cfg.base, local_files_only=True)
+                except Exception as exc:
+                    raise DataError(f"{where}: scoring generated answers needs the base's tokenizer: {exc}") from exc
 
 
 def check_activation_store(cfg: RunConfig) -> None:

@@ -22,6 +22,13 @@ CASES = {
 }
 
 
+def perturbed(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """`model`'s state with seeded noise of 10 % of each float tensor's spread: a stand-in for a fine-tuned expert."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.1 * v.std().nan_to_num(0.0) * torch.randn(v.shape, generator=g)
+            if v.is_floating_point() and v.numel() > 1 else v for k, v in model.state_dict().items()}
+
+
 def _build(root, arch: str, experts: int):
     cls_name, make_config = CASES[arch]
     cls = getattr(transformers, cls_name)
@@ -30,11 +37,8 @@ def _build(root, arch: str, experts: int):
     base.save_pretrained(root / "base")
     paths = {}
     for t in range(experts):
-        g = torch.Generator().manual_seed(10 + t)
         expert = cls(make_config())
-        expert.load_state_dict({k: v + 0.1 * v.std().nan_to_num(0.0) * torch.randn(v.shape, generator=g)
-                                if v.is_floating_point() and v.numel() > 1 else v
-                                for k, v in base.state_dict().items()})
+        expert.load_state_dict(perturbed(base, seed=10 + t))
         expert.save_pretrained(root / f"e{t}")
         rng = np.random.default_rng(t)
         pixels = (rng.standard_normal((12, 3, 16, 16)) + 0.5 * t).astype(np.float32)
