@@ -13,7 +13,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.models.t5.modeling_t5 import T5Attention
 
 
 class UnsupportedModelError(ValueError):
@@ -329,6 +328,8 @@ class T5Adapter(Adapter):
 
     def position_bias(self, table: torch.Tensor, length: int, decoder: bool) -> torch.Tensor:
         """[1, heads, length, length]: T5Attention.compute_bias with the stack's first block's bucket table."""
+        from transformers.models.t5.modeling_t5 import T5Attention  # here: importing T5 costs every command a second
+
         position = torch.arange(length)
         buckets = T5Attention._relative_position_bucket(
             position[None, :] - position[:, None], bidirectional=not decoder,

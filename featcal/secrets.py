@@ -2,8 +2,9 @@
 
 A value is secret when its key looks like a credential (`key`, `secret`, `token`, `password`, `auth`, … as
 the key's last word, or `secret…`/`password…`/`auth…`/`token…` as its first; `pooled_token_weight` is not
-one) — in `runtime.storage_options` and anywhere else in the config, except where keys are task names
-(`experts`, `calibration.data`, `evaluation.data`). Under such a key every scalar is secret (a nested
+one, nor is a count such as `max_new_tokens`) — in `runtime.storage_options` and anywhere else in the config,
+except where keys are task names (`experts`, `calibration.data`, `evaluation.data`, `evaluation.label_words`,
+`zero_shot.class_names`, `zero_shot.task_templates`). Under such a key every scalar is secret (a nested
 credentials mapping too); `null` and booleans are left alone.
 
 What is written instead is a placeholder, `<redacted:HHHHHHHHHHHHHHHH>`: 64 bits of a salted, slow hash
@@ -46,8 +47,11 @@ _LAST_WORDS = {"key", "keys", "secret", "secrets", "token", "tokens", "password"
 _FIRST_WORDS = {"secret", "password", "passwd", "auth", "authorization", "token", "credential", "credentials",
                 "apikey", "private"}
 _NAMES = {"connection_string", "connectionstring", "conn_str", "sas", "sas_url", "dsn"}
+# A key starting with one of these counts something (`max_new_tokens`), whatever its last word.
+_COUNTS = {"max", "min", "num", "n"}
 # Mappings whose keys are task names, not settings.
-_NAME_MAPS = {("experts",), ("calibration", "data"), ("evaluation", "data")}
+_NAME_MAPS = {("experts",), ("calibration", "data"), ("evaluation", "data"), ("evaluation", "label_words"),
+              ("zero_shot", "class_names"), ("zero_shot", "task_templates")}
 
 _known: dict[str, Any] = {}  # placeholder → value
 _hashes: dict[str, str] = {}  # canonical JSON of a value → its placeholder
@@ -66,7 +70,7 @@ def looks_secret(name: object) -> bool:
         return False
     snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
     words = [w for w in re.split(r"[^a-z0-9]+", snake) if w]
-    if not words:
+    if not words or (len(words) > 1 and words[0] in _COUNTS):
         return False
     return words[-1] in _LAST_WORDS or words[0] in _FIRST_WORDS or "_".join(words) in _NAMES
 

