@@ -189,6 +189,38 @@ def built_outputs(bench: Path, stages: list[str]) -> list[dict[str, str]]:
     return outputs
 
 
+def write_run_configs(directory: Path, configs: dict[str, dict[str, Any]]) -> None:
+    """Each method run's pipeline config as `directory/{run}.yaml` (`featcal plan` / `featcal run` ready), a file
+    rewritten only when its text changes."""
+    for name, raw in configs.items():
+        text = yaml.safe_dump(raw, sort_keys=False, width=120)
+        config = directory / f"{name}.yaml"
+        if not config.is_file() or config.read_text() != text:
+            write_bytes(config, text.encode())
+
+
+def method_and_report_stages(bench: Path, names: list[str], inputs: list[dict[str, str]], code: list[str], module: str,
+                             report: tuple[str, list[Path]], out_dir: str | None, stage: Call) -> dict[str, Record]:
+    """Method runs `names` of a hub benchmark, each in its own process (`python -m MODULE`) and cached on the built
+    `inputs` and `code`, then its report stage (`report`: the stage kind, and the files its code digest covers)."""
+    records = {r: stage(bench, "method", f"method/{r}", digest_of([code, r, inputs]), run=r, module=module)
+               for r in names}
+    digests = [records[r]["outputs"][f"results/{r}.json"] for r in names]
+    kind, report_files = report
+    records["report"] = stage(bench, kind, "report", digest_of([code_digest(report_files), names, digests, out_dir]),
+                              runs=names, out_dir=out_dir)
+    return records
+
+
+def chosen_runs(runs: list[str] | None, known: dict[str, Any], benchmark: str) -> list[str]:
+    """`--runs` (default: every known run), an unknown one named in one line."""
+    names = runs or list(known)
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise ValueError(f"--runs: unknown {benchmark} runs {unknown}; known: {sorted(known)}")
+    return names
+
+
 def run_stages(bench: Path, runs: list[str] | None, out_dir: str | None, stage: Call) -> dict[str, Record]:
     """Every method run (cached on the experts, data and code), then the report from their results."""
     bench = bench.resolve()

@@ -11,16 +11,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
 from prefect import flow
 
-from featcal.bench import clip_build, clip_methods, clip_prompts, clip_report, clip_spec, methods, surgery, surgery_run
+from featcal.bench import clip_build, clip_methods, clip_prompts, clip_report, clip_spec, methods, mirror, surgery, surgery_run
 from featcal.bench import report as bench_report
 from featcal.bench.clip_estimate import CONFIGS, cost_estimate, split_sizes
 from featcal.bench.clip_spec import BASE_MODEL, CLIP_TASKS, ClipBenchSpec
 from featcal.config import digest_of
 from flows import bench as bench_flow
-from flows.bench import STAGES, Call, built_outputs, prefect_call, prepared_bench, save_report
+from flows.bench import (STAGES, Call, built_outputs, chosen_runs, method_and_report_stages, prefect_call, prepared_bench,
+                         save_report, write_run_configs)
 from flows.pipeline import code_digest, code_version, machine
 from storage.atomic import read_json, write_bytes
 from storage.fingerprint import fingerprint
@@ -28,7 +28,7 @@ from storage.rundir import Record
 
 # Not featcal/bench/build.py: the CLIP build takes only its directory names, and edits to the MiniLM fine-tuning there
 # must not copy every model and dataset again.
-BUILD_MODULES = (clip_build, clip_prompts, clip_spec)
+BUILD_MODULES = (clip_build, clip_prompts, clip_spec, mirror)
 METHOD_MODULES = (clip_methods, clip_prompts, clip_spec, methods, surgery, surgery_run)
 METHODS_MODULE = "featcal.bench.clip_methods"  # what each method run's process runs
 
@@ -54,11 +54,8 @@ def clip_build_stages(bench: Path, spec: ClipBenchSpec, stage: Call) -> dict[str
     for t in spec.tasks:
         records[f"expert/{t}"] = stage(bench, "clip-expert", f"expert/{t}", digest_of(
             [code, "expert", t, fingerprint(spec.model_source(CLIP_TASKS[t].expert), memo)]), task=t)
-    for name, run in clip_methods.clip_method_runs().items():
-        text = yaml.safe_dump(clip_methods.pipeline_config(bench, spec, run), sort_keys=False, width=120)
-        config = bench / CONFIGS / f"{name}.yaml"
-        if not config.is_file() or config.read_text() != text:
-            write_bytes(config, text.encode())
+    write_run_configs(bench / CONFIGS, {name: clip_methods.pipeline_config(bench, spec, run)
+                                        for name, run in clip_methods.clip_method_runs().items()})
     return records
 
 
@@ -98,16 +95,8 @@ def clip_run_stages(bench: Path, runs: list[str] | None, out_dir: str | None, st
     spec = ClipBenchSpec.load(bench)
     inputs = built_outputs(bench, ["clip", "base", *(f"{k}/{t}" for t in spec.tasks for k in ("data", "expert"))])
     code = [code_version(), code_digest(Path(m.__file__) for m in METHOD_MODULES)]
-    known = clip_methods.clip_method_runs()
-    names = runs or list(known)
-    unknown = sorted(set(names) - set(known))
-    if unknown:
-        raise ValueError(f"--runs: unknown CLIP benchmark runs {unknown}; known: {sorted(known)}")
-    records = {r: stage(bench, "method", f"method/{r}", digest_of([code, r, inputs]), run=r, module=METHODS_MODULE)
-               for r in names}
-    digests = [records[r]["outputs"][f"results/{r}.json"] for r in names]
-    report_code = code_digest([*(Path(m.__file__) for m in (bench_report, clip_report, clip_prompts, clip_spec, bench_flow)),
-                               Path(__file__)])
-    records["report"] = stage(bench, "clip-report", "report", digest_of([report_code, names, digests, out_dir]),
-                              runs=names, out_dir=out_dir)
-    return records
+    names = chosen_runs(runs, clip_methods.clip_method_runs(), "CLIP benchmark")
+    report_files = [*(Path(m.__file__) for m in (bench_report, clip_report, clip_prompts, clip_spec, bench_flow)),
+                    Path(__file__)]
+    return method_and_report_stages(bench, names, inputs, code, METHODS_MODULE, ("clip-report", report_files), out_dir,
+                                    stage)

@@ -8,8 +8,7 @@ import pytest
 import torch
 from datasets import ClassLabel, Dataset, Features, Value
 from scipy.stats import spearmanr
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel, T5ForConditionalGeneration
+from transformers import T5EncoderModel, T5ForConditionalGeneration
 
 from featcal.adapters import adapter_for
 from featcal.config import config_from_dict
@@ -17,16 +16,10 @@ from featcal.modeling import task_model
 from featcal.t5 import decoder_batches, first_number, greedy_targets, normalised
 from flows.pipeline import run_pipeline
 from storage.checkpoint import CanonicalCheckpoint
+from tests.t5_fixture import t5_config, t5_tokenizer
 from tests.test_architectures import perturbed
 
 EXAMPLES = 16
-
-
-def _config() -> T5Config:
-    return T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-                    feed_forward_proj="gated-gelu", tie_word_embeddings=False, relative_attention_num_buckets=8,
-                    relative_attention_max_distance=16, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
-                    eos_token_id=1)
 
 
 def _rows(seed: int, targets: bool) -> Dataset:
@@ -43,10 +36,10 @@ def _build(root, experts: int, targets: tuple[int, ...] = (1,), cls: type = T5Fo
            **sections) -> tuple:
     """Base, perturbed experts and their data; the tasks numbered in `targets` calibrate on a target column."""
     torch.manual_seed(0)
-    base = cls(_config()).eval()
+    base = cls(t5_config()).eval()
     base.save_pretrained(root / "base")
     for t in range(experts):
-        expert = cls(_config())
+        expert = cls(t5_config())
         expert.load_state_dict(perturbed(base, seed=10 + t))
         expert.save_pretrained(root / f"e{t}")
         _rows(t, targets=t in targets).save_to_disk(str(root / f"d{t}"))
@@ -93,7 +86,7 @@ def test_adapter_blocks_reproduce_the_model():
     hidden states: the position bias reused from each stack's first block, the causal and padding masks, and the
     cross-attention reading the encoder output after its final norm."""
     torch.manual_seed(0)
-    model = T5ForConditionalGeneration(_config()).eval()
+    model = T5ForConditionalGeneration(t5_config()).eval()
     adapter = adapter_for(model.config)
     batch = _teacher_forced(None, _rows(0, targets=True), targets=_rows(0, targets=True)["target"])
     weights = model.state_dict().__getitem__
@@ -135,7 +128,7 @@ def test_single_expert_exactness(tmp_path, lam, exact):
     cfg = _build(tmp_path, experts=1, targets=(0,), merge={"method": "average"},
                  featcal={"lambda": lam, "rho": 2.2, "alpha": 1.0})
     run_pipeline(cfg, tmp_path / "run")
-    adapter = adapter_for(T5ForConditionalGeneration(_config()).config)
+    adapter = adapter_for(T5ForConditionalGeneration(t5_config()).config)
     expert = task_model(cfg.experts["task0"])
     calibrated = task_model(cfg.experts["task0"], CanonicalCheckpoint(tmp_path / "run" / "calibrated", adapter))
     rows = _rows(0, targets=True)
@@ -165,7 +158,7 @@ def test_two_experts_drift_falls(tmp_path):
     on greedy outputs, and the manifest says so."""
     cfg = _build(tmp_path, experts=2)
     run_pipeline(cfg, tmp_path / "run")
-    adapter = adapter_for(T5ForConditionalGeneration(_config()).config)
+    adapter = adapter_for(T5ForConditionalGeneration(t5_config()).config)
     merged_ckpt = CanonicalCheckpoint(tmp_path / "run" / "merged", adapter)
     calibrated_ckpt = CanonicalCheckpoint(tmp_path / "run" / "calibrated", adapter)
     before, after = [], []
@@ -184,15 +177,6 @@ def test_two_experts_drift_falls(tmp_path):
     assert manifest["decoder_targets"] == {"task0": "expert greedy output (at most 8 tokens)", "task1": "column target"}
 
 
-def _tokenizer() -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over the tiny vocabulary ("w3" … "w63"), appending EOS as T5's does."""
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, 64)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
-
-
 def _answer(model, tokenizer, text: str) -> str:
     """`model.generate` on one unpadded row, decoded."""
     with torch.inference_mode():
@@ -204,7 +188,7 @@ def test_text_to_text_scores_match_generate(tmp_path):
     """Classification by exact match of the normalised label word (ClassLabel names), and STS-B-style regression by
     Spearman's ρ of the first number in the answer: the report's figure for every model equals one computed with
     `model.generate` on each row alone (the stage pads rows into batches)."""
-    tokenizer = _tokenizer()
+    tokenizer = t5_tokenizer()
     rng = np.random.default_rng(7)
     texts = [" ".join(f"w{i}" for i in rng.integers(3, 64, int(n))) for n in rng.integers(3, 9, 12)]
     evaluation = {"enabled": True, "batch_size": 5, "max_new_tokens": 4,
@@ -222,7 +206,7 @@ def test_text_to_text_scores_match_generate(tmp_path):
 
     run_pipeline(cfg, tmp_path / "run")
     report = json.loads((tmp_path / "run" / "report.json").read_text())
-    adapter = adapter_for(T5ForConditionalGeneration(_config()).config)
+    adapter = adapter_for(T5ForConditionalGeneration(t5_config()).config)
     bodies = {"base": CanonicalCheckpoint(cfg.base, adapter), "expert": None,
               **{m: CanonicalCheckpoint(tmp_path / "run" / m, adapter) for m in ("merged", "calibrated")}}
     for task in cfg.tasks:

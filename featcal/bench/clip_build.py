@@ -8,9 +8,8 @@ writes through `atomic_path`, so a killed build leaves nothing half-written.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import datasets
 from datasets import ClassLabel, Image
@@ -19,7 +18,8 @@ from transformers.utils import logging as hf_logging
 
 from featcal.bench.build import BASE, data_dir, expert_dir
 from featcal.bench.clip_prompts import CLASS_NAMES
-from featcal.bench.clip_spec import BASE_MODEL, CLIP_TASKS, DATA_FLAG, MODELS_FLAG, ClipBenchSpec
+from featcal.bench.clip_spec import BASE_MODEL, CLIP_TASKS, ClipBenchSpec
+from featcal.bench.mirror import dataset_split, pretrained
 from featcal.data import pick_examples
 from storage.atomic import atomic_path
 
@@ -27,33 +27,16 @@ log = logging.getLogger("featcal")
 
 CLIP = "clip"  # the full CLIPModel: the zero-shot heads' text tower, projections and tokenizer
 SPLITS = ("train", "test")
-T = TypeVar("T")
-
-
-def _from_source(load: Callable[[], T], source: str, mirrored: bool, flag: str) -> T:
-    """`load()`, with a failure turned into one line naming the source and how to reach it."""
-    try:
-        return load()
-    except Exception as exc:
-        reach = (f"a {flag} mirror path" if mirrored else
-                 f"the hub (run with HF_HUB_OFFLINE=0), or give {flag} DIR holding a copy at DIR/{source}")
-        raise ValueError(f"{source}: cannot load it from {reach}: {str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
-
-
-def _pretrained(cls: Any, spec: ClipBenchSpec, hub_id: str) -> Any:
-    source = spec.model_source(hub_id)
-    return _from_source(lambda: cls.from_pretrained(source, local_files_only=bool(spec.models_from)), source,
-                        bool(spec.models_from), MODELS_FLAG)
 
 
 def write_clip(bench: Path) -> tuple[list[str], dict[str, Any]]:
     """The CLIPModel with its tokenizer and image processor, re-saved by this transformers."""
     spec = ClipBenchSpec.load(bench)
-    model = _pretrained(CLIPModel, spec, BASE_MODEL)
+    model = pretrained(CLIPModel, spec, BASE_MODEL)
     with atomic_path(bench / CLIP) as tmp:
         model.save_pretrained(tmp)
-        _pretrained(AutoTokenizer, spec, BASE_MODEL).save_pretrained(tmp)
-        _pretrained(AutoImageProcessor, spec, BASE_MODEL).save_pretrained(tmp)
+        pretrained(AutoTokenizer, spec, BASE_MODEL).save_pretrained(tmp)
+        pretrained(AutoImageProcessor, spec, BASE_MODEL).save_pretrained(tmp)
     return [CLIP], {"source": spec.model_source(BASE_MODEL), "parameters": sum(p.numel() for p in model.parameters())}
 
 
@@ -73,15 +56,7 @@ def write_base(bench: Path) -> tuple[list[str], dict[str, Any]]:
 
 
 def _split(spec: ClipBenchSpec, task: str, split: str) -> datasets.Dataset:
-    source, config = spec.data_source(task), CLIP_TASKS[task].config
-    if not spec.data_from:
-        return _from_source(lambda: datasets.load_dataset(source, config, split=split), source, False, DATA_FLAG)
-    if (Path(source) / "dataset_dict.json").is_file():  # written by save_to_disk
-        loaded = _from_source(lambda: datasets.load_from_disk(source), source, True, DATA_FLAG)
-        if split not in loaded:
-            raise ValueError(f"{DATA_FLAG}: {source} has splits {sorted(loaded)}; the benchmark reads {list(SPLITS)}")
-        return loaded[split]
-    return _from_source(lambda: datasets.load_dataset(source, config, split=split), source, True, DATA_FLAG)
+    return dataset_split(spec.data_source(task), CLIP_TASKS[task].config, split, bool(spec.data_from), SPLITS)
 
 
 def _checked(ds: datasets.Dataset, task: str, split: str, source: str) -> datasets.Dataset:
@@ -112,7 +87,7 @@ def write_data(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
 def write_expert(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
     """The task's head-less CLIPVisionModel, re-saved by this transformers."""
     spec = ClipBenchSpec.load(bench)
-    model = _pretrained(CLIPVisionModel, spec, CLIP_TASKS[task].expert)
+    model = pretrained(CLIPVisionModel, spec, CLIP_TASKS[task].expert)
     with atomic_path(bench / expert_dir(task)) as tmp:
         model.save_pretrained(tmp)
     log.info("expert %s: %s", task, spec.model_source(CLIP_TASKS[task].expert))

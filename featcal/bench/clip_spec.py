@@ -16,13 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-from storage.atomic import read_json, write_json
+from featcal.bench.mirror import DATA_FLAG, MODELS_FLAG, MirroredSpec, check_paths, preset_with
 
 SPEC_FILE = "clip_bench.json"
 BASE_MODEL = "openai/clip-vit-base-patch32"
-MODELS_FLAG, DATA_FLAG = "--models-from", "--data-from"
 
 
 @dataclass(frozen=True)
@@ -49,35 +46,12 @@ CLIP_TASKS = {
 }
 
 
-class MirrorMissing(FileNotFoundError):
-    """A path the benchmark expects in a local mirror is not there."""
-
-
-class ClipBenchSpec(BaseModel):
+class ClipBenchSpec(MirroredSpec):
     """A build of the CLIP benchmark: its tasks, split sizes, seed, and where models and data come from (the hub
     when `models_from` / `data_from` are None, else a local mirror laid out as the module docstring says)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    tasks: list[str]
-    calibration: int = Field(256, ge=1, description="calibration pool per task: a seeded subset of its train split")
-    test_rows: int | None = Field(None, ge=1, description="a seeded subset of each test split; None: all of it")
-    seed: int = 0
-    models_from: str | None = None
-    data_from: str | None = None
-
-    @field_validator("tasks")
-    @classmethod
-    def _known_tasks(cls, tasks: list[str]) -> list[str]:
-        unknown = sorted(set(tasks) - set(CLIP_TASKS))
-        if unknown or not tasks:
-            raise ValueError(f"unknown or no tasks {unknown}; known: {sorted(CLIP_TASKS)}")
-        return sorted(set(tasks))
-
-    def model_source(self, hub_id: str) -> str:
-        """Where `from_pretrained` reads hub model `hub_id`: its mirror directory, or the hub id itself."""
-        return str(Path(self.models_from) / hub_id) if self.models_from else hub_id
+    SPEC_FILE = SPEC_FILE
+    KNOWN_TASKS = tuple(CLIP_TASKS)
 
     def data_source(self, task: str) -> str:
         dataset = CLIP_TASKS[task].dataset
@@ -91,23 +65,11 @@ class ClipBenchSpec(BaseModel):
         wanted += [(self.data_from, DATA_FLAG, self.data_source(t),
                     f"`huggingface-cli download --repo-type dataset {CLIP_TASKS[t].dataset} --local-dir DIR`, or "
                     f"load_dataset(...).save_to_disk(DIR)") for t in self.tasks]
-        missing = [(root, flag, path, fill) for root, flag, path, fill in wanted if root and not Path(path).is_dir()]
-        if missing:
-            root, flag, path, fill = missing[0]
-            more = f" ({len(missing) - 1} more path(s) missing)" if len(missing) > 1 else ""
-            raise MirrorMissing(f"{flag} {root}: {path} does not exist; expected the hub's {Path(path).relative_to(root)} "
-                                f"there ({fill}){more}")
-
-    def save(self, bench_dir: Path) -> None:
-        write_json(Path(bench_dir) / SPEC_FILE, self.model_dump(mode="json"))
-
-    @classmethod
-    def load(cls, bench_dir: Path) -> ClipBenchSpec:
-        return cls.model_validate(read_json(Path(bench_dir) / SPEC_FILE))
+        check_paths(wanted)
 
 
 def is_clip_bench(bench_dir: str | Path) -> bool:
-    return (Path(bench_dir) / SPEC_FILE).is_file()
+    return ClipBenchSpec.is_built(bench_dir)
 
 
 CLIP_PRESETS = {"clip-vit-b32-ta8": ClipBenchSpec(name="clip-vit-b32-ta8", tasks=sorted(CLIP_TASKS))}
@@ -117,14 +79,6 @@ def preset_spec(name: str, models_from: str | None = None, data_from: str | None
                 tasks: list[str] | None = None, test_rows: int | None = None) -> ClipBenchSpec:
     """Preset `name` with the command line's choices; a bad choice, or a mirror path that is missing, is named now,
     in one line, before any work."""
-    unknown = sorted(set(tasks or []) - set(CLIP_TASKS))
-    if unknown:
-        raise ValueError(f"--tasks: {unknown} are not tasks of {name}; its tasks are {sorted(CLIP_TASKS)}")
-    if test_rows is not None and test_rows < 1:
-        raise ValueError(f"--test-rows: expected at least 1 row per task, got {test_rows}")
-    roots = {"models_from": models_from, "data_from": data_from}
-    spec = CLIP_PRESETS[name].model_copy(update={
-        **{k: str(Path(v).resolve()) if v else None for k, v in roots.items()}, "test_rows": test_rows,
-        **({"tasks": sorted(set(tasks))} if tasks else {})})
+    spec = preset_with(CLIP_PRESETS[name], models_from, data_from, tasks, test_rows)
     spec.check_mirror()
     return spec

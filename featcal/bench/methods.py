@@ -66,6 +66,38 @@ def method_runs() -> dict[str, MethodRun]:
     return runs
 
 
+# The paper's setting for its CLIP ViT-B/32 and FLAN-T5 benchmarks (the pipeline's defaults, docs/design.md §2.8).
+PAPER_FEATCAL = {"lambda": 0.05, "rho": 2.2, "alpha": 0.25}
+
+
+def paper_method_runs() -> dict[str, MethodRun]:
+    """The rows the paper reports on its hub benchmarks, as FusionBench runs them: TA and TIES at 0.3 (TIES keeps the
+    top 20 % of each task vector and sums the agreeing entries: the pipeline's defaults), each with FeatCal at 256
+    examples per task; RegMean and RegMean++ from the average (non-linear parameters averaged), the Grams'
+    off-diagonal scaled by 0.95; TA + FeatCal at 8–128 examples per task."""
+    runs = {
+        # One run yields experts, base, TA and TA + FeatCal, and the per-block drift plot.
+        "ta_featcal": MethodRun("task_arithmetic", "featcal", models=("base", "merged", "calibrated", "expert"),
+                                featcal=PAPER_FEATCAL),
+        "ties_featcal": MethodRun("ties", "featcal", models=("merged", "calibrated"), featcal=PAPER_FEATCAL),
+        "regmean": MethodRun("average", "regmean"),
+        "regmean_pp": MethodRun("average", "regmean_plus_plus"),
+    }
+    for n in SAMPLE_SIZES[:-1]:
+        runs[f"ta_featcal_n{n:03d}"] = MethodRun("task_arithmetic", "featcal", examples=n, featcal=PAPER_FEATCAL)
+    return runs
+
+
+def model_sections(bench: Path, tasks: list[str], run: MethodRun) -> dict[str, Any]:
+    """The pipeline config's base, experts, merge and calibration method of a run on a built benchmark."""
+    return {
+        "base": str(bench / BASE),
+        "experts": {t: str(bench / expert_dir(t)) for t in tasks},
+        "merge": {"method": run.merge, "scaling": run.scaling},
+        "featcal": {"method": run.method if run.method in ("regmean", "regmean_plus_plus") else "featcal", **run.featcal},
+    }
+
+
 def pipeline_config(bench: Path, spec: BenchSpec, run: MethodRun) -> dict[str, Any]:
     """The pipeline config of a run; every path absolute, so the run directory can live anywhere."""
 

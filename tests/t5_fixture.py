@@ -1,0 +1,29 @@
+"""A tiny T5 (FLAN-T5's shape: gated-GELU, RMS norms, relative position bias, no biases) and a word-level tokenizer
+for it, built offline: T5's own SentencePiece vocabulary cannot be downloaded here."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast, T5Config
+
+SPECIAL = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2, as T5's
+WORDS = tuple(f"w{i}" for i in range(3, 64))  # the default vocabulary: "w3" … "w63"
+
+
+def t5_config(vocab_size: int = 64) -> T5Config:
+    return T5Config(vocab_size=vocab_size, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                    feed_forward_proj="gated-gelu", tie_word_embeddings=False, relative_attention_num_buckets=8,
+                    relative_attention_max_distance=16, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+                    eos_token_id=1)
+
+
+def t5_tokenizer(words: Sequence[str] = WORDS, split_punctuation: bool = False) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over `words` (ids from 3), appending EOS as T5's does; it splits on white space, and
+    with `split_punctuation` also before and after each run of punctuation (prompts quote their fields)."""
+    vocab = {**{s: i for i, s in enumerate(SPECIAL)}, **{w: 3 + i for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace() if split_punctuation else pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
