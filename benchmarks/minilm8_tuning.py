@@ -127,9 +127,8 @@ def main(bench: Path, out: Path, names: list[str]) -> None:
 
 def markdown(rows: list[dict]) -> str:
     lines = [f"# FeatCal hyperparameters on MiniLM-8: validation sweep ({EXAMPLES} calibration examples/task)", "",
-             f"Validation = each task's validation split; on a benchmark built without one (this sweep's rows were "
-             f"run on such a build, with the experts of before `minilm8_tasks.md`), {VALIDATION} seeded rows of its "
-             "train split. The test split is never used here.",
+             f"Validation = each task's validation split where the benchmark has one, else {VALIDATION} seeded rows "
+             "of its train split (`minilm8_tuning.md`: the build before `minilm8_tasks.md`). Never the test split.",
              "Task-averaged accuracy (%); defaults λ 0.05, ρ 2.2, α 0.25, pooled-token weight 0.01.", "",
              "`gap closed` is against the TA that FeatCal started from; `vs TA 0.3` against the benchmark's TA "
              f"(scale {BASELINE_SCALING}), from the rows that use it.", "",
