@@ -15,14 +15,15 @@ from prefect import flow
 
 from featcal.bench import clip_build, clip_methods, clip_prompts, clip_report, clip_spec, methods, mirror, surgery, surgery_run
 from featcal.bench import report as bench_report
-from featcal.bench.clip_estimate import CONFIGS, cost_estimate, split_sizes
+from featcal.bench.clip_estimate import clip_cost_estimate
 from featcal.bench.clip_spec import BASE_MODEL, CLIP_TASKS, ClipBenchSpec
+from featcal.bench.estimate import CONFIGS, split_sizes, write_estimate
 from featcal.config import digest_of
 from flows import bench as bench_flow
 from flows.bench import (STAGES, Call, built_outputs, chosen_runs, method_and_report_stages, prefect_call, prepared_bench,
                          save_report, write_run_configs)
 from flows.pipeline import code_digest, code_version, machine
-from storage.atomic import read_json, write_bytes
+from storage.atomic import read_json
 from storage.fingerprint import fingerprint
 from storage.rundir import Record
 
@@ -63,9 +64,7 @@ def build_clip_bench(spec: ClipBenchSpec, out: str | Path) -> tuple[Path, str]:
     """The built benchmark's directory, and what running it will cost here (also written to its estimate.md)."""
     bench = Path(out).resolve()
     clip_build_flow(str(bench), spec)
-    estimate = cost_estimate(bench, split_sizes(bench, spec.tasks))
-    write_bytes(bench / "estimate.md", estimate.encode())
-    return bench, estimate
+    return bench, write_estimate(bench, clip_cost_estimate(bench, split_sizes(bench, spec.tasks)))
 
 
 # ---- bench run -----------------------------------------------------------------------------------

@@ -16,8 +16,9 @@ from prefect import flow
 
 from featcal.bench import methods, mirror, t5_build, t5_methods, t5_prompts, t5_report, t5_spec
 from featcal.bench import report as bench_report
-from featcal.bench.clip_estimate import CONFIGS, split_sizes
+from featcal.bench.estimate import CONFIGS, split_sizes, write_estimate
 from featcal.bench.methods import paper_method_runs
+from featcal.bench.t5_estimate import t5_cost_estimate
 from featcal.bench.t5_spec import BASE_MODEL, GLUE_TASKS, T5BenchSpec
 from featcal.config import digest_of
 from flows import bench as bench_flow
@@ -59,10 +60,16 @@ def t5_build_stages(bench: Path, spec: T5BenchSpec, stage: Call) -> dict[str, Re
     return records
 
 
-def build_t5_bench(spec: T5BenchSpec, out: str | Path) -> Path:
+def build_t5_bench(spec: T5BenchSpec, out: str | Path) -> tuple[Path, str]:
+    """The built benchmark's directory, and what running it will cost here (also written to its estimate.md)."""
     bench = Path(out).resolve()
     t5_build_flow(str(bench), spec)
-    return bench
+    return bench, t5_estimate(bench, spec)
+
+
+def t5_estimate(bench: Path, spec: T5BenchSpec) -> str:
+    """What running the built benchmark will cost here, also written to its estimate.md."""
+    return write_estimate(bench, t5_cost_estimate(bench, split_sizes(bench, spec.tasks)))
 
 
 # ---- bench run -----------------------------------------------------------------------------------

@@ -366,14 +366,12 @@ def _build_clip_bench(args: argparse.Namespace) -> int:
     spec = preset_spec(args.name, args.models_from, args.data_from, args.tasks, args.test_rows)
     from flows.bench_clip import build_clip_bench
 
-    bench, estimate = build_clip_bench(spec, args.out)
-    print(f"{bench}\n\nWhat `featcal bench run {bench}` will cost here (also in {bench / 'estimate.md'}):\n\n{estimate}")
-    return 0
+    return _print_built(*build_clip_bench(spec, args.out))
 
 
 def _build_t5_bench(args: argparse.Namespace) -> int:
     """The FLAN-T5 benchmark's build: its sources checked first (a missing mirror path is named before Prefect
-    starts), then the flow."""
+    starts), then the flow, then what running it will cost here."""
     from featcal.bench.t5_spec import preset_spec
 
     if args.spam_assassin or args.wordnet:
@@ -381,7 +379,12 @@ def _build_t5_bench(args: argparse.Namespace) -> int:
     spec = preset_spec(args.name, args.models_from, args.data_from, args.tasks, args.test_rows)
     from flows.bench_t5 import build_t5_bench
 
-    print(build_t5_bench(spec, args.out))
+    return _print_built(*build_t5_bench(spec, args.out))
+
+
+def _print_built(bench: Path, estimate: str) -> int:
+    """A hub benchmark's build: its directory, then what running it will cost here."""
+    print(f"{bench}\n\nWhat `featcal bench run {bench}` will cost here (also in {bench / 'estimate.md'}):\n\n{estimate}")
     return 0
 
 

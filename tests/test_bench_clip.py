@@ -13,10 +13,11 @@ from datasets import ClassLabel, Dataset, DatasetDict, Features, Image
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from featcal.bench.clip_estimate import cost_estimate, split_sizes
+from featcal.bench.clip_estimate import clip_cost_estimate
 from featcal.bench.clip_prompts import CLASS_NAMES, TEMPLATES
 from featcal.bench.clip_report import PAPER
 from featcal.bench.clip_spec import BASE_MODEL, CLIP_TASKS, preset_spec
+from featcal.bench.estimate import split_sizes
 from featcal.bench.surgery import SurgeryAdapter, SurgeryClassifier, features
 from featcal.config import load_config
 from featcal.modeling import task_model
@@ -85,7 +86,7 @@ def test_build_reads_the_mirror_and_writes_every_run_config(built):
 
 def test_cost_estimate_counts_every_run(built):
     bench, _, _ = built
-    estimate = cost_estimate(bench, split_sizes(bench, TASKS))
+    estimate = clip_cost_estimate(bench, split_sizes(bench, TASKS))
     assert f"featcal plan {bench / 'configs' / 'ta_featcal.yaml'}" in estimate and "RAM (estimate)" in estimate
     rows = {line.split(" | ")[0].strip("| *"): line for line in estimate.splitlines() if line.startswith("| ")}
     assert {"ta_featcal", "ta_featcal_n008", "regmean_pp", "ta_surgery"} <= rows.keys()

@@ -15,12 +15,14 @@ from tokenizers import pre_tokenizers
 from transformers import T5ForConditionalGeneration
 
 from featcal.bench.t5_prompts import LABEL_WORDS, SCORE_FORMAT, TEMPLATES
+from featcal.bench.methods import paper_method_runs
 from featcal.bench.t5_report import PAPER
 from featcal.bench.t5_spec import BASE_MODEL, GLUE, GLUE_TASKS, T5BenchSpec, preset_spec
 from featcal.config import load_config
 from flows.bench import direct_call
-from flows.bench_t5 import t5_build_stages, t5_run_stages
+from flows.bench_t5 import t5_build_stages, t5_estimate, t5_run_stages
 from flows.cli import main
+from flows.pipeline import machine
 from storage.rundir import RunDir
 from tests.t5_fixture import t5_config, t5_tokenizer
 
@@ -96,7 +98,9 @@ def built(tmp_path_factory):
     models, data = _mirror(tmp_path_factory.mktemp("mirror"))
     spec = preset_spec("flan-t5-base-glue8", str(models), str(data), tasks=TASKS)
     bench = tmp_path_factory.mktemp("bench")
-    return bench, spec, t5_build_stages(bench, spec, direct_call)
+    records = t5_build_stages(bench, spec, direct_call)
+    t5_estimate(bench, spec)  # as `bench build` does after the flow
+    return bench, spec, records
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +135,27 @@ def test_build_renders_the_benchmarks_prompts_and_writes_every_run_config(built)
     assert not (bench / "configs" / "ta_surgery.yaml").exists()
     starts = len(RunDir(bench).events())  # a second build finds every stage cached
     assert t5_build_stages(bench, spec, direct_call) == records and len(RunDir(bench).events()) == starts
+
+
+def test_build_estimates_every_runs_passes_and_says_where_it_timed_them(built):
+    bench, _, _ = built
+    estimate = (bench / "estimate.md").read_text()
+    assert f"featcal plan {bench / 'configs' / 'ta_featcal.yaml'}" in estimate and "RAM (estimate)" in estimate
+    rows = {line.split(" | ")[0].strip("| *"): line.split(" | ") for line in estimate.splitlines() if line.startswith("| ")}
+    assert rows["method run"][1:3] == ["forward passes", "generate calls"]
+    assert set(paper_method_runs()) <= rows.keys() and "| **all** (`featcal bench run`) |" in estimate
+    sizes = {t: RunDir(bench).record(f"data/{t}")["info"] for t in TASKS}
+    test = sum(s["test"] for s in sizes.values())
+    # 10.8 teacher-forced forwards per calibration example; per test row a generate call of each scored model and of
+    # the expert as drift reference, and teacher-forced forwards of the expert and each drifting model.
+    drift = {"ta_featcal": 2, "regmean": 1}  # (merged, calibrated) and (calibrated)
+    generates = {"ta_featcal": 4, "regmean": 2}  # base, merged, calibrated, expert; calibrated and the expert
+    for run in RUNS:
+        calibration = sum(min(paper_method_runs()[run].examples, s["calibration"]) for s in sizes.values())
+        assert rows[run][1:3] == [f"{10.8 * calibration + (drift[run] + 1) * test:,.0f}", f"{generates[run] * test:,.0f}"]
+    assert f"Measured on {machine()}: CPU ({torch.get_num_threads()} torch threads)" in estimate
+    assert ("time, GPU (" in estimate) == torch.cuda.is_available()
+    assert ("run `featcal bench build` on a GPU machine for the GPU time" in estimate) != torch.cuda.is_available()
 
 
 def test_run_reports_our_rows_beside_the_papers(built, ran):
