@@ -106,6 +106,19 @@ def _checkpoint(run_dir: Path, cfg) -> CanonicalCheckpoint:
     return CanonicalCheckpoint(run_dir / "calibrated", Skeleton.from_checkpoint(cfg.experts[cfg.tasks[0]]).adapter)
 
 
+def runnable(bench: Path, names: list[str], named: bool) -> list[str]:
+    """The variants to run: a task-subset variant needs its tasks in the benchmark (the subsets were drawn from the
+    old 8-task set). Named ones must fit, else stop before any run; of the default all, those that do not fit are
+    left out, and said so."""
+    tasks = set(BenchSpec.load(bench).tasks)
+    unfit = [n for n in names if n not in VARIANTS or not set(VARIANTS[n].get("tasks", [])) <= tasks]
+    if named and unfit:
+        raise SystemExit(f"variants {unfit}: unknown, or name tasks this benchmark lacks (it has {sorted(tasks)})")
+    if unfit:
+        print(f"left out, their tasks are not all in this benchmark: {', '.join(unfit)}", file=sys.stderr)
+    return [n for n in names if n not in unfit]
+
+
 def main(bench: Path, out: Path, names: list[str]) -> None:
     for name in names:
         cfg = config_from_dict(validation_config(bench, VARIANTS[name]), root=bench, source=name)
@@ -162,4 +175,5 @@ def markdown(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve(), sys.argv[3:] or list(VARIANTS))
+    bench_dir = Path(sys.argv[1]).resolve()
+    main(bench_dir, Path(sys.argv[2]).resolve(), runnable(bench_dir, sys.argv[3:] or list(VARIANTS), bool(sys.argv[3:])))
