@@ -29,6 +29,8 @@ class BlockInput:
     encoder_hidden: torch.Tensor | None = None  # [B, S, H]
     encoder_mask: torch.Tensor | None = None  # [B, S]
     position_bias: torch.Tensor | None = None  # [1, heads, T, T]
+    # Decoder-only models with rotary positions: the (cos, sin) the model's rotary module makes for the batch.
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 # Reads one tensor of a checkpoint by canonical name (CanonicalCheckpoint.get).
@@ -364,3 +366,82 @@ class T5Adapter(Adapter):
         out = block(hidden, attention_mask=additive_mask(keep, hidden.dtype), position_bias=extra.position_bias,
                     encoder_hidden_states=extra.encoder_hidden, encoder_attention_mask=cross)
         return out[0]
+
+
+@register
+class LlamaAdapter(Adapter):
+    """Decoder-only causal LMs of the Llama layout (Llama, Qwen2, Mistral): pre-norm blocks with RMS norms, rotary
+    positions, grouped-query attention and a SwiGLU MLP.
+
+    The body is the whole model: the embedding, the final norm and the LM head (tied or not) are merged and never
+    calibrated, and nothing is per task. Every real token weighs 1 (no pooled token). Positions count real tokens
+    (`positions`: 0..T-1 on a right-padded row, as `pad_to` pads them), the model's rotary module turns them into
+    (cos, sin) once per batch for every block, and each block gets a causal mask with padded keys dropped (and the
+    sliding window, where the model has one)."""
+
+    model_types = ("llama", "qwen2", "mistral")
+    body_attr = {"LlamaForCausalLM": "", "Qwen2ForCausalLM": "", "MistralForCausalLM": ""}
+    file_prefixes = ("",)
+    blocks_path = "model.layers"
+    kv_modules = ("self_attn.k_proj", "self_attn.v_proj")
+    head_prefixes = ()
+    pooled_token = {"LlamaForCausalLM": None, "Qwen2ForCausalLM": None, "MistralForCausalLM": None}
+    probe_key = "model.embed_tokens.weight"
+
+    @classmethod
+    def default_architecture(cls, config: PretrainedConfig) -> str:
+        return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[
+            config.model_type]
+
+    def embedding_modules(self) -> tuple[str, ...]:
+        return ("model.embed_tokens",)
+
+    def embed(self, modules: dict[str, nn.Module], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return modules["model.embed_tokens"](inputs["input_ids"])
+
+    def model_input_names(self) -> tuple[str, ...]:
+        return ("input_ids", "attention_mask")
+
+    def evaluate_forward(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> Any:
+        return super().evaluate_forward(model, {k: v for k, v in inputs.items() if k in self.model_input_names()})
+
+    def rotary_module(self) -> nn.Module:
+        """The model's own rotary module (`model.model.rotary_emb`'s class, built from the config: it has no
+        weights, only `inv_freq` derived from the config)."""
+        if getattr(self, "_rotary", None) is None:
+            import importlib  # here: importing a model family costs every command a second
+
+            mt = self.config.model_type
+            family = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
+            cls = next(getattr(family, n) for n in dir(family) if n.endswith("RotaryEmbedding"))
+            self._rotary = cls(config=self.config).eval()
+        return self._rotary
+
+    @staticmethod
+    def positions(mask: torch.Tensor) -> torch.Tensor:
+        """[B, T] positions counted over real tokens, as `generate` makes them: 0..T-1 for a right-padded row (the
+        model's own default), shifted past the padding for a left-padded one."""
+        return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+    def block_input(self, inputs: dict[str, torch.Tensor], layer: int = 0,
+                    weights: TensorGetter | None = None) -> BlockInput:
+        mask = inputs["attention_mask"]
+        cached = getattr(self, "_rotary_batch", None)  # every block of a batch gets the same: computed once
+        if cached is None or cached[0].shape != mask.shape or not torch.equal(cached[0], mask):
+            with torch.no_grad():  # (cos, sin) [B, T, head_dim] from the model's own rotary module
+                rotary = self.rotary_module()(torch.zeros(1, dtype=torch.float32), position_ids=self.positions(mask))
+            cached = self._rotary_batch = (mask.clone(), rotary)
+        return BlockInput(attention_mask=mask, rotary=cached[1])
+
+    def run_block(self, block: nn.Module, hidden: torch.Tensor, extra: BlockInput) -> torch.Tensor:
+        length = hidden.shape[1]
+        query, key = torch.arange(length)[:, None], torch.arange(length)[None, :]
+        keep = key <= query
+        window = getattr(block.self_attn, "sliding_window", getattr(self.config, "sliding_window", None))
+        if window is not None:
+            keep = keep & (key > query - window)
+        keep = keep[None, None] & extra.attention_mask[:, None, None, :].bool()
+        cos, sin = extra.rotary
+        out = block(hidden, attention_mask=additive_mask(keep, hidden.dtype),
+                    position_embeddings=(cos.to(hidden.dtype), sin.to(hidden.dtype)))
+        return out[0] if isinstance(out, tuple) else out

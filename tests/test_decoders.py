@@ -1,0 +1,167 @@
+"""Decoder-only causal LMs of the Llama layout (Llama, Qwen2, Mistral) on tiny models built from a config: grouped-query
+attention (2 key/value heads for 4 query heads), SwiGLU MLP, RMS norms, rotary positions. The adapter's block-by-block
+forward on a right-padded batch, single-expert exactness at every block boundary, and drift falling with two experts."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from datasets import Dataset
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+from featcal.adapters import adapter_for
+from featcal.config import config_from_dict
+from featcal.modeling import task_model
+from flows.pipeline import run_pipeline
+from storage.checkpoint import CanonicalCheckpoint
+from tests.test_architectures import perturbed
+
+EXAMPLES = 16
+SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+CASES = {
+    "llama": ("LlamaForCausalLM", lambda: LlamaConfig(**SHAPE, tie_word_embeddings=True)),
+    "qwen2": ("Qwen2ForCausalLM", lambda: Qwen2Config(**SHAPE, tie_word_embeddings=False)),  # q/k/v biases
+    # A window shorter than the rows, so the sliding-window mask is exercised.
+    "mistral": ("MistralForCausalLM", lambda: MistralConfig(**SHAPE, sliding_window=5, tie_word_embeddings=False)),
+}
+
+
+def _model(arch: str) -> torch.nn.Module:
+    cls_name, make_config = CASES[arch]
+    config = make_config()
+    config._attn_implementation = "eager"  # the HF reference; the adapter's float mask suits sdpa as well
+    return getattr(transformers, cls_name)(config).eval()
+
+
+def _rows(seed: int) -> Dataset:
+    """Ready token ids (BOS first) of varying lengths."""
+    rng = np.random.default_rng(seed)
+    ids = [[1] + rng.integers(3, 64, int(n)).tolist() for n in rng.integers(4, 12, EXAMPLES)]
+    return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(r) for r in ids]})
+
+
+def _batch(rows: Dataset, left: bool = False) -> dict[str, torch.Tensor]:
+    """The rows padded into one batch: on the right, as the prepare stage pads them, or on the left."""
+    lengths = torch.tensor([len(r) for r in rows["input_ids"]])
+    width = int(lengths.max())
+    pad = [[0] * (width - len(r)) for r in rows["input_ids"]]
+    ids = torch.tensor([p + r if left else r + p for r, p in zip(rows["input_ids"], pad, strict=True)])
+    real = torch.arange(width) < lengths[:, None]
+    return {"input_ids": ids, "attention_mask": (real.flip(-1) if left else real).long()}
+
+
+def _boundaries(model, batch) -> list[torch.Tensor]:
+    """Hidden states at every block boundary (the embeddings, then each block's output; the last after the final
+    norm, which is what the LM head reads)."""
+    with torch.inference_mode():
+        return list(model(**batch, output_hidden_states=True).hidden_states)
+
+
+def _deviations(model, expert, batch) -> list[float]:
+    """Relative distance to the expert over real tokens, per boundary."""
+    real = batch["attention_mask"].bool()
+    return [float((a - b)[real].norm() / b[real].norm())
+            for a, b in zip(_boundaries(model, batch), _boundaries(expert, batch), strict=True)]
+
+
+def _build(root, arch: str, experts: int, **sections):
+    torch.manual_seed(0)
+    base = _model(arch)
+    base.save_pretrained(root / "base")
+    for t in range(experts):
+        expert = _model(arch)
+        expert.load_state_dict(perturbed(base, seed=10 + t))
+        expert.save_pretrained(root / f"e{t}")
+        _rows(t).save_to_disk(str(root / f"d{t}"))
+    raw = {
+        "base": str(root / "base"),
+        "experts": {f"task{t}": str(root / f"e{t}") for t in range(experts)},
+        "calibration": {"data": {f"task{t}": {"path": str(root / f"d{t}")} for t in range(experts)},
+                        "examples_per_task": EXAMPLES, "batch_size": 4},
+        "featcal": {"lambda": 0.01, "rho": 1.0, "alpha": 1.0},
+        "evaluation": {"enabled": False},
+        **sections,
+    }
+    return config_from_dict(raw, root)
+
+
+@pytest.mark.parametrize("left", [False, True], ids=["right-padded", "left-padded"])
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_adapter_blocks_reproduce_the_model(arch, left):
+    """Embeddings, then every block through `block_input`/`run_block` with the model's own modules, give the model's
+    hidden states on a padded batch: rotary positions from the model's rotary module, causal and padding mask (and
+    the sliding window), grouped-query attention. The last boundary goes through the final norm. Right-padded rows
+    are compared with the model's plain forward (positions 0..T-1); left-padded ones with the forward given the
+    positions `generate` computes from the mask, which is what the adapter uses (rotary attention is relative, so
+    a row's shift does not change it). Only left padding puts padded keys before real queries, so only it checks the
+    padding mask; Mistral's window (5) is shorter than the rows, so it checks the sliding window."""
+    torch.manual_seed(0)
+    model = _model(arch)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    layer0 = model.model.layers[0].self_attn
+    assert layer0.k_proj.out_features < layer0.q_proj.out_features  # GQA: narrower k/v
+    adapter = adapter_for(model.config)
+    assert adapter.pooled_index() is None and adapter.head_prefixes == ()
+    batch = _batch(_rows(0), left=left)
+    assert not batch["attention_mask"].all()  # some rows are padded
+    positions = batch["attention_mask"].cumsum(-1) - 1
+    expected = _boundaries(model, {**batch, "position_ids": positions.clamp(min=0)} if left else batch)
+    with torch.inference_mode():
+        hidden = adapter.embed({"model.embed_tokens": model.model.embed_tokens}, batch)
+        got = [hidden]
+        for layer in range(adapter.num_blocks()):
+            hidden = adapter.run_block(adapter.blocks(model)[layer], hidden, adapter.block_input(batch, layer))
+            got.append(model.model.norm(hidden) if layer == adapter.num_blocks() - 1 else hidden)
+    real = batch["attention_mask"].bool()
+    assert len(got) == len(expected) == 3
+    for want, have in zip(expected, got, strict=True):
+        assert torch.allclose(have[real], want[real], atol=1e-5), float((have[real] - want[real]).abs().max())
+
+
+@pytest.mark.parametrize("lam, exact", [(1e-9, True), (0.5, False)])
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_single_expert_exactness(tmp_path, arch, lam, exact):
+    """One expert, average merge (the statistics are the expert's own), α=1, λ→0 with the anchor pointing elsewhere
+    (ρ=2.2 against the base): every block boundary of the calibrated model equals the expert's on the calibration
+    rows (here within about 2e-5); with λ=0.5 the anchor pulls it away (so the check can fail)."""
+    cfg = _build(tmp_path, arch, experts=1, merge={"method": "average"},
+                 featcal={"lambda": lam, "rho": 2.2, "alpha": 1.0})
+    run_pipeline(cfg, tmp_path / "run")
+    adapter = adapter_for(_model(arch).config)
+    expert = task_model(cfg.experts["task0"])
+    calibrated = task_model(cfg.experts["task0"], CanonicalCheckpoint(tmp_path / "run" / "calibrated", adapter))
+    deviation = _deviations(calibrated, expert, _batch(_rows(0)))
+    if exact:
+        assert max(deviation) < 1e-4, deviation
+    else:
+        assert max(deviation) > 1e-3, deviation
+
+
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_two_experts_drift_falls(tmp_path, arch):
+    """Task arithmetic of two perturbed experts, then FeatCal: the drift to each expert, averaged over the tasks, is
+    unchanged at the embeddings (merged, not calibrated) and falls at the last boundary (what the LM head reads); the
+    LM head and final norm stay merged, and tied embeddings stay tied."""
+    cfg = _build(tmp_path, arch, experts=2)
+    run_pipeline(cfg, tmp_path / "run")
+    adapter = adapter_for(_model(arch).config)
+    merged_ckpt = CanonicalCheckpoint(tmp_path / "run" / "merged", adapter)
+    calibrated_ckpt = CanonicalCheckpoint(tmp_path / "run" / "calibrated", adapter)
+    before, after = [], []
+    for t, task in enumerate(cfg.tasks):
+        batch = _batch(_rows(t))
+        expert = task_model(cfg.experts[task])
+        before.append(_deviations(task_model(cfg.experts[task], merged_ckpt), expert, batch))
+        after.append(_deviations(task_model(cfg.experts[task], calibrated_ckpt), expert, batch))
+    before, after = np.mean(before, axis=0), np.mean(after, axis=0)
+    assert np.allclose(after[0], before[0])
+    assert after[-1] < before[-1], (before, after)
+    merged = task_model(cfg.experts["task0"], merged_ckpt)
+    calibrated = task_model(cfg.experts["task0"], calibrated_ckpt)
+    for name in ("lm_head.weight", "model.norm.weight", "model.embed_tokens.weight"):
+        assert torch.equal(calibrated.get_parameter(name), merged.get_parameter(name)), name
+    assert not torch.equal(calibrated.model.layers[1].mlp.down_proj.weight, merged.model.layers[1].mlp.down_proj.weight)
+    loaded = type(calibrated).from_pretrained(tmp_path / "run" / "calibrated")
+    tied = loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    assert tied == loaded.config.tie_word_embeddings == (arch == "llama")
