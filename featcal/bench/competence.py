@@ -50,7 +50,8 @@ def figures(bench: Path, tasks: list[str], max_length: int, scaling: float = 0.3
     bench = Path(bench)
     hf_logging.disable_progress_bar()  # one bar per model load
     tokenizer = AutoTokenizer.from_pretrained(bench / BASE, local_files_only=True)
-    base = _load(BertModel, bench / BASE).state_dict()
+    base_model = _load(BertModel, bench / BASE)  # the probe's frozen features, and θ0 of the merge
+    base = base_model.state_dict()
     experts = {t: _load(BertForSequenceClassification, bench / expert_dir(t)) for t in tasks}
     bodies = {t: m.bert.state_dict() for t, m in experts.items()}
     cfg = MergeConfig(method="task_arithmetic", scaling=scaling)
@@ -58,13 +59,14 @@ def figures(bench: Path, tasks: list[str], max_length: int, scaling: float = 0.3
               for name in bodies[tasks[0]]}
     out = {}
     for t in tasks:
-        test = datasets.load_from_disk(str(bench / data_dir(t)))["test"]
+        splits = datasets.load_from_disk(str(bench / data_dir(t)))
+        test = splits["test"]
         row = {"test_rows": len(test), "majority": majority_rate(test["label"]),
                "expert": accuracy(experts[t], tokenizer, test, max_length)}
         experts[t].bert.load_state_dict(merged, strict=True)  # the expert's head on the merged body
         row["merged"] = accuracy(experts[t], tokenizer, test, max_length)
         if probe:
-            row.update(probe_figures(bench, t, max_length))
+            row.update(probe_figures(base_model, tokenizer, splits, str(bench / data_dir(t)), max_length))
         out[t] = row
         log.info("competence · %s: majority %.1f %%, expert %.1f %%, task arithmetic %.1f %%%s", t,
                  100 * row["majority"], 100 * row["expert"], 100 * row["merged"],

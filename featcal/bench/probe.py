@@ -14,9 +14,9 @@ from typing import Any
 
 import datasets
 import torch
-from transformers import AutoTokenizer, BertModel
+from transformers import BertModel
 
-from featcal.bench.build import BASE, data_dir, one_thread
+from featcal.bench.build import one_thread
 from featcal.bench.finetune import EVAL_BATCH, encode
 
 log = logging.getLogger("featcal")
@@ -57,14 +57,13 @@ def _accuracy(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> float:
     return float(((x @ w[:-1] + w[-1]).argmax(-1) == y).double().mean())
 
 
-def probe_figures(bench: Path, task: str, max_length: int) -> dict[str, Any]:
-    """Test accuracy of the probe, with the L2 strength chosen on validation and every validation score."""
-    splits = datasets.load_from_disk(str(Path(bench) / data_dir(task)))
+def probe_figures(model: BertModel, tokenizer: Any, splits: datasets.DatasetDict, where: str,
+                  max_length: int) -> dict[str, Any]:
+    """Test accuracy of the probe on the frozen base `model`, with the L2 strength chosen on validation and every
+    validation score; `where` names the task's data in errors."""
     if "validation" not in splits:
-        raise ValueError(f"{bench / data_dir(task)}: the probe chooses its L2 strength on a validation split; it has none")
-    tokenizer = AutoTokenizer.from_pretrained(Path(bench) / BASE, local_files_only=True)
+        raise ValueError(f"{where}: the probe chooses its L2 strength on a validation split; it has none")
     with one_thread():
-        model = BertModel.from_pretrained(Path(bench) / BASE, local_files_only=True).eval()
         feats = {s: mean_pooled(model, tokenizer, splits[s], max_length) for s in ("train", "validation", "test")}
         labels = {s: torch.tensor(splits[s]["label"]) for s in feats}
         mean, std = feats["train"].mean(0), feats["train"].std(0).clamp_min(1e-12)
@@ -74,5 +73,5 @@ def probe_figures(bench: Path, task: str, max_length: int) -> dict[str, Any]:
     scores = {l2: _accuracy(w, feats["validation"], labels["validation"]) for l2, w in fits.items()}
     l2 = max(L2_GRID, key=lambda c: (scores[c], c))  # ties: the stronger regularisation
     test = _accuracy(fits[l2], feats["test"], labels["test"])
-    log.info("probe · %s: L2 %g (validation %.1f %%), test %.1f %%", task, l2, 100 * scores[l2], 100 * test)
+    log.info("probe · %s: L2 %g (validation %.1f %%), test %.1f %%", Path(where).name, l2, 100 * scores[l2], 100 * test)
     return {"probe": test, "probe_l2": l2, "probe_validation": {f"{c:g}": round(s, 4) for c, s in scores.items()}}
