@@ -64,6 +64,9 @@ class Adapter:
     # (pattern, replacement) regexes from names as saved on disk to the module tree's names, applied in
     # order: transformers 5 renamed some modules but still saves (and loads) the legacy names.
     file_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # The body submodule between the last block and the head that the head reads through (a pooler, a final
+    # norm), per architecture; absent: none. With featcal.calibrate_head_side it is calibrated as block L.
+    head_side: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: PretrainedConfig):
         self.config = config
@@ -98,7 +101,28 @@ class Adapter:
         return self.config
 
     def block_prefix(self, layer: int) -> str:
+        """Block `layer`'s name prefix; block L (= num_blocks()) is the head side, so that every stage that reads a
+        block by its prefix (gram, solve, assemble) serves it too."""
+        if layer == self.num_blocks():
+            return f"{self.head_side_path()}."
         return f"{self.blocks_path}.{layer}."
+
+    def head_side_path(self) -> str:
+        if self.architecture not in self.head_side:
+            raise UnsupportedModelError(f"featcal.calibrate_head_side: not supported for {self.architecture}")
+        return self.head_side[self.architecture]
+
+    def head_side_tokens(self) -> slice:
+        """The tokens of the last block's output that count in the head side's statistics: the pooled token alone
+        where the head reads one (BERT's pooler and CLIP's post_layernorm read nothing else, and a ViT's final
+        norm reaches the head only there), else every token."""
+        pooled = self.pooled_index()
+        return slice(None) if pooled is None else slice(pooled, pooled + 1)
+
+    def run_head_side(self, module: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """What the head reads: the head-side module on `hidden` [B, T, H] (its `head_side_tokens()`), as [B, T, H]."""
+        out = module(hidden)
+        return out.reshape(*hidden.shape[:-1], out.shape[-1])  # BERT's pooler drops the token axis (T = 1 here)
 
     def is_head(self, canonical_name: str) -> bool:
         return canonical_name.startswith(self.head_prefixes)
@@ -186,6 +210,7 @@ class BertAdapter(Adapter):
     blocks_path = "encoder.layer"
     kv_modules = ("attention.self.key", "attention.self.value")
     pooled_token = {"BertForSequenceClassification": 0, "BertModel": 0}
+    head_side = {"BertForSequenceClassification": "pooler", "BertModel": "pooler"}
     probe_key = "embeddings.word_embeddings.weight"
 
     def embed(self, modules: dict[str, nn.Module], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -213,6 +238,8 @@ class CLIPVisionAdapter(_ImageAdapter):
     kv_modules = ("self_attn.k_proj", "self_attn.v_proj")
     # CLIPForImageClassification averages the patch tokens; the others read the class token.
     pooled_token = {"CLIPVisionModel": 0, "CLIPForImageClassification": None, "CLIPModel": 0}
+    # post_layernorm makes the pooled output; CLIPForImageClassification's head reads the last block's output.
+    head_side = {"CLIPVisionModel": "post_layernorm", "CLIPModel": "post_layernorm"}
     probe_key = "embeddings.patch_embedding.weight"
 
     @classmethod
@@ -241,6 +268,7 @@ class ViTAdapter(_ImageAdapter):
     blocks_path = "layers"
     kv_modules = ("attention.k_proj", "attention.v_proj")
     pooled_token = {"ViTForImageClassification": 0, "ViTModel": 0}
+    head_side = {"ViTForImageClassification": "layernorm", "ViTModel": "layernorm"}
     probe_key = "embeddings.patch_embeddings.projection.weight"
     file_renames = (
         (r"^encoder\.layer\.", "layers."),
@@ -386,6 +414,7 @@ class LlamaAdapter(Adapter):
     kv_modules = ("self_attn.k_proj", "self_attn.v_proj")
     head_prefixes = ()
     pooled_token = {"LlamaForCausalLM": None, "Qwen2ForCausalLM": None, "MistralForCausalLM": None}
+    head_side = {"LlamaForCausalLM": "model.norm", "Qwen2ForCausalLM": "model.norm", "MistralForCausalLM": "model.norm"}
     probe_key = "model.embed_tokens.weight"
 
     @classmethod

@@ -16,6 +16,7 @@ class Hyper:
     rho: float
     alpha: float
     eps: float
+    trust: float = 0.0  # μ: each task's term also pulls W·x_s towards the merged W_m·x_s on that task's rows
 
 
 @dataclass
@@ -26,6 +27,7 @@ class LinearMoments:
     c_se: torch.Tensor  # E_w[x_s x_eᵀ]   [in, in]
     mu_s: torch.Tensor  # E_w[x_s]        [in]
     mu_e: torch.Tensor  # E_w[x_e]        [in]
+    weight: float = 1.0  # c_t, the task's weight in the shared solve (featcal.task_weight_power)
 
     def c_st(self, alpha: float) -> torch.Tensor:
         return alpha * self.c_se + (1.0 - alpha) * self.c_ss
@@ -34,9 +36,9 @@ class LinearMoments:
         return alpha * self.mu_e + (1.0 - alpha) * self.mu_s
 
     def normaliser(self) -> float:
-        """n_t = ‖C_ss‖_F, so λ is a ratio comparable across layers and tasks."""
+        """n_t / c_t with n_t = ‖C_ss‖_F, so λ is a ratio comparable across layers and tasks."""
         n = float(torch.linalg.matrix_norm(self.c_ss))
-        return n if n > 0 else 1.0
+        return (n if n > 0 else 1.0) / self.weight
 
 
 @dataclass
@@ -45,6 +47,7 @@ class NormMoments:
 
     m: torch.Tensor  # E_w[z_s]
     e: torch.Tensor  # E_w[z_s²]
+    weight: float = 1.0  # c_t, as LinearMoments.weight
 
 
 def anchor(merged: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor:
@@ -71,9 +74,91 @@ def solve_linear_weight(
         n = mom.normaliser()
         a += mom.c_ss / n
         b += (mom.c_st(hp.alpha) / n) @ w_t.double().T
+    if hp.trust:  # + μ Σ_t E‖W x_s − W_m x_s‖²/n_t: the data Gram again, with the merged weight as target
+        b += hp.trust * a @ merged.double().T
+        a *= 1.0 + hp.trust
     a += hp.lam * torch.eye(d, dtype=torch.float64)
     sol = featcal_kernels.ridge_solve(a, b, damping=hp.eps)
     return LinearSolution(weight=sol.x.T.contiguous(), damping=sol.damping)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The (λ, ρ) a module's held-out rows chose, with the held-out data term of every grid point ([λ, ρ])."""
+
+    lam: float
+    rho: float
+    scores: torch.Tensor
+
+
+def _best(scores: torch.Tensor, lams: Sequence[float], rhos: Sequence[float]) -> Choice:
+    """The lowest score; ties go to the first grid point in (λ, ρ) order, so the choice is fixed."""
+    flat = int(torch.argmin(scores.reshape(-1)))
+    return Choice(lam=float(lams[flat // len(rhos)]), rho=float(rhos[flat % len(rhos)]), scores=scores)
+
+
+def choose_linear_hyper(
+    tasks: Iterable[tuple[LinearMoments, LinearMoments, torch.Tensor]], merged: torch.Tensor, base: torch.Tensor,
+    hp: Hyper, lams: Sequence[float], rhos: Sequence[float],
+) -> Choice:
+    """The (λ, ρ) of the grid whose weight, fitted on each task's fit rows, has the smallest data term on its
+    held-out rows: Σ_t ‖X_h,t Wᵀ − X̃_h,t W_tᵀ‖²/n_t up to a constant, as the solve's own objective weighs it.
+
+    `tasks` yields (fit moments, held-out moments, W_t). One eigendecomposition of the fit system serves the
+    whole grid: in its eigenbasis V, Wᵀ = V·(R_0 + λ(R_base + ρ·R_delta)) / (e + λ + ε), and for each λ the
+    held-out score is a quadratic in ρ, so each λ costs two products with the rotated held-out Gram."""
+    d = merged.shape[1]
+    a = torch.zeros(d, d, dtype=torch.float64)
+    h = torch.zeros(d, d, dtype=torch.float64)
+    b0 = torch.zeros(d, merged.shape[0], dtype=torch.float64)
+    g = torch.zeros_like(b0)
+    for fit, held, w_t in tasks:
+        n_fit, n_held = fit.normaliser(), held.normaliser()
+        wt = w_t.double().T
+        a += fit.c_ss / n_fit
+        b0 += (fit.c_st(hp.alpha) / n_fit) @ wt
+        h += held.c_ss / n_held
+        g += (held.c_st(hp.alpha) / n_held) @ wt
+    evals, v = torch.linalg.eigh(a)
+    evals = evals.clamp_min(0) + hp.eps
+    r0, r_base, r_delta = v.T @ b0, v.T @ base.double().T, v.T @ (merged.double() - base.double()).T
+    h_rot, g_rot = v.T @ h @ v, v.T @ g
+    rho = torch.tensor(rhos, dtype=torch.float64)
+    scores = torch.empty(len(lams), len(rhos), dtype=torch.float64)
+    for i, lam in enumerate(lams):
+        scale = 1.0 / (evals + lam)[:, None]
+        y0, y1 = scale * (r0 + lam * r_base), scale * (lam * r_delta)  # Wᵀ in the eigenbasis: y0 + ρ·y1
+        hy0, hy1 = h_rot @ y0, h_rot @ y1
+        q00, q01, q11 = (hy0 * y0).sum(), (hy0 * y1).sum(), (hy1 * y1).sum()
+        l0, l1 = (g_rot * y0).sum(), (g_rot * y1).sum()
+        scores[i] = q00 + 2 * rho * q01 + rho**2 * q11 - 2 * (l0 + rho * l1)
+    return _best(scores, lams, rhos)
+
+
+def choose_norm_hyper(
+    fit: Sequence[NormMoments], held: Sequence[NormMoments], expert_gammas: Sequence[torch.Tensor],
+    expert_betas: Sequence[torch.Tensor] | None, merged_gamma: torch.Tensor, base_gamma: torch.Tensor,
+    merged_beta: torch.Tensor | None, base_beta: torch.Tensor | None, hp: Hyper,
+    lams: Sequence[float], rhos: Sequence[float],
+) -> Choice:
+    """As choose_linear_hyper for a norm's affine: solve_norm_affine on the fit rows at every grid point, scored
+    by Σ_t E_held[(γ⊙z + β − γ_t⊙z − β_t)²] summed over dimensions (the solve's own data term)."""
+    scores = torch.empty(len(lams), len(rhos), dtype=torch.float64)
+    for i, lam in enumerate(lams):
+        for j, rho in enumerate(rhos):
+            trial = Hyper(lam=lam, rho=rho, alpha=hp.alpha, eps=hp.eps)
+            gamma, beta = solve_norm_affine(fit, expert_gammas, expert_betas, merged_gamma, base_gamma,
+                                            merged_beta, base_beta, trial)
+            total = torch.zeros((), dtype=torch.float64)
+            for k, mom in enumerate(held):
+                dg = gamma - expert_gammas[k].double()
+                term = dg**2 * mom.e
+                if beta is not None and expert_betas is not None:
+                    db = beta - expert_betas[k].double()
+                    term = term + 2 * dg * db * mom.m + db**2
+                total += term.sum()
+            scores[i, j] = total
+    return _best(scores, lams, rhos)
 
 
 @dataclass
@@ -91,14 +176,21 @@ class BiasTerm:
 
 def solve_linear_bias(
     terms: Sequence[BiasTerm], weight: torch.Tensor, merged: torch.Tensor, base: torch.Tensor, hp: Hyper,
+    merged_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """b = [Σ_t (b_t + W_t μ_t − W μ_s)/n_t + λ A(b)] / (Σ_t 1/n_t + λ), after the weight is solved."""
+    """b = [Σ_t (b_t + W_t μ_t − W μ_s)/n_t + λ A(b)] / (Σ_t 1/n_t + λ), after the weight is solved; with a trust
+    weight μ each task adds μ(b_m + W_m μ_s − W μ_s)/n_t and μ/n_t (`merged_weight` is then W_m)."""
     num = hp.lam * anchor(merged, base, hp.rho)
     den = hp.lam
     w = weight.double()
     for term in terms:
         num = num + term.inv_n * (term.expert_out - w @ term.mu_s)
         den += term.inv_n
+        if hp.trust:
+            if merged_weight is None:
+                raise ValueError("solve_linear_bias: a trust weight needs merged_weight")
+            num = num + hp.trust * term.inv_n * (merged.double() + (merged_weight.double() - w) @ term.mu_s)
+            den += hp.trust * term.inv_n
     return num / den
 
 
@@ -109,18 +201,18 @@ def solve_norm_affine(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per dimension, min Σ_t E‖γ⊙z + β − (γ_t⊙z + β_t)‖² + λ(‖γ−A(γ)‖² + ‖β−A(β)‖²): a 2×2 system (1×1 without β)."""
     reg = hp.lam + hp.eps
-    sum_e = sum(m.e for m in moments)
+    sum_e = sum(m.weight * m.e for m in moments)
     rhs_g = hp.lam * anchor(merged_gamma, base_gamma, hp.rho)
     for mom, g_t in zip(moments, expert_gammas, strict=True):
-        rhs_g = rhs_g + mom.e * g_t.double()
+        rhs_g = rhs_g + mom.weight * mom.e * g_t.double()
     if expert_betas is None:
         return rhs_g / (sum_e + reg), None
-    sum_m = sum(m.m for m in moments)
+    sum_m = sum(m.weight * m.m for m in moments)
     rhs_b = hp.lam * anchor(merged_beta, base_beta, hp.rho)
     for mom, g_t, b_t in zip(moments, expert_gammas, expert_betas, strict=True):
-        rhs_g = rhs_g + mom.m * b_t.double()
-        rhs_b = rhs_b + mom.m * g_t.double() + b_t.double()
-    a11, a12, a22 = sum_e + reg, sum_m, len(moments) + reg
+        rhs_g = rhs_g + mom.weight * mom.m * b_t.double()
+        rhs_b = rhs_b + mom.weight * (mom.m * g_t.double() + b_t.double())
+    a11, a12, a22 = sum_e + reg, sum_m, sum(m.weight for m in moments) + reg
     det = a11 * a22 - a12 * a12
     gamma = (a22 * rhs_g - a12 * rhs_b) / det
     beta = (a11 * rhs_b - a12 * rhs_g) / det

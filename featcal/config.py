@@ -64,13 +64,47 @@ class FeatCalConfig(_Strict):
     method: Literal["featcal", "regmean", "regmean_plus_plus"] = "featcal"
     regmean_off_diagonal: float = Field(
         0.95, gt=0, le=1, description="RegMean's a: G̃ = a·G + (1−a)·diag(G) (0.95 for encoders; 0.6 for GPT-2)")
-    lam: float = Field(0.05, alias="lambda", ge=0)
-    rho: float = 2.2
+    lam: float | Literal["auto"] = Field(
+        0.05, alias="lambda", description="ridge strength towards the anchor; auto: chosen per module from "
+                                          "lambda_grid on held-out calibration rows (no labels)")
+    rho: float | Literal["auto"] = Field(2.2, description="anchor ρ·θ_m + (1−ρ)·θ0; auto: chosen from rho_grid")
+    lambda_grid: list[float] = Field(default_factory=lambda: [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0],
+                                     min_length=1)
+    rho_grid: list[float] = Field(default_factory=lambda: [1.0, 1.5, 2.2, 3.0, 4.0], min_length=1)
+    holdout_every: int = Field(4, ge=2, description="with lambda or rho auto: every Nth calibration example of each "
+                                                    "task is held out to score the grid")
     alpha: float = Field(0.25, ge=0, le=1)
     eps: float = Field(1.0e-8, gt=0, description="initial Cholesky damping; grows ×10 on failure")
     calibrate_bias: bool = True
     calibrate_norm: bool = True
     pooled_token_weight: float | None = Field(0.01, ge=0, le=1)
+    task_weight_power: float = Field(
+        0.0, description="c_t ∝ d_t^p: each task's weight in a block's shared solve from its own drift d_t (the "
+                         "uncalibrated merged block's relative output error on the task's rows); 0: all alike")
+    trust: float = Field(0.0, ge=0, description="μ: each task's term also keeps a linear module's output near the "
+                                                "merged module's on that task's rows")
+    calibrate_head_side: bool = Field(
+        False, description="also calibrate the modules between the last block and the head (BERT's pooler, CLIP's "
+                           "post_layernorm, a ViT's or decoder's final norm) as one more block")
+
+    @field_validator("lam")
+    @classmethod
+    def _non_negative(cls, lam: float | str) -> float | str:
+        if lam != "auto" and lam < 0:
+            raise ValueError(f"must be >= 0 or 'auto', got {lam}")
+        return lam
+
+    @field_validator("lambda_grid")
+    @classmethod
+    def _positive_grid(cls, grid: list[float]) -> list[float]:
+        if min(grid) <= 0:
+            raise ValueError(f"every value must be > 0, got {grid}")
+        return grid
+
+    @property
+    def auto(self) -> bool:
+        """Whether the solve chooses λ or ρ itself (the Gram stage then keeps held-out statistics too)."""
+        return self.method == "featcal" and "auto" in (self.lam, self.rho)
 
 
 EvaluatedModel = Literal["base", "merged", "calibrated", "expert"]

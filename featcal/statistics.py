@@ -66,8 +66,36 @@ def norm_moments(t: dict[str, torch.Tensor], module: str) -> NormMoments:
     return NormMoments(m=t["sum_z"] / sw, e=t["sum_z2"] / sw)
 
 
-def flatten_stats(stats: dict[str, LinearStats | NormStats]) -> dict[str, torch.Tensor]:
-    return {f"{module}:{k}": v.contiguous() for module, s in stats.items() for k, v in s.tensors().items()}
+# Prefix of the held-out rows' sums in a statistics file (kept besides the all-row sums when λ or ρ is auto).
+HELD = "held_"
+
+
+def flatten_stats(stats: dict[str, LinearStats | NormStats], prefix: str = "") -> dict[str, torch.Tensor]:
+    return {f"{module}:{prefix}{k}": v.contiguous() for module, s in stats.items() for k, v in s.tensors().items()}
+
+
+def held_out_sums(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One module's sums over its held-out rows."""
+    return {k[len(HELD):]: v for k, v in t.items() if k.startswith(HELD)}
+
+
+def fit_sums(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One module's sums over the rows that are not held out: all rows minus the held-out ones."""
+    return {k: v - t[HELD + k] for k, v in t.items() if not k.startswith(HELD)}
+
+
+def example_rows(
+    inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], examples: torch.Tensor,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Each module's input rows and token weights of the chunk's `examples` (a bool per example).
+
+    A module's rows are its examples' tokens in example order (B·T, or B·T_encoder for cross-attention keys
+    and values, or B when it reads one token per example), so row r belongs to example r // (rows / B)."""
+    chosen_in, chosen_w = {}, {}
+    for name, w in weights.items():
+        rows = examples.repeat_interleave(w.shape[0] // examples.shape[0])
+        chosen_in[name], chosen_w[name] = inputs[name][rows], w[rows]
+    return chosen_in, chosen_w
 
 
 def unflatten_stats(flat: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:

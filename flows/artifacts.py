@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from prefect.artifacts import (
     create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact,
 )
 
+from featcal.config import FeatCalConfig
 from featcal.secrets import scrub
 from flows.pipeline import StageCall, solve_stage, stage_count
 from storage.rundir import Record
@@ -68,9 +70,9 @@ class LiveArtifacts:
         """(tasks, blocks, stages) of this run; run.yaml exists once the pipeline has called its first stage."""
         if self._shape is None:
             ctx = context(self.run_dir)
-            tasks, layers = list(ctx.tasks), ctx.num_blocks
-            self._shape = (tasks, layers, stage_count(len(tasks), layers, ctx.cfg.runtime.solve_groups,
-                                                      ctx.cfg.evaluation.enabled))
+            tasks, layers = list(ctx.tasks), ctx.calibrated_blocks  # with the head side, block L
+            self._shape = (tasks, layers, stage_count(len(tasks), ctx.num_blocks, ctx.cfg.runtime.solve_groups,
+                                                      ctx.cfg.evaluation.enabled, ctx.cfg.featcal.calibrate_head_side))
         return self._shape
 
     def _safely(self, fn, *args: Any) -> None:  # noqa: ANN001
@@ -97,7 +99,7 @@ class LiveArtifacts:
         if layer in self.published:
             return
         grams = [self.records.get(f"gram/l{layer:02d}/{t}") for t in tasks]
-        groups = context(self.run_dir).cfg.runtime.solve_groups
+        groups = context(self.run_dir).solve_group_count(layer)
         solve_stages = [solve_stage(layer, g, groups) for g in range(groups)]
         solves = [self.records.get(stage) for stage in solve_stages]
         last = layer == layers - 1
@@ -113,7 +115,7 @@ class LiveArtifacts:
         for i, t in enumerate(tasks):
             if not last:
                 after = _fmt(after_grams[i]["info"].get("drift_in"))
-            elif report is not None and report["tasks"][t].get("drift", {}).get("calibrated"):
+            elif report is not None and len(report["tasks"][t].get("drift", {}).get("calibrated") or ()) > layer + 1:
                 after = _fmt(report["tasks"][t]["drift"]["calibrated"][layer + 1]) + " (eval, all tokens)"
                 head = report["tasks"][t].get("last_boundary_drift", {}).get("calibrated", {}).get("head_token")
                 if head is not None and (report.get("drift_definition") or {}).get("head_token_index") is not None:
@@ -121,11 +123,12 @@ class LiveArtifacts:
             else:
                 after = "n/a"
             seconds = grams[i]["seconds"] + (props[i]["seconds"] if props[i] else 0.0)
-            rows.append({"task": t, "modules solved": "", "damping used": "",
+            rows.append({"task": t, "modules solved": "", "damping used": "", "λ, ρ": "",
                          "drift before": _fmt(grams[i]["info"].get("drift_out_uncalibrated")), "drift after": after,
                          "seconds": round(seconds, 2)})
         rows.append({"task": "(solve, all tasks)", "modules solved": sum(rec["info"].get("modules", 0) for rec in solves),
-                     "damping used": damping, "drift before": "", "drift after": "",
+                     "damping used": damping, "λ, ρ": _hyper(solves, context(self.run_dir).cfg.featcal),
+                     "drift before": "", "drift after": "",
                      "seconds": round(sum(rec["seconds"] for rec in solves), 2)})
         stages = [f"gram/l{layer:02d}/{t}" for t in tasks] + solve_stages
         stages += [f"propagate/l{layer:02d}/{t}" for t in tasks] if not last else []
@@ -161,6 +164,17 @@ class LiveArtifacts:
                  ("report", report_md), ("manifest", self.run_dir / "manifest.json")]
         md = "\n".join(f"- {name}: [`{path}`]({path.as_uri()})" for name, path in links if path.exists())
         create_markdown_artifact(scrub(md), key=RUN_DIR_KEY, description=f"where this run's files are ({self.run_dir})")
+
+
+def _hyper(solves: list[Record], fc: FeatCalConfig) -> str:
+    """The λ and ρ a block's solves used: the fixed values, or the range and median of the per-module choices."""
+    def spread(key: str, fixed: Any) -> str:
+        chosen = [v for rec in solves for v in rec["info"].get(key, {}).values()]
+        if not chosen:
+            return str(fixed)
+        return f"{statistics.median(chosen):g} (auto, {min(chosen):g}–{max(chosen):g})"
+
+    return f"{spread('lambda', fc.lam)}, {spread('rho', fc.rho)}" if fc.method == "featcal" else ""
 
 
 def _fmt(value: float | None) -> str:

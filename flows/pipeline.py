@@ -94,10 +94,12 @@ def direct_runner(run_dir: str, call: StageCall, done: Record | None) -> Record:
     return execute(run_dir, call.stage, call.key, STAGES[call.kind], call.needs, call.params)
 
 
-def stage_count(tasks: int, blocks: int, solve_groups: int, evaluate: bool) -> int:
+def stage_count(tasks: int, blocks: int, solve_groups: int, evaluate: bool, head_side: bool = False) -> int:
     """Stages of a run: merge, a prepare per task, per block a Gram per task and its solve groups, a propagation
-    per task between blocks, assemble, and evaluate when enabled."""
-    return 1 + tasks + blocks * (tasks + solve_groups) + (blocks - 1) * tasks + 1 + int(evaluate)
+    per task between blocks, assemble, and evaluate when enabled. The head side (featcal.calibrate_head_side) adds
+    a Gram per task, one solve, and the last block's propagations."""
+    return (1 + tasks + blocks * (tasks + solve_groups) + (blocks - 1) * tasks + 1 + int(evaluate)
+            + (2 * tasks + 1) * int(head_side))
 
 
 def solve_stage(layer: int, group: int, groups: int) -> str:
@@ -141,11 +143,11 @@ class Pipeline:
             self.inputs["zero_shot"] = fingerprint(self.cfg.zero_shot.clip_model, memo)
             self.head_inputs = [self.cfg.slice("zero_shot"), self.inputs["zero_shot"],
                                 {t: class_names(self.cfg, t) for t in self.cfg.tasks}]
-        groups = self.cfg.runtime.solve_groups
-        self.solve_groups = [calibration.solve_groups(calibrated_modules(self.ctx.skeleton.block_template(layer)), groups)
-                             for layer in range(self.ctx.num_blocks)]
-        self.progress = Progress(stage_count(len(self.ctx.tasks), self.ctx.num_blocks, groups,
-                                             self.cfg.evaluation.enabled))
+        self.solve_groups = [calibration.solve_groups(calibrated_modules(self.ctx.skeleton.block_template(layer)),
+                                                      self.ctx.solve_group_count(layer))
+                             for layer in range(self.ctx.calibrated_blocks)]
+        self.progress = Progress(stage_count(len(self.ctx.tasks), self.ctx.num_blocks, self.cfg.runtime.solve_groups,
+                                             self.cfg.evaluation.enabled, self.cfg.featcal.calibrate_head_side))
 
     def key(self, *parts: Any) -> str:
         return digest_of([self.code, *parts])
@@ -185,6 +187,7 @@ class Pipeline:
 
     def stages(self) -> dict[str, Record]:
         cfg, run, tasks, L = self.cfg, self.run, self.ctx.tasks, self.ctx.num_blocks
+        last = self.ctx.calibrated_blocks - 1  # L - 1, or L: the head side (featcal.calibrate_head_side)
         cal = cfg.slice("calibration")["calibration"]
         merged = self.call(StageCall("merge", "merge", "merge", self.key(
             "merge", cfg.slice("merge"), self.inputs["base"], [self.inputs[f"expert/{t}"] for t in tasks],
@@ -208,15 +211,21 @@ class Pipeline:
 
         blocks: list[dict[str, Record]] = []  # per block: {solve group's file: its record}
         featcal_cfg = cfg.slice("featcal")["featcal"]
+        # The head side changes no transformer block's solve: switching it on reruns only the stages it adds.
+        solve_cfg = {k: v for k, v in featcal_cfg.items() if k != "calibrate_head_side"}
+        held_out = [cfg.featcal.holdout_every] if cfg.featcal.auto else []  # the Gram then also sums held-out rows
         adapter = self.ctx.adapter
-        for layer in range(L):
+        for layer in range(last + 1):
+            # With the head side, the last transformer block's Gram also writes E_t(L): not the same stage.
+            hands_on = ["head side"] if layer == L - 1 and last == L else []
             gram_calls = []
             for t in tasks:
                 cross = [memory[t, s] for s in ("merged", "expert")] if adapter.reads_encoder(layer) else []
                 digests, needs = read(side[t, "merged"], side[t, "expert"], *cross)
                 gram_calls.append(StageCall("gram", f"gram/l{layer:02d}/{t}", f"block {layer:02d} · gram · {t}", self.key(
                     "gram", layer, t, *digests, merged_digest,
-                    self.inputs[f"expert/{t}"], featcal_cfg["pooled_token_weight"], featcal_cfg["method"]),
+                    self.inputs[f"expert/{t}"], featcal_cfg["pooled_token_weight"], featcal_cfg["method"],
+                    *held_out, *hands_on),
                     needs={**needs, run.inputs(t): prepared[t]["stage"], "merged": "merge"},
                     params={"task": t, "layer": layer}))
             grams = dict(zip(tasks, self.call_all(gram_calls), strict=True))
@@ -224,7 +233,7 @@ class Pipeline:
             solved = self.call_all([StageCall(
                 "solve", solve_stage(layer, g, len(groups)),
                 f"block {layer:02d} · solve" + (f" · {g + 1}/{len(groups)}" if len(groups) > 1 else ""), self.key(
-                    "solve", layer, [grams[t]["outputs"][run.stats(t, layer)] for t in tasks], featcal_cfg,
+                    "solve", layer, [grams[t]["outputs"][run.stats(t, layer)] for t in tasks], solve_cfg,
                     merged_digest, self.inputs["base"], [self.inputs[f"expert/{t}"] for t in tasks],
                     *([modules] if len(groups) > 1 else [])),
                 needs={**{run.stats(t, layer): grams[t]["stage"] for t in tasks}, "merged": "merge"},
@@ -235,7 +244,7 @@ class Pipeline:
                 self.release(grams[t], run.stats(t, layer))
             part_digests = [rec["outputs"][rel] for rel, rec in parts.items()]
             prop_calls = []
-            for t in tasks if layer < L - 1 else []:
+            for t in tasks if layer < last else []:
                 cross = [memory[t, "merged"]] if adapter.reads_encoder(layer) else []
                 digests, needs = read(side[t, "merged"], *cross)
                 prop_calls.append(StageCall("propagate", f"propagate/l{layer:02d}/{t}",
@@ -253,7 +262,7 @@ class Pipeline:
                 if layer + 1 in adapter.stack_starts():
                     for s in ("merged", "expert"):
                         side[t, s] = (prepared[t], run.acts(t, layer + 1, s))
-                elif layer < L - 1:
+                elif layer < last:
                     side[t, "merged"] = (props[t], run.acts(t, layer + 1, "merged"))
                     side[t, "expert"] = (grams[t], run.acts(t, layer + 1, "expert"))
                 self.release(s_rec, s_rel)

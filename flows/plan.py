@@ -40,7 +40,9 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
         "modules_per_block": list(modules),
         "tasks": {t: {"expert": cfg.experts[t], "examples": n} for t in cfg.tasks},
         "tokens_per_example_max": tokens,
-        "stages": stage_count(T, adapter.num_blocks(), cfg.runtime.solve_groups, cfg.evaluation.enabled),
+        "head_side": adapter.head_side_path() if cfg.featcal.calibrate_head_side else None,
+        "stages": stage_count(T, adapter.num_blocks(), cfg.runtime.solve_groups, cfg.evaluation.enabled,
+                              cfg.featcal.calibrate_head_side),
         "estimated_disk_gib": round((2 * model_bytes + (0 if cfg.runtime.activation_store else 2 * 2 * T * boundary)
                                      + T * stats + adapter.num_blocks() * block_bytes) / GIB, 3),
         "estimated_peak_ram_gib": round((3 * block_bytes + stats + 2 * chunk) / GIB + 1.0, 3),
@@ -73,7 +75,8 @@ def _size(nbytes: float) -> str:
 def render(p: dict[str, Any]) -> str:
     lines = [
         f"architecture      {p['architecture']}",
-        f"blocks            {p['blocks']}  (modules per block: {', '.join(p['modules_per_block'])})",
+        f"blocks            {p['blocks']}  (modules per block: {', '.join(p['modules_per_block'])})"
+        + (f", then the head side ({p['head_side']})" if p["head_side"] else ""),
         "tasks             " + ", ".join(f"{t} ({v['examples']} ex)" for t, v in p["tasks"].items()),
         f"tokens/example    ≤ {p['tokens_per_example_max']}",
         f"stages            {p['stages']}",

@@ -1,4 +1,5 @@
-"""Stage `assemble`: the merged checkpoint with every block replaced by its calibrated weights."""
+"""Stage `assemble`: the merged checkpoint with every block (and the head side, when calibrated) replaced by its
+calibrated weights."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ CALIBRATED = "calibrated"
 
 def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
     merged = ctx.checkpoint(MERGED)
-    prefixes = [ctx.adapter.block_prefix(layer) for layer in range(ctx.num_blocks)]
+    prefixes = [ctx.adapter.block_prefix(layer) for layer in range(ctx.calibrated_blocks)]  # and the head side
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         layer_loaded, block = -1, {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -13,12 +14,14 @@ from safetensors.torch import load_file
 
 from featcal.adapters import BlockInput
 from featcal.closed_form import (
-    BiasTerm, Hyper, LinearMoments, solve_linear_bias, solve_linear_weight, solve_norm_affine, solve_regmean_weight,
+    BiasTerm, Choice, Hyper, LinearMoments, choose_linear_hyper, choose_norm_hyper, solve_linear_bias,
+    solve_linear_weight, solve_norm_affine, solve_regmean_weight,
 )
 from featcal.data import InputBuilder, load_split, pad_to, pick_examples, row_batches
 from featcal.modeling import calibrated_modules, is_norm
 from featcal.statistics import (
-    accumulate, captured_inputs, flatten_stats, linear_moments, new_stats, norm_moments, unflatten_stats,
+    HELD, accumulate, captured_inputs, example_rows, fit_sums, flatten_stats, held_out_sums, linear_moments, new_stats,
+    norm_moments, unflatten_stats,
 )
 from featcal.t5 import column_targets, decoder_batches, greedy_targets
 from storage.atomic import atomic_path
@@ -132,13 +135,15 @@ def emphasis_for(ctx: RunContext, layer: int, modules: list[str]) -> dict[str, f
 
 def _boundary(ctx: RunContext, task: str, layer: int, sides: tuple[str, ...]) -> Iterator[tuple[torch.Tensor, ...]]:
     """(mask [B,T], then one [B,T,H] chunk per side) for boundary `layer` of a task, chunk by chunk; the mask is
-    the one of block `layer`'s stack (an encoder–decoder's decoder blocks have their own)."""
+    the one of block `layer`'s stack (an encoder–decoder's decoder blocks have their own). At the head side (block
+    L), only the tokens its statistics count (`Adapter.head_side_tokens`)."""
     bs, tokens = ctx.cfg.calibration.batch_size, _tokens(ctx, task, layer)
     store = ctx.run.store
     masks = store.iter_row_blocks(_mask(ctx, task, layer), bs)
     streams = [store.iter_row_blocks(store.location(ctx.run.acts(task, layer, side)), bs * tokens) for side in sides]
+    kept = ctx.adapter.head_side_tokens() if layer == ctx.num_blocks else slice(None)
     for mask, *chunks in zip(masks, *streams, strict=True):
-        yield mask, *(c.reshape(mask.shape[0], tokens, -1) for c in chunks)
+        yield mask[:, kept], *(c.reshape(mask.shape[0], tokens, -1)[:, kept] for c in chunks)
 
 
 def _memory(ctx: RunContext, task: str, layer: int, side: str) -> Iterator[dict[str, torch.Tensor]]:
@@ -180,15 +185,20 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
     merged_block = ctx.skeleton.block(layer, ctx.checkpoint(MERGED)) if method == "featcal" else None
     stats_modules = calibrated_modules(merged_block) if merged_block is not None else modules_e
     stats = new_stats(stats_modules)
+    every = ctx.cfg.featcal.holdout_every
+    held = new_stats(stats_modules) if ctx.cfg.featcal.auto else None  # rows held out to choose λ / ρ
     emphasis = emphasis_for(ctx, layer, list(stats_modules)) if method == "featcal" else None
     drift = {"in_diff": 0.0, "in_ref": 0.0, "out_diff": 0.0, "out_ref": 0.0}
-    last = layer == ctx.num_blocks - 1
+    last = layer == ctx.calibrated_blocks - 1
+    head_side = layer == ctx.num_blocks  # featcal.calibrate_head_side's block L
     finish_e = _stack_end(ctx, layer, task)
 
     def run(block: torch.nn.Module, modules: dict[str, torch.nn.Module], hidden: torch.Tensor,
             extra: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         sink: dict[str, torch.Tensor] = {}
         with captured_inputs(modules, sink):
+            if head_side:
+                return ctx.adapter.run_head_side(block, hidden), sink
             return ctx.adapter.run_block(block, hidden, extra), sink
 
     def add_drift(kind: str, diff: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> None:
@@ -198,6 +208,7 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
 
     def expert_outputs() -> Iterator[torch.Tensor]:
         memories = zip(_memory(ctx, task, layer, "merged"), _memory(ctx, task, layer, "expert"))
+        seen = 0  # examples before the current chunk
         for (mask, s, e), (memory_s, memory_e) in zip(_boundary(ctx, task, layer, ("merged", "expert")), memories):
             extra_e = _block_input(ctx, layer, mask, memory_e, task)
             with torch.inference_mode():
@@ -210,6 +221,10 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
                     extra_m = _block_input(ctx, layer, mask, memory_s, MERGED)
                     out_m, sink_m = run(merged_block, stats_modules, s, extra_m)
                     accumulate(stats, stats_modules, sink_m, sink_e, weights)
+                    chosen = (torch.arange(seen, seen + mask.shape[0]) % every) == every - 1
+                    if held is not None and bool(chosen.any()):
+                        held_m, held_w = example_rows(sink_m, weights, chosen)
+                        accumulate(held, stats_modules, held_m, example_rows(sink_e, weights, chosen)[0], held_w)
                     add_drift("out", out_m - out_e, out_e, mask)
                 else:  # one side only; it fills both of the statistics' slots
                     if method == "regmean_plus_plus":  # the expert block on the merged stream
@@ -220,6 +235,7 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
                 if finish_e is not None:
                     out_e = finish_e(out_e)
             add_drift("in", s - e, e, mask)
+            seen += mask.shape[0]
             yield out_e.reshape(-1, out_e.shape[-1])
 
     outputs = []
@@ -230,7 +246,7 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
         outputs.append(_write_next_boundary(ctx, task, layer, "expert", expert_outputs()))
     stats_rel = ctx.run.stats(task, layer)
     with atomic_path(ctx.run / stats_rel) as tmp:
-        save_tensors(flatten_stats(stats), tmp)
+        save_tensors({**flatten_stats(stats), **(flatten_stats(held, HELD) if held is not None else {})}, tmp)
     outputs.append(stats_rel)
     info = {"drift_in": (drift["in_diff"] / max(drift["in_ref"], 1e-30)) ** 0.5}
     if merged_block is not None:  # the uncalibrated merged block runs only for FeatCal's statistics
@@ -305,8 +321,12 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
     featcal solves linear weights, biases and norms (docs/design.md §2); the RegMean variants solve linear
     weights only (G_t = the task's per-token mean Gram) and keep the merged biases and norms."""
     fc = ctx.cfg.featcal
-    hp = Hyper(lam=fc.lam, rho=fc.rho, alpha=fc.alpha, eps=fc.eps)
+    lams = fc.lambda_grid if fc.lam == "auto" else [fc.lam]
+    rhos = fc.rho_grid if fc.rho == "auto" else [fc.rho]
+    hp = Hyper(lam=lams[0], rho=rhos[0], alpha=fc.alpha, eps=fc.eps, trust=fc.trust)  # auto: per-module choices
+    chosen: dict[str, Choice] = {}
     featcal = fc.method == "featcal"
+    weights = _task_weights(ctx, layer, fc.task_weight_power) if featcal else [1.0] * len(ctx.tasks)
     prefix = ctx.adapter.block_prefix(layer)
     merged = ctx.checkpoint(MERGED).with_prefix(prefix)
     base = ctx.checkpoint("base")
@@ -325,13 +345,20 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
         if is_norm(module):
             if not (featcal and fc.calibrate_norm):
                 continue
-            moms = [norm_moments(s, where) for s in _task_stats(ctx, layer, name)]
-            gamma, beta = solve_norm_affine(
-                moms, [e.get(prefix + weight) for e in experts],
-                [e.get(prefix + bias) for e in experts] if has_bias else None,
-                merged[weight], base.get(prefix + weight),
-                merged.get(bias), base.get(prefix + bias) if has_bias else None, hp,
-            )
+            stats = list(_task_stats(ctx, layer, name))  # vectors: small
+            affine = ([e.get(prefix + weight) for e in experts],
+                      [e.get(prefix + bias) for e in experts] if has_bias else None,
+                      merged[weight], base.get(prefix + weight),
+                      merged.get(bias), base.get(prefix + bias) if has_bias else None)
+            if fc.auto:
+                parts = [_fit_and_held(t, task, where, fc.holdout_every) for t, task in zip(stats, ctx.tasks, strict=True)]
+                chosen[name] = choose_norm_hyper(
+                    [replace(norm_moments(f, where), weight=c) for (f, _), c in zip(parts, weights, strict=True)],
+                    [replace(norm_moments(h, where), weight=c) for (_, h), c in zip(parts, weights, strict=True)],
+                    *affine, hp, lams, rhos)
+            mhp = _chosen_hyper(hp, chosen.get(name))
+            moms = [replace(norm_moments(t, where), weight=c) for t, c in zip(stats, weights, strict=True)]
+            gamma, beta = solve_norm_affine(moms, *affine, mhp)
             solved[weight] = gamma.to(merged[weight].dtype)
             if has_bias:
                 solved[bias] = beta.to(merged[bias].dtype)
@@ -341,18 +368,30 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
                      for stats, expert in zip(_task_stats(ctx, layer, name), experts, strict=True))
             sol = solve_regmean_weight(grams, fc.regmean_off_diagonal, fc.eps)
         else:
+            if fc.auto:
+                def split_tasks() -> Iterator[tuple[LinearMoments, LinearMoments, torch.Tensor]]:
+                    for stats, task, expert, c in zip(_task_stats(ctx, layer, name), ctx.tasks, experts, weights,
+                                                      strict=True):
+                        fit, held = _fit_and_held(stats, task, where, fc.holdout_every)
+                        yield (replace(linear_moments(fit, where), weight=c),
+                               replace(linear_moments(held, where), weight=c), expert.get(prefix + weight))
+
+                chosen[name] = choose_linear_hyper(split_tasks(), merged[weight], base.get(prefix + weight), hp,
+                                                   lams, rhos)
+            mhp = _chosen_hyper(hp, chosen.get(name))
             bias_terms: list[BiasTerm] = []
 
             def per_task() -> Iterator[tuple[LinearMoments, torch.Tensor]]:
-                for stats, expert in zip(_task_stats(ctx, layer, name), experts, strict=True):
-                    mom, w_t = linear_moments(stats, where), expert.get(prefix + weight)
+                for stats, expert, c in zip(_task_stats(ctx, layer, name), experts, weights, strict=True):
+                    mom, w_t = replace(linear_moments(stats, where), weight=c), expert.get(prefix + weight)
                     if has_bias:
-                        bias_terms.append(BiasTerm.of(mom, w_t, expert.get(prefix + bias), hp.alpha))
+                        bias_terms.append(BiasTerm.of(mom, w_t, expert.get(prefix + bias), mhp.alpha))
                     yield mom, w_t
 
-            sol = solve_linear_weight(per_task(), merged[weight], base.get(prefix + weight), hp)
+            sol = solve_linear_weight(per_task(), merged[weight], base.get(prefix + weight), mhp)
             if has_bias and fc.calibrate_bias:
-                b = solve_linear_bias(bias_terms, sol.weight, merged[bias], base.get(prefix + bias), hp)
+                b = solve_linear_bias(bias_terms, sol.weight, merged[bias], base.get(prefix + bias), mhp,
+                                      merged_weight=merged[weight])
                 solved[bias] = b.to(merged[bias].dtype)
         solved[weight] = sol.weight.to(merged[weight].dtype)
         damping[name] = sol.damping
@@ -362,7 +401,43 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
     with atomic_path(ctx.run / rel) as tmp:
         save_tensors(solved, tmp)
     grown = {m: d for m, d in damping.items() if d > hp.eps}
-    return [rel], {"method": fc.method, "modules": len(damping), "damping_grown": grown}
+    info: dict[str, Any] = {"method": fc.method, "modules": len(damping), "damping_grown": grown}
+    if fc.task_weight_power:
+        info["task_weights"] = dict(zip(ctx.tasks, weights, strict=True))
+    if chosen:
+        info.update({"lambda": {m: c.lam for m, c in chosen.items()}, "rho": {m: c.rho for m, c in chosen.items()}})
+    return [rel], info
+
+
+def _fit_and_held(stats: dict[str, torch.Tensor], task: str, where: str,
+                  every: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A module's sums over one task's fit rows and over its held-out rows (every `every`-th example)."""
+    held = held_out_sums(stats)
+    if float(held["sum_w"]) <= 0:
+        raise ValueError(f"{where}, task {task}: no held-out calibration rows to choose featcal.lambda / rho "
+                         f"(every {every}th example is held out; calibration.examples_per_task must be >= "
+                         f"featcal.holdout_every)")
+    return fit_sums(stats), held
+
+
+def _chosen_hyper(hp: Hyper, choice: Choice | None) -> Hyper:
+    return hp if choice is None else replace(hp, lam=choice.lam, rho=choice.rho)
+
+
+def _task_weights(ctx: RunContext, layer: int, power: float) -> list[float]:
+    """c_t ∝ d_t^power with mean 1, d_t = task t's relative output drift of the uncalibrated merged block (measured
+    by its Gram stage): power > 0 leans towards the tasks the merge moved most, < 0 protects
+    those it served well."""
+    if power == 0:
+        return [1.0] * len(ctx.tasks)
+    drift = []
+    for task in ctx.tasks:
+        record = ctx.run.record(f"gram/l{layer:02d}/{task}")
+        if record is None:
+            raise ValueError(f"featcal.task_weight_power: block {layer} has no Gram record for task {task}")
+        drift.append(max(float(record["info"]["drift_out_uncalibrated"]), 1e-12) ** power)
+    mean = sum(drift) / len(drift)
+    return [d / mean for d in drift]
 
 
 # ---- propagate ----------------------------------------------------------------------------------
@@ -370,7 +445,7 @@ def calibrated_tensors(ctx: RunContext, layer: int) -> dict[str, torch.Tensor]:
     """Block `layer`'s calibrated parameters (names relative to the block): the merged block with every solve
     group's file laid over it."""
     tensors = ctx.checkpoint(MERGED).with_prefix(ctx.adapter.block_prefix(layer))
-    groups = ctx.cfg.runtime.solve_groups
+    groups = ctx.solve_group_count(layer)
     for group in range(groups):
         tensors.update(load_file(ctx.run / ctx.run.block(layer, group, groups)))
     return tensors

@@ -41,6 +41,17 @@ class RunContext:
     def num_blocks(self) -> int:
         return self.adapter.num_blocks()
 
+    @property
+    def calibrated_blocks(self) -> int:
+        """The blocks the pipeline calibrates, in forward order: the transformer blocks 0..L-1, then, with
+        featcal.calibrate_head_side, the head side as block L (its prefix: `Adapter.block_prefix(L)`)."""
+        return self.num_blocks + int(self.cfg.featcal.calibrate_head_side)
+
+    def solve_group_count(self, layer: int) -> int:
+        """How many solve stages block `layer` has: runtime.solve_groups, but one for the head side (one or two
+        modules, fewer than a split may ask for)."""
+        return 1 if layer == self.num_blocks else self.cfg.runtime.solve_groups
+
     def checkpoint_dir(self, name: str) -> Path:
         """`base`, `merged`, `calibrated`, or a task name (its expert)."""
         if name == "base":

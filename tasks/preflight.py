@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from featcal.adapters import Adapter, adapter_for
-from featcal.config import RunConfig
+from featcal.config import ConfigError, RunConfig
 from featcal.data import DataError, InputBuilder, load_split
 from featcal.t5 import answer_kind
 from featcal.zeroshot import class_names
@@ -53,6 +53,18 @@ def check_checkpoints(cfg: RunConfig) -> Adapter:
             if shape != base[name]:
                 raise CheckpointError(f"{field}: tensor {name} has shape {shape}, the base has {base[name]}")
     return adapter
+
+
+def check_head_side(cfg: RunConfig, adapter: Adapter) -> None:
+    """featcal.calibrate_head_side needs FeatCal's solve (the RegMean variants solve blocks only) and an
+    architecture with a head side whose tensors the base has."""
+    if not cfg.featcal.calibrate_head_side:
+        return
+    if cfg.featcal.method != "featcal":
+        raise ConfigError(f"featcal.calibrate_head_side: only with featcal.method featcal, not {cfg.featcal.method}")
+    path = adapter.head_side_path()
+    if not any(n.startswith(f"{path}.") for n in CanonicalCheckpoint(cfg.base, adapter).names()):
+        raise CheckpointError(f"featcal.calibrate_head_side: base {cfg.base} has no {path} tensors to calibrate")
 
 
 def check_zero_shot(cfg: RunConfig) -> None:
@@ -131,6 +143,7 @@ def preflight(cfg: RunConfig) -> Adapter:
         return _just_checked.pop(key)
     check_zero_shot(cfg)
     adapter = check_checkpoints(cfg)
+    check_head_side(cfg, adapter)
     check_data(cfg, adapter)
     check_activation_store(cfg)
     _just_checked.clear()

@@ -139,3 +139,59 @@ def test_single_task_alpha_one_recovers_linear_expert():
     wt = torch.randn(D_OUT, D_IN, dtype=torch.float64)
     got = solve_linear_weight([(_moments(xs, xe, w), wt)], wt * 0, wt * 0, hp).weight
     torch.testing.assert_close(got, wt @ m, rtol=1e-7, atol=1e-9)
+
+
+def test_task_weights_and_trust_match_least_squares(problem):
+    """Σ_t c_t/n_t·(E‖W x_s − W_t x_t‖² + μ E‖W x_s − W_m x_s‖²) + λ‖W − A(W)‖², and its bias counterpart."""
+    hp, data, w_t, b_t, (w_m, w_0), (b_m, b_0) = problem
+    hp = Hyper(lam=hp.lam, rho=hp.rho, alpha=hp.alpha, eps=hp.eps, trust=0.7)
+    c_t = [0.5, 1.0, 2.5]
+    rows, targets, bias_rows, bias_targets = [], [], [], []
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randn(D_OUT, D_IN, generator=g, dtype=torch.float64)
+    for (xs, xe, w), wt, bt, ct in zip(data, w_t, b_t, c_t):
+        c = (w / w.sum() * ct / _norm_of(xs, w)).sqrt()[:, None]
+        xt = hp.alpha * xe + (1 - hp.alpha) * xs
+        rows += [c * xs, hp.trust**0.5 * c * xs]
+        targets += [c * (xt @ wt.T), hp.trust**0.5 * c * (xs @ w_m.T)]
+        ones = torch.ones(N, 1, dtype=torch.float64)
+        bias_rows += [c * ones, hp.trust**0.5 * c * ones]
+        bias_targets += [c * (xt @ wt.T + bt - xs @ weight.T), hp.trust**0.5 * c * (xs @ (w_m - weight).T + b_m)]
+    if hp.lam > 0:
+        rows.append(hp.lam**0.5 * torch.eye(D_IN, dtype=torch.float64))
+        targets.append(hp.lam**0.5 * anchor(w_m, w_0, hp.rho).T)
+        bias_rows.append(torch.full((1, 1), hp.lam**0.5, dtype=torch.float64))
+        bias_targets.append(hp.lam**0.5 * anchor(b_m, b_0, hp.rho)[None])
+    moms = []
+    for d, ct in zip(data, c_t):
+        mom = _moments(*d)
+        mom.weight = ct
+        moms.append(mom)
+    brute = torch.linalg.lstsq(torch.cat(rows), torch.cat(targets)).solution.T
+    torch.testing.assert_close(solve_linear_weight(zip(moms, w_t), w_m, w_0, hp).weight, brute, rtol=1e-8, atol=1e-9)
+    brute_b = torch.linalg.lstsq(torch.cat(bias_rows), torch.cat(bias_targets)).solution[0]
+    terms = [BiasTerm.of(m, wt, bt, hp.alpha) for m, wt, bt in zip(moms, w_t, b_t)]
+    torch.testing.assert_close(solve_linear_bias(terms, weight, b_m, b_0, hp, merged_weight=w_m), brute_b,
+                               rtol=1e-8, atol=1e-10)
+
+
+def test_norm_task_weights_match_least_squares():
+    hp = Hyper(lam=0.05, rho=2.2, alpha=0.25, eps=1e-14)
+    d, c_t = 4, [0.3, 1.0, 3.0]
+    g = torch.Generator().manual_seed(12)
+    zs = [torch.randn(N, d, generator=g, dtype=torch.float64) + 0.2 for _ in range(T)]
+    gam_t = [torch.randn(d, generator=g, dtype=torch.float64) for _ in range(T)]
+    bet_t = [torch.randn(d, generator=g, dtype=torch.float64) for _ in range(T)]
+    gam_m, gam_0, bet_m, bet_0 = (torch.randn(d, generator=g, dtype=torch.float64) for _ in range(4))
+    moms = [NormMoments(m=z.mean(0), e=(z * z).mean(0), weight=ct) for z, ct in zip(zs, c_t)]
+    gamma, beta = solve_norm_affine(moms, gam_t, bet_t, gam_m, gam_0, bet_m, bet_0, hp)
+    for j in range(d):
+        rows, targets = [], []
+        for z, gt, bt, ct in zip(zs, gam_t, bet_t, c_t):
+            c = (ct / N) ** 0.5
+            rows.append(c * torch.stack([z[:, j], torch.ones(N, dtype=torch.float64)], 1))
+            targets.append(c * (gt[j] * z[:, j] + bt[j]))
+        rows.append(hp.lam**0.5 * torch.eye(2, dtype=torch.float64))
+        targets.append(hp.lam**0.5 * torch.stack([anchor(gam_m, gam_0, hp.rho)[j], anchor(bet_m, bet_0, hp.rho)[j]]))
+        sol = torch.linalg.lstsq(torch.cat(rows), torch.cat(targets)[:, None]).solution[:, 0]
+        torch.testing.assert_close(torch.stack([gamma[j], beta[j]]), sol, rtol=1e-8, atol=1e-10)
