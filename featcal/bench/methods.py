@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import resource
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -43,6 +44,12 @@ class MethodRun:
 # train split, never test) by benchmarks/minilm8_tuning.py; the CLIP defaults (λ 0.05, ρ 2.2) close
 # far less of the gap here (benchmarks/results/minilm8_tuning.md).
 FEATCAL = {"lambda": 0.5, "rho": 3.0, "alpha": 0.25}
+# The paper's setting for its CLIP ViT-B/32 and FLAN-T5 benchmarks (the pipeline's defaults, docs/design.md §2.8).
+PAPER_FEATCAL = {"lambda": 0.05, "rho": 2.2, "alpha": 0.25}
+# What a user without labelled validation data runs: λ and ρ chosen per module on held-out calibration rows
+# (featcal.lambda / rho: auto); picked over λ auto at the default ρ on the validation split
+# (benchmarks/results/minilm8_quality.md).
+AUTO = {"lambda": "auto", "rho": "auto", "alpha": 0.25}
 
 
 def method_runs() -> dict[str, MethodRun]:
@@ -59,15 +66,16 @@ def method_runs() -> dict[str, MethodRun]:
         # best setting of the validation sweep (benchmarks/results/minilm8_tuning.md).
         "ta09_featcal": MethodRun("task_arithmetic", "featcal", models=("merged", "calibrated"), scaling=0.9),
         "ta09_featcal_n008": MethodRun("task_arithmetic", "featcal", examples=8, scaling=0.9),
+        # The paper's published setting, and the label-free one, against the validation-tuned one.
+        "ta_featcal_paper": MethodRun("task_arithmetic", "featcal", featcal=PAPER_FEATCAL),
+        "ta_featcal_auto": MethodRun("task_arithmetic", "featcal", featcal=AUTO),
+        "ta_featcal_head": MethodRun("task_arithmetic", "featcal", featcal={**FEATCAL, "calibrate_head_side": True}),
     }
     for n in SAMPLE_SIZES[:-1]:
         runs[f"ta_featcal_n{n:03d}"] = MethodRun("task_arithmetic", "featcal", examples=n, featcal=FEATCAL)
         runs[f"regmean_pp_n{n:03d}"] = MethodRun("average", "regmean_plus_plus", examples=n)
+        runs[f"ta_featcal_auto_n{n:03d}"] = MethodRun("task_arithmetic", "featcal", examples=n, featcal=AUTO)
     return runs
-
-
-# The paper's setting for its CLIP ViT-B/32 and FLAN-T5 benchmarks (the pipeline's defaults, docs/design.md §2.8).
-PAPER_FEATCAL = {"lambda": 0.05, "rho": 2.2, "alpha": 0.25}
 
 
 def paper_method_runs() -> dict[str, MethodRun]:
@@ -137,6 +145,17 @@ def _stage_cost(run_dir: Path) -> dict[str, Any]:
             "calibration_seconds": round(calibration, 2), "peak_rss_mib": peak, "merge_peak_rss_mib": merge_peak}
 
 
+def chosen_hyper(run_dir: Path) -> dict[str, dict[str, float]]:
+    """Per solve stage, the median over its modules of the λ and ρ that `auto` chose (empty for fixed values)."""
+    out = {}
+    for path in sorted((run_dir / "records").glob("solve__*.json")):
+        info = read_json(path).get("info", {})
+        if "lambda" in info:
+            out[path.stem.split("__", 1)[1]] = {"lambda": statistics.median(info["lambda"].values()),
+                                                "rho": statistics.median(info["rho"].values())}
+    return out
+
+
 def run_pipeline_method(bench: Path, name: str, run: MethodRun) -> dict[str, Any]:
     return pipeline_result(bench, name, pipeline_config(bench, BenchSpec.load(bench), run))
 
@@ -149,7 +168,7 @@ def pipeline_result(bench: Path, name: str, raw: dict[str, Any]) -> dict[str, An
     run_dir = bench / "runs" / name
     run_pipeline(cfg, run_dir)
     report = read_json(run_dir / "report.json")
-    return {"run_dir": str(run_dir), "cost": _stage_cost(run_dir),
+    return {"run_dir": str(run_dir), "cost": _stage_cost(run_dir), "chosen": chosen_hyper(run_dir),
             "accuracy": {t: s["accuracy"] for t, s in report["tasks"].items()},
             "predictions": {t: s["predictions"] for t, s in report["tasks"].items() if "predictions" in s},
             "labels": {t: s["labels"] for t, s in report["tasks"].items() if "labels" in s},
@@ -173,7 +192,7 @@ def timed_result(bench: Path, name: str, run: MethodRun, compute: Callable[[], d
     `bench/results/{name}.json` (the file `bench run` caches)."""
     started = time.perf_counter()
     result = compute()
-    result.update(run=name, merge=run.merge, method=run.method, examples=run.examples,
+    result.update(run=name, merge=run.merge, scaling=run.scaling, method=run.method, examples=run.examples,
                   process_seconds=round(time.perf_counter() - started, 2),
                   process_peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
     write_json(bench / "results" / f"{name}.json", result)

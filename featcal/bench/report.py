@@ -32,6 +32,9 @@ METHOD_ROWS = (
     ("TA + Surgery", "ta_surgery", "calibrated", "total"),
     ("TA + FeatCal", "ta_featcal", "calibrated", "total"),
     ("TIES + FeatCal", "ties_featcal", "calibrated", "total"),
+    ("TA + FeatCal (λ 0.05, ρ 2.2: the paper's)", "ta_featcal_paper", "calibrated", "total"),
+    ("TA + FeatCal (λ, ρ auto: no labels)", "ta_featcal_auto", "calibrated", "total"),
+    ("TA + FeatCal + head side", "ta_featcal_head", "calibrated", "total"),
     ("task arithmetic 0.9", "ta09_featcal", "merged", "merge"),
     ("TA 0.9 + FeatCal (λ 0.05, ρ 2.2)", "ta09_featcal", "calibrated", "total"),
 )
@@ -81,7 +84,24 @@ def _paired(results: dict[str, dict[str, Any]], tasks: list[str], rows: list[dic
 # sample-efficiency curve → (its 256-example run, its label); run `{run}_n{n:03d}` has n examples per task
 Curves = Mapping[str, tuple[str, str]]
 CURVES: Curves = {"featcal": ("ta_featcal", "TA + FeatCal"), "regmean_pp": ("regmean_pp", "RegMean++"),
-                  "featcal_ta09": ("ta09_featcal", "TA 0.9 + FeatCal")}
+                  "featcal_ta09": ("ta09_featcal", "TA 0.9 + FeatCal"),
+                  "featcal_auto": ("ta_featcal_auto", "TA + FeatCal (λ, ρ auto)")}
+
+
+def _add_changes_against_merge(methods: list[dict[str, Any]], results: dict[str, dict[str, Any]]) -> None:
+    """Each calibrated row's per-task change against the merge it started from (the row of the merged model with the
+    same merge method and scale), and its worst task: a task below 0 is one the calibration left behind."""
+    def merge_of(run: str) -> tuple[Any, Any]:
+        return results[run].get("merge"), results[run].get("scaling")
+
+    merges = {merge_of(r["run"]): r for r in methods if r["model"] == "merged"}
+    for row in methods:
+        merge = merges.get(merge_of(row["run"])) if row["model"] == "calibrated" else None
+        if merge is None:
+            continue
+        change = {t: row["accuracy"][t] - merge["accuracy"][t] for t in row["accuracy"]}
+        worst = min(change, key=change.get)
+        row.update(change_vs_merge=change, merge_row=merge["method"], worst_task={"task": worst, "change": change[worst]})
 
 
 def _sample_run(run: str, n: int) -> str:
@@ -122,6 +142,7 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
             row["calibration_seconds"] = 0.0 if cost_kind == "merge" else cost["calibration_seconds"]
             row["peak_rss_mib"] = cost["merge_peak_rss_mib"] if cost_kind == "merge" else cost["peak_rss_mib"]
         methods.append(row)
+    _add_changes_against_merge(methods, results)
     curve = {}
     for name, (run, _) in curves.items():
         points = {}
@@ -142,8 +163,12 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
         out["featcal_8_of_256_gain"] = kept["featcal"]
     if "featcal_ta09" in kept:
         out["featcal_ta09_8_of_256_gain"] = kept["featcal_ta09"]
+    if "featcal_auto" in kept:
+        out["featcal_auto_8_of_256_gain"] = kept["featcal_auto"]
     if "ta_featcal" in results:
         out["drift"] = results["ta_featcal"].get("drift", {})
+    if results.get("ta_featcal_auto", {}).get("chosen"):
+        out["auto_choices"] = results["ta_featcal_auto"]["chosen"]
     return out
 
 
@@ -153,18 +178,19 @@ def markdown(report: dict[str, Any], curves: Curves = CURVES) -> str:
     lines = [f"# {report.get('title', 'Benchmark')}", ""]
     lines += [str(report[k]) for k in ("about",) if k in report] + [""]
     lines.append("| method | " + " | ".join(tasks) + " | average |" + (" paper |" if paper else "")
-                 + " normalized | gap closed | time (s) | peak RSS (MiB) |")
-    lines.append("|---|" + "---:|" * (len(tasks) + 5 + paper))
+                 + " normalized | gap closed | worst task vs its merge | time (s) | peak RSS (MiB) |")
+    lines.append("|---|" + "---:|" * (len(tasks) + 6 + paper))
     if "gaps" in report:
         gaps = [report["gaps"][t] for t in tasks]  # then their average, under "average"; the other columns empty
         lines.append("| *gap (expert − TA)* | " + " | ".join(f"*{100 * g:+.1f}*" for g in [*gaps, _mean(gaps)])
-                     + " |" * (5 + paper))
+                     + " |" * (6 + paper))
     for row in report["methods"]:
         cells = [f"{100 * row['accuracy'][t]:.1f}" for t in tasks]
         extra = [f"{100 * row['average']:.1f}" + (f" ± {100 * row['standard_error']:.1f}" if "standard_error" in row else ""),
                  *([f"{100 * row['paper']:.1f}" if "paper" in row else ""] if paper else []),
                  f"{100 * row['normalized']:.1f}" if "normalized" in row else "",
                  f"{100 * row['gap_closed']:.1f} %" if "gap_closed" in row else "",
+                 _worst(row),
                  f"{row['seconds']:.1f}" if "seconds" in row else "", f"{row['peak_rss_mib']:.0f}" if "peak_rss_mib" in row else ""]
         lines.append(f"| {row['method']} | " + " | ".join(cells + extra) + " |")
     if "gaps" in report:
@@ -175,6 +201,7 @@ def markdown(report: dict[str, Any], curves: Curves = CURVES) -> str:
         lines += ["", "± is one binomial standard error of the task average over the test rows; two methods scored "
                       "on the same rows differ less by chance than two independent samples would (√2 × that)"
                   + ("; the paired comparisons below test the differences themselves." if compared else ".")]
+    lines += changes_markdown(report)
     lines += paired_markdown(report)
     lines += ["", "## Sample efficiency (average accuracy, %)", "", "| examples/task | " + " | ".join(str(n) for n in SAMPLE_SIZES) + " |",
               "|---|" + "---:|" * len(SAMPLE_SIZES)]
@@ -186,11 +213,42 @@ def markdown(report: dict[str, Any], curves: Curves = CURVES) -> str:
         lines.append(f"| {label} | " + " | ".join(f"{100 * points[n]:.1f}" if n in points else "" for n in SAMPLE_SIZES) + " |")
     if "featcal_8_of_256_gain" in report:
         lines += ["", f"FeatCal with 8 examples/task keeps {100 * report['featcal_8_of_256_gain']:.1f} % of its 256-example gain over TA."]
+    if "featcal_auto_8_of_256_gain" in report:
+        lines += ["", f"With λ and ρ auto, 8 examples/task keep {100 * report['featcal_auto_8_of_256_gain']:.1f} % of "
+                      "the 256-example gain over TA."]
     if "featcal_ta09_8_of_256_gain" in report:
         lines += ["", f"From TA at 0.9 it keeps {100 * report['featcal_ta09_8_of_256_gain']:.1f} % (gains over TA at 0.3)."]
+    if "auto_choices" in report:
+        lines += ["", "## λ and ρ chosen without labels (TA + FeatCal, auto, 256 examples/task)", "",
+                  "Median over each block's modules of the values chosen on held-out calibration rows.", "",
+                  "| solve | λ | ρ |", "|---|---:|---:|"]
+        lines += [f"| {stage} | {v['lambda']:g} | {v['rho']:g} |" for stage, v in report["auto_choices"].items()]
     for note in report.get("notes", []):
         lines += ["", note]
     return "\n".join(lines) + "\n"
+
+
+def _worst(row: dict[str, Any]) -> str:
+    if "worst_task" not in row:
+        return ""
+    worst = row["worst_task"]
+    return f"{worst['task']} {100 * worst['change']:+.1f}" + (" ⚠" if worst["change"] < 0 else "")
+
+
+def changes_markdown(report: dict[str, Any]) -> list[str]:
+    """Per task, each calibrated row's change against its merge: which tasks a calibration serves and which it
+    leaves behind (below its merge, marked ⚠ in the table above)."""
+    rows = [r for r in report["methods"] if "change_vs_merge" in r]
+    if not rows:
+        return []
+    tasks = report["tasks"]
+    lines = ["", "## Change against the merge, per task (points)", "",
+             "| method | from | " + " | ".join(tasks) + " | tasks below their merge |", "|---|---|" + "---:|" * (len(tasks) + 1)]
+    for r in rows:
+        below = [t for t in tasks if r["change_vs_merge"][t] < 0]
+        lines.append(f"| {r['method']} | {r['merge_row']} | " + " | ".join(f"{100 * r['change_vs_merge'][t]:+.1f}" for t in tasks)
+                     + f" | {', '.join(below) or '—'} |")
+    return lines
 
 
 def _p_value(p: float) -> str:
