@@ -474,3 +474,78 @@ class LlamaAdapter(Adapter):
         out = block(hidden, attention_mask=additive_mask(keep, hidden.dtype),
                     position_embeddings=(cos.to(hidden.dtype), sin.to(hidden.dtype)))
         return out[0] if isinstance(out, tuple) else out
+
+
+@register
+class GPT2Adapter(Adapter):
+    """GPT-2 causal LMs: pre-norm blocks with LayerNorms (with biases), learned absolute positions (`wpe`), and
+    transformers' `Conv1D` linears, whose weights are stored [in, out] (`featcal.modeling.as_out_in` turns them to
+    the solves' [out, in] and back); the fused q/k/v projection `attn.c_attn` is one linear map in → 3·hidden.
+
+    As for `LlamaAdapter`, the body is the whole model: embeddings, final `ln_f` and the LM head (tied to `wte`) are
+    merged and never per task, and every real token weighs 1. Positions count real tokens (0..T-1 on a right-padded
+    row, the model's own default) and each block gets a causal mask with padded keys dropped.
+
+    Only GPT2LMHeadModel: GPT2ForSequenceClassification's head reads each row's last real token, whose index varies
+    from row to row with right padding, and the pipeline knows one fixed pooled index per architecture
+    (`pooled_index()`: token weights, the head side's tokens, the head-token drift)."""
+
+    model_types = ("gpt2",)
+    body_attr = {"GPT2LMHeadModel": ""}
+    file_prefixes = ("",)
+    blocks_path = "transformer.h"
+    kv_modules = ("attn.c_attn",)  # q, k and v in one map
+    head_prefixes = ()
+    pooled_token = {"GPT2LMHeadModel": None}
+    head_side = {"GPT2LMHeadModel": "transformer.ln_f"}
+    probe_key = "transformer.wte.weight"
+
+    def __init__(self, config: PretrainedConfig):
+        if (config.architectures or [None])[0] == "GPT2ForSequenceClassification":
+            raise UnsupportedModelError(
+                "GPT2ForSequenceClassification is not supported: its head reads each row's last real token, an index "
+                "that varies from row to row, and the calibration weighs one fixed pooled token per architecture; "
+                "GPT2LMHeadModel is supported")
+        super().__init__(config)
+
+    def embedding_modules(self) -> tuple[str, ...]:
+        return ("transformer.wte", "transformer.wpe")
+
+    def embed(self, modules: dict[str, nn.Module], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        ids = inputs["input_ids"]
+        mask = inputs.get("attention_mask")
+        positions = torch.arange(ids.shape[1]).expand_as(ids) if mask is None else LlamaAdapter.positions(mask)
+        return modules["transformer.wte"](ids) + modules["transformer.wpe"](positions)
+
+    def model_input_names(self) -> tuple[str, ...]:
+        return ("input_ids", "attention_mask")
+
+    def evaluate_forward(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> Any:
+        return super().evaluate_forward(model, {k: v for k, v in inputs.items() if k in self.model_input_names()})
+
+    def run_block(self, block: nn.Module, hidden: torch.Tensor, extra: BlockInput) -> torch.Tensor:
+        length = hidden.shape[1]
+        keep = torch.ones(length, length, dtype=torch.bool).tril()[None, None]
+        if extra.attention_mask is not None:
+            keep = keep & extra.attention_mask[:, None, None, :].bool()
+        out = block(hidden, attention_mask=additive_mask(keep, hidden.dtype))
+        return out[0] if isinstance(out, tuple) else out
+
+
+@register
+class Gemma2Adapter(LlamaAdapter):
+    """Gemma2 causal LMs: the Llama layout (rotary positions, grouped-query attention, causal and padding mask, the
+    sliding window on the layers whose attention has one) with a GeGLU MLP, norms before and after both the attention
+    and the MLP, and attention logit soft-capping, which the block's own forward applies. Its RMS norms scale by
+    (1 + weight): `featcal.modeling.norm_scale_offset` makes the norm solve read γ = 1 + weight and write back
+    weight = γ − 1. The embedding module scales by sqrt(hidden) itself; embedding, final norm and the LM head are
+    merged, never per task."""
+
+    model_types = ("gemma2",)
+    body_attr = {"Gemma2ForCausalLM": ""}
+    pooled_token = {"Gemma2ForCausalLM": None}
+    head_side = {"Gemma2ForCausalLM": "model.norm"}
+
+    @classmethod
+    def default_architecture(cls, config: PretrainedConfig) -> str:
+        return "Gemma2ForCausalLM"

@@ -14,6 +14,7 @@ import torch
 import transformers
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
+from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging as hf_logging
 
 from featcal.adapters import Adapter, adapter_for
@@ -75,16 +76,37 @@ class Skeleton:
 
 
 def calibrated_modules(block: nn.Module) -> dict[str, nn.Module]:
-    """The modules FeatCal solves for inside a block: every linear map and every norm with an affine."""
+    """The modules FeatCal solves for inside a block: every linear map (nn.Linear, and transformers' Conv1D, GPT-2's
+    linear with its weight stored [in, out]) and every norm with an affine."""
     found = {}
     for name, module in block.named_modules():
-        if isinstance(module, nn.Linear) or is_norm(module):
+        if isinstance(module, (nn.Linear, Conv1D)) or is_norm(module):
             found[name] = module
     return found
 
 
+def linear_dims(module: nn.Module) -> tuple[int, int]:
+    """(in, out) features of a calibrated linear map."""
+    if isinstance(module, Conv1D):
+        return module.nx, module.nf
+    return module.in_features, module.out_features
+
+
+def as_out_in(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """A linear map's weight as its module stores it, in the solves' [out, in] layout, or a solved [out, in] weight
+    back in the module's layout: Conv1D stores [in, out], and a transpose is its own inverse; nn.Linear is as is."""
+    return weight.T if isinstance(module, Conv1D) else weight
+
+
 # RMS norms (scale only) whose class name does not say so.
 RMS_NORMS = ("T5LayerNorm",)
+# Norms whose forward scales by (offset + weight), not by weight: the norm solve's γ is offset + weight.
+NORM_SCALE_OFFSETS = {"GemmaRMSNorm": 1.0, "Gemma2RMSNorm": 1.0}
+
+
+def norm_scale_offset(module: nn.Module) -> float:
+    """What the norm solve adds to a stored norm weight to get its scale γ (and subtracts from a solved γ)."""
+    return NORM_SCALE_OFFSETS.get(type(module).__name__, 0.0)
 
 
 def is_norm(module: nn.Module) -> bool:

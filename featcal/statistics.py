@@ -10,7 +10,7 @@ from torch import nn
 
 import featcal_kernels
 from featcal.closed_form import LinearMoments, NormMoments
-from featcal.modeling import is_norm, normalized
+from featcal.modeling import is_norm, linear_dims, normalized
 
 
 class LinearStats:
@@ -108,7 +108,7 @@ def unflatten_stats(flat: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.
 
 def new_stats(modules: dict[str, nn.Module]) -> dict[str, LinearStats | NormStats]:
     return {
-        name: NormStats(m.weight.shape[0]) if is_norm(m) else LinearStats(m.in_features)
+        name: NormStats(m.weight.shape[0]) if is_norm(m) else LinearStats(linear_dims(m)[0])
         for name, m in modules.items()
     }
 

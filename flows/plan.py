@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal.config import RunConfig
-from featcal.modeling import Skeleton, calibrated_modules, is_norm
+from featcal.modeling import Skeleton, calibrated_modules, is_norm, linear_dims
 from flows.pipeline import stage_count
 from storage.checkpoint import CanonicalCheckpoint
 from tasks.preflight import preflight
@@ -26,7 +26,7 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
     else:
         tokens = (vision.image_size // vision.patch_size) ** 2 + 1
     modules = calibrated_modules(skeleton.block_template(0))
-    linear_in = [m.in_features for m in modules.values() if not is_norm(m)]
+    linear_in = [linear_dims(m)[0] for m in modules.values() if not is_norm(m)]
     base = CanonicalCheckpoint(cfg.base, adapter)
     model_bytes = sum(math.prod(base.shape(n)) * 4 for n in base.names())
     block_bytes = sum(p.numel() * 4 for p in skeleton.block_template(0).parameters())

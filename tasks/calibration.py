@@ -18,7 +18,7 @@ from featcal.closed_form import (
     solve_linear_weight, solve_norm_affine, solve_regmean_weight,
 )
 from featcal.data import InputBuilder, load_split, pad_to, pick_examples, row_batches
-from featcal.modeling import calibrated_modules, is_norm
+from featcal.modeling import as_out_in, calibrated_modules, is_norm, linear_dims, norm_scale_offset
 from featcal.statistics import (
     HELD, accumulate, captured_inputs, example_rows, fit_sums, flatten_stats, held_out_sums, linear_moments, new_stats,
     norm_moments, unflatten_stats,
@@ -303,7 +303,10 @@ def solve_groups(modules: dict[str, torch.nn.Module], groups: int) -> list[list[
 
     def cost(name: str) -> int:
         m = modules[name]
-        return m.weight.shape[0] if is_norm(m) else m.in_features ** 2 * (m.in_features + m.out_features)
+        if is_norm(m):
+            return m.weight.shape[0]
+        d_in, d_out = linear_dims(m)
+        return d_in ** 2 * (d_in + d_out)
 
     members: list[list[str]] = [[] for _ in range(groups)]
     load = [0] * groups
@@ -346,9 +349,10 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
             if not (featcal and fc.calibrate_norm):
                 continue
             stats = list(_task_stats(ctx, layer, name))  # vectors: small
-            affine = ([e.get(prefix + weight) for e in experts],
+            off = norm_scale_offset(module)  # the solve's γ is off + the stored weight (Gemma's (1 + w) norms)
+            affine = ([e.get(prefix + weight) + off for e in experts],
                       [e.get(prefix + bias) for e in experts] if has_bias else None,
-                      merged[weight], base.get(prefix + weight),
+                      merged[weight] + off, base.get(prefix + weight) + off,
                       merged.get(bias), base.get(prefix + bias) if has_bias else None)
             if fc.auto:
                 parts = [_fit_and_held(t, task, where, fc.holdout_every) for t, task in zip(stats, ctx.tasks, strict=True)]
@@ -359,12 +363,18 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
             mhp = _chosen_hyper(hp, chosen.get(name))
             moms = [replace(norm_moments(t, where), weight=c) for t, c in zip(stats, weights, strict=True)]
             gamma, beta = solve_norm_affine(moms, *affine, mhp)
-            solved[weight] = gamma.to(merged[weight].dtype)
+            solved[weight] = (gamma - off).to(merged[weight].dtype)
             if has_bias:
                 solved[bias] = beta.to(merged[bias].dtype)
             continue
+        # Weights in the solves' [out, in] layout (Conv1D stores [in, out]); the solved one goes back in `solved`.
+        w_merged = as_out_in(module, merged[weight])
+
+        def w_of(ckpt: Any) -> torch.Tensor:
+            return as_out_in(module, ckpt.get(prefix + weight))
+
         if not featcal:
-            grams = ((linear_moments(stats, where).c_ss, expert.get(prefix + weight))
+            grams = ((linear_moments(stats, where).c_ss, w_of(expert))
                      for stats, expert in zip(_task_stats(ctx, layer, name), experts, strict=True))
             sol = solve_regmean_weight(grams, fc.regmean_off_diagonal, fc.eps)
         else:
@@ -374,26 +384,25 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
                                                       strict=True):
                         fit, held = _fit_and_held(stats, task, where, fc.holdout_every)
                         yield (replace(linear_moments(fit, where), weight=c),
-                               replace(linear_moments(held, where), weight=c), expert.get(prefix + weight))
+                               replace(linear_moments(held, where), weight=c), w_of(expert))
 
-                chosen[name] = choose_linear_hyper(split_tasks(), merged[weight], base.get(prefix + weight), hp,
-                                                   lams, rhos)
+                chosen[name] = choose_linear_hyper(split_tasks(), w_merged, w_of(base), hp, lams, rhos)
             mhp = _chosen_hyper(hp, chosen.get(name))
             bias_terms: list[BiasTerm] = []
 
             def per_task() -> Iterator[tuple[LinearMoments, torch.Tensor]]:
                 for stats, expert, c in zip(_task_stats(ctx, layer, name), experts, weights, strict=True):
-                    mom, w_t = replace(linear_moments(stats, where), weight=c), expert.get(prefix + weight)
+                    mom, w_t = replace(linear_moments(stats, where), weight=c), w_of(expert)
                     if has_bias:
                         bias_terms.append(BiasTerm.of(mom, w_t, expert.get(prefix + bias), mhp.alpha))
                     yield mom, w_t
 
-            sol = solve_linear_weight(per_task(), merged[weight], base.get(prefix + weight), mhp)
+            sol = solve_linear_weight(per_task(), w_merged, w_of(base), mhp)
             if has_bias and fc.calibrate_bias:
                 b = solve_linear_bias(bias_terms, sol.weight, merged[bias], base.get(prefix + bias), mhp,
-                                      merged_weight=merged[weight])
+                                      merged_weight=w_merged)
                 solved[bias] = b.to(merged[bias].dtype)
-        solved[weight] = sol.weight.to(merged[weight].dtype)
+        solved[weight] = as_out_in(module, sol.weight).contiguous().to(merged[weight].dtype)
         damping[name] = sol.damping
         if sol.damping > hp.eps:
             log.warning("block %d module %s: Cholesky needed damping %.3g (asked %.3g)", layer, name, sol.damping, hp.eps)

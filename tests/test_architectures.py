@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 from datasets import Array3D, Dataset, Features, Value
-from transformers import CLIPConfig, CLIPVisionConfig, GPT2Config, GPT2Model, ViTConfig
+from transformers import CLIPConfig, CLIPVisionConfig, OPTConfig, OPTModel, ViTConfig
 
 from featcal.adapters import UnsupportedModelError
 from featcal.config import config_from_dict
@@ -84,9 +84,10 @@ def test_adapter_single_expert_exactness(tmp_path, arch):
 
 
 def test_unsupported_architecture_is_refused_before_work(tmp_path):
-    GPT2Model(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=20)).save_pretrained(tmp_path / "gpt2")
-    cfg = config_from_dict({"base": str(tmp_path / "gpt2"), "experts": {"a": str(tmp_path / "gpt2")},
+    OPTModel(OPTConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, ffn_dim=32, vocab_size=20,
+                       word_embed_proj_dim=16)).save_pretrained(tmp_path / "opt")
+    cfg = config_from_dict({"base": str(tmp_path / "opt"), "experts": {"a": str(tmp_path / "opt")},
                             "calibration": {"data": {"a": {"path": str(tmp_path / "none")}}}}, tmp_path)
-    with pytest.raises(UnsupportedModelError, match="model_type 'gpt2' is not supported"):
+    with pytest.raises(UnsupportedModelError, match="model_type 'opt' is not supported"):
         run_pipeline(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()

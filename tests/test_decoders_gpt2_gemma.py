@@ -1,0 +1,179 @@
+"""GPT-2 and Gemma2 decoder-only LMs on tiny models built from a config.
+
+GPT-2: Conv1D linears stored [in, out] (the fused q/k/v `c_attn` is one map), learned positions, LayerNorms with
+biases, LM head tied to `wte`. Gemma2: (1 + w) RMS norms before and after attention and MLP, GeGLU, attention logit
+soft-capping, a sliding window on alternate layers, embeddings scaled by sqrt(hidden). The adapter's block-by-block
+forward on a padded batch, and single-expert exactness at every block boundary (with the head side on, too)."""
+
+import pytest
+import torch
+import transformers
+from transformers import Gemma2Config, GPT2Config
+
+from featcal.adapters import UnsupportedModelError, adapter_for
+from featcal.modeling import as_out_in, calibrated_modules, is_norm, norm_scale_offset, normalized, task_model
+from flows.pipeline import run_pipeline
+from storage.checkpoint import CanonicalCheckpoint
+from tests import test_decoders as decoders
+from tests.test_decoders import _batch, _boundaries, _deviations, _rows
+
+CASES = {
+    "gpt2": ("GPT2LMHeadModel", lambda: GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)),
+    # Window 5 shorter than the rows (layer 0 slides, layer 1 is full); a soft cap near the scores' size. With the
+    # default init the attention is nearly uniform, so the heads sharing a key/value group give nearly collinear
+    # o_proj inputs, which the post-attention norm then rescales to unit size: a wider init keeps them apart.
+    "gemma2": ("Gemma2ForCausalLM", lambda: Gemma2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, sliding_window=5, attn_logit_softcapping=2.0,
+        initializer_range=0.1,
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+}
+
+
+def _model(arch: str) -> torch.nn.Module:
+    cls_name, make_config = CASES[arch]
+    config = make_config()
+    config._attn_implementation = "eager"
+    model = getattr(transformers, cls_name)(config).eval()
+    # Norms start at scale 1 and bias 0, which `perturbed` (noise ∝ a tensor's spread) leaves alone: give them a
+    # spread around scale 1, that is around weight 0 for Gemma2's (1 + w) norms.
+    with torch.no_grad():
+        for module in model.modules():
+            if is_norm(module):
+                module.weight.normal_(1.0 - norm_scale_offset(module), 0.2)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.normal_(0.0, 0.1)
+    return model
+
+
+def _final_norm(model) -> torch.nn.Module:
+    return model.transformer.ln_f if isinstance(model, transformers.GPT2LMHeadModel) else model.model.norm
+
+
+def _embedding_modules(model, adapter) -> dict[str, torch.nn.Module]:
+    return {name: model.get_submodule(name) for name in adapter.embedding_modules()}
+
+
+@pytest.fixture(autouse=True)
+def _these_models(monkeypatch):
+    """tests.test_decoders' `_build` (which saves a base, perturbed experts and their rows) builds this file's
+    models."""
+    monkeypatch.setattr(decoders, "_model", _model)
+
+
+@pytest.mark.parametrize("left", [False, True], ids=["right-padded", "left-padded"])
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_adapter_blocks_reproduce_the_model(arch, left):
+    """Embeddings, then every block through `block_input`/`run_block`, then the final norm, give the model's hidden
+    states on a padded batch (left-padded rows against the forward given `generate`'s positions)."""
+    torch.manual_seed(0)
+    model = _model(arch)
+    adapter = adapter_for(model.config)
+    assert adapter.pooled_index() is None and adapter.head_prefixes == ()
+    batch = _batch(_rows(0), left=left)
+    assert not batch["attention_mask"].all()
+    positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    expected = _boundaries(model, {**batch, "position_ids": positions} if left else batch)
+    with torch.inference_mode():
+        hidden = adapter.embed(_embedding_modules(model, adapter), batch)
+        got = [hidden]
+        for layer in range(adapter.num_blocks()):
+            hidden = adapter.run_block(adapter.blocks(model)[layer], hidden, adapter.block_input(batch, layer))
+            got.append(_final_norm(model)(hidden) if layer == adapter.num_blocks() - 1 else hidden)
+    real = batch["attention_mask"].bool()
+    assert len(got) == len(expected) == 3
+    for want, have in zip(expected, got, strict=True):
+        assert torch.allclose(have[real], want[real], atol=1e-5), float((have[real] - want[real]).abs().max())
+
+
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_calibrated_modules_and_their_layouts(arch):
+    """Every linear map (GPT-2's Conv1D ones too) and norm of a block is calibrated; `as_out_in` gives the weight
+    that reproduces the module as x Wᵀ + b; `norm_scale_offset` + weight is the scale that, with `normalized()`,
+    reproduces the norm (1 + w for Gemma2's, w for a LayerNorm, plus its bias)."""
+    torch.manual_seed(0)
+    model = _model(arch)
+    block = adapter_for(model.config).blocks(model)[0]
+    modules = calibrated_modules(block)
+    want = {"gpt2": {"ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj"},
+            "gemma2": {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                       "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm",
+                       "pre_feedforward_layernorm", "post_feedforward_layernorm"}}[arch]
+    assert set(modules) == want
+    with torch.no_grad():
+        for name, m in modules.items():
+            bias = m.bias if getattr(m, "bias", None) is not None else 0
+            if is_norm(m):
+                assert norm_scale_offset(m) == (1.0 if arch == "gemma2" else 0.0)
+                x = torch.randn(5, m.weight.shape[0])
+                out = normalized(m, x) * (norm_scale_offset(m) + m.weight) + bias
+            else:
+                weight = as_out_in(m, m.weight)  # [out, in]
+                x = torch.randn(5, weight.shape[1])
+                out = x @ weight.T + bias
+            assert torch.allclose(out, m(x), atol=1e-5), name
+
+
+def test_gpt2_sequence_classification_is_refused():
+    config = CASES["gpt2"][1]()
+    config.architectures = ["GPT2ForSequenceClassification"]
+    with pytest.raises(UnsupportedModelError, match="last real token"):
+        adapter_for(config)
+
+
+@pytest.mark.parametrize("head_side", [False, True], ids=["blocks", "head-side"])
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_single_expert_exactness(tmp_path, arch, head_side):
+    """One expert, average merge, α=1, λ→0 with the anchor pointing elsewhere (ρ=2.2): every block boundary of the
+    calibrated model equals the expert's on the calibration rows; with the head side calibrated as well, the last
+    boundary (the final norm's output, what the LM head reads) does too."""
+    cfg = decoders._build(tmp_path, arch, experts=1, merge={"method": "average"},
+                          featcal={"lambda": 1e-9, "rho": 2.2, "alpha": 1.0, "calibrate_head_side": head_side})
+    run_pipeline(cfg, tmp_path / "run")
+    adapter = adapter_for(_model(arch).config)
+    expert = task_model(cfg.experts["task0"])
+    calibrated = task_model(cfg.experts["task0"], CanonicalCheckpoint(tmp_path / "run" / "calibrated", adapter))
+    deviation = _deviations(calibrated, expert, _batch(_rows(0)))
+    assert max(deviation) < 1e-4, deviation
+
+
+@pytest.mark.parametrize("method", ["featcal-auto", "regmean"])
+def test_gpt2_two_experts(tmp_path, method):
+    """GPT-2's Conv1D weights through the other solve paths: task arithmetic of two perturbed experts, then FeatCal
+    with λ and ρ chosen on held-out rows (the choice reads the weights in the solves' [out, in] layout as well), or
+    RegMean on their average. The drift to the experts at the last boundary falls, and the embeddings, final norm and
+    tied LM head stay merged. (Gemma2's linears are nn.Linear, whose paths tests/test_decoders.py covers.)"""
+    if method == "regmean":
+        sections = {"featcal": {"method": "regmean"}, "merge": {"method": "average"}}
+    else:
+        sections = {"featcal": {"lambda": "auto", "rho": "auto", "alpha": 1.0}}
+    cfg = decoders._build(tmp_path, "gpt2", experts=2, **sections)
+    run_pipeline(cfg, tmp_path / "run")
+    adapter = adapter_for(_model("gpt2").config)
+    merged_ckpt = CanonicalCheckpoint(tmp_path / "run" / "merged", adapter)
+    calibrated_ckpt = CanonicalCheckpoint(tmp_path / "run" / "calibrated", adapter)
+    before, after = [], []
+    for t, task in enumerate(cfg.tasks):
+        batch, expert = _batch(_rows(t)), task_model(cfg.experts[task])
+        before.append(_deviations(task_model(cfg.experts[task], merged_ckpt), expert, batch)[-1])
+        after.append(_deviations(task_model(cfg.experts[task], calibrated_ckpt), expert, batch)[-1])
+    assert sum(after) < sum(before), (before, after)
+    merged = task_model(cfg.experts["task0"], merged_ckpt)
+    calibrated = task_model(cfg.experts["task0"], calibrated_ckpt)
+    for name in ("transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight", "lm_head.weight"):
+        assert torch.equal(calibrated.get_parameter(name), merged.get_parameter(name)), name
+    assert calibrated.lm_head.weight.data_ptr() == calibrated.transformer.wte.weight.data_ptr()  # tied
+    c_attn = calibrated.transformer.h[1].attn.c_attn
+    assert c_attn.weight.shape == (32, 96)  # [in, out], as Conv1D stores it
+    assert not torch.equal(c_attn.weight, merged.transformer.h[1].attn.c_attn.weight)
+
+
+def test_gpt2_plan(tmp_path):
+    """`featcal plan` sizes Conv1D modules by their input width (they have no in_features)."""
+    from flows.plan import plan
+
+    cfg = decoders._build(tmp_path, "gpt2", experts=2)
+    planned = plan(cfg)
+    assert planned["architecture"] == "GPT2LMHeadModel" and planned["modules_per_block"][:2] == ["ln_1", "attn.c_attn"]
