@@ -33,7 +33,7 @@ METHOD_ROWS = (
     ("TA + FeatCal", "ta_featcal", "calibrated", "total"),
     ("TIES + FeatCal", "ties_featcal", "calibrated", "total"),
     ("TA + FeatCal (λ 0.05, ρ 2.2: the paper's)", "ta_featcal_paper", "calibrated", "total"),
-    ("TA + FeatCal (λ, ρ auto: no labels)", "ta_featcal_auto", "calibrated", "total"),
+    ("TA + FeatCal (λ auto, ρ 2.2: no labels)", "ta_featcal_auto", "calibrated", "total"),
     ("TA + FeatCal + head side", "ta_featcal_head", "calibrated", "total"),
     ("task arithmetic 0.9", "ta09_featcal", "merged", "merge"),
     ("TA 0.9 + FeatCal (λ 0.05, ρ 2.2)", "ta09_featcal", "calibrated", "total"),
@@ -85,7 +85,7 @@ def _paired(results: dict[str, dict[str, Any]], tasks: list[str], rows: list[dic
 Curves = Mapping[str, tuple[str, str]]
 CURVES: Curves = {"featcal": ("ta_featcal", "TA + FeatCal"), "regmean_pp": ("regmean_pp", "RegMean++"),
                   "featcal_ta09": ("ta09_featcal", "TA 0.9 + FeatCal"),
-                  "featcal_auto": ("ta_featcal_auto", "TA + FeatCal (λ, ρ auto)")}
+                  "featcal_auto": ("ta_featcal_auto", "TA + FeatCal (λ auto)")}
 
 
 def _add_changes_against_merge(methods: list[dict[str, Any]], results: dict[str, dict[str, Any]]) -> None:
@@ -214,12 +214,12 @@ def markdown(report: dict[str, Any], curves: Curves = CURVES) -> str:
     if "featcal_8_of_256_gain" in report:
         lines += ["", f"FeatCal with 8 examples/task keeps {100 * report['featcal_8_of_256_gain']:.1f} % of its 256-example gain over TA."]
     if "featcal_auto_8_of_256_gain" in report:
-        lines += ["", f"With λ and ρ auto, 8 examples/task keep {100 * report['featcal_auto_8_of_256_gain']:.1f} % of "
+        lines += ["", f"With λ auto, 8 examples/task keep {100 * report['featcal_auto_8_of_256_gain']:.1f} % of "
                       "the 256-example gain over TA."]
     if "featcal_ta09_8_of_256_gain" in report:
         lines += ["", f"From TA at 0.9 it keeps {100 * report['featcal_ta09_8_of_256_gain']:.1f} % (gains over TA at 0.3)."]
     if "auto_choices" in report:
-        lines += ["", "## λ and ρ chosen without labels (TA + FeatCal, auto, 256 examples/task)", "",
+        lines += ["", "## λ (and ρ) chosen without labels (TA + FeatCal, auto, 256 examples/task)", "",
                   "Median over each block's modules of the values chosen on held-out calibration rows.", "",
                   "| solve | λ | ρ |", "|---|---:|---:|"]
         lines += [f"| {stage} | {v['lambda']:g} | {v['rho']:g} |" for stage, v in report["auto_choices"].items()]
