@@ -233,9 +233,12 @@ def test_surgery_adapter_starts_as_identity():
     assert 0.8 * bound < float(adapter.down.weight.detach().abs().max()) <= bound
 
 
-def test_surgery_training_removes_a_low_rank_distortion(one_thread):
+def test_surgery_training_removes_a_low_rank_distortion(one_thread, caplog):
     z, target = _distorted()
-    fit = fit_adapters({"x": z.__getitem__}, {"x": target}, seed=0)  # original protocol: 1000 steps, Adam 1e-3
+    with caplog.at_level("INFO", logger="featcal"):
+        fit = fit_adapters({"x": z.__getitem__}, {"x": target}, seed=0)  # original protocol: 1000 steps, Adam 1e-3
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("surgery: step")]
+    assert len(progress) == 19 and progress[0].startswith("surgery: step 50/1000, elapsed ")  # a line per 50 steps
     with torch.no_grad():
         before, after = float(F.l1_loss(z, target)), float(F.l1_loss(fit["x"](z), target))
     assert before == pytest.approx(0.4725, abs=1e-4)

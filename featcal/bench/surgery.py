@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -59,11 +60,13 @@ from transformers import AutoConfig
 
 from featcal.adapters import adapter_for
 from featcal.config import digest_of
+from featcal.evaluation import hms
 from featcal.modeling import task_model
 from featcal.zeroshot import ZeroShotClassifier
 from storage.checkpoint import CanonicalCheckpoint
 
 log = logging.getLogger("featcal")
+PROGRESS_EVERY = 50  # training steps between progress lines: a CPU run takes tens of minutes
 
 Batch = dict[str, torch.Tensor]
 Head = Mapping[str, torch.Tensor]  # a zero-shot head file's tensors (featcal.zeroshot.zero_shot_head)
@@ -198,7 +201,12 @@ def fit_adapters(
     optims = {t: torch.optim.Adam(adapters[t].parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
               for t in tasks}
     first: dict[str, float] = {}
+    started = time.perf_counter()
     for step in range(steps):
+        if step and step % PROGRESS_EVERY == 0:
+            elapsed = time.perf_counter() - started
+            log.info("surgery: step %d/%d, elapsed %s, ETA %s", step, steps, hms(elapsed),
+                     hms(elapsed / step * (steps - step)))
         for t in tasks:
             n = targets[t].shape[0]
             idx = torch.randperm(n, generator=gens[t])[:batch_size]
