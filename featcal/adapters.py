@@ -396,8 +396,28 @@ class T5Adapter(Adapter):
         return out[0]
 
 
+class _CausalLMAdapter(Adapter):
+    """What every decoder-only causal LM shares: token ids and a padding mask in, positions counted over real tokens,
+    and no per-task head (the LM head is merged with the body)."""
+
+    file_prefixes = ("",)
+    head_prefixes = ()
+
+    @staticmethod
+    def positions(mask: torch.Tensor) -> torch.Tensor:
+        """[B, T] positions counted over real tokens, as `generate` makes them: 0..T-1 for a right-padded row (the
+        model's own default), shifted past the padding for a left-padded one."""
+        return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+    def model_input_names(self) -> tuple[str, ...]:
+        return ("input_ids", "attention_mask")
+
+    def evaluate_forward(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> Any:
+        return super().evaluate_forward(model, {k: v for k, v in inputs.items() if k in self.model_input_names()})
+
+
 @register
-class LlamaAdapter(Adapter):
+class LlamaAdapter(_CausalLMAdapter):
     """Decoder-only causal LMs of the Llama layout (Llama, Qwen2, Mistral): pre-norm blocks with RMS norms, rotary
     positions, grouped-query attention and a SwiGLU MLP.
 
@@ -409,10 +429,8 @@ class LlamaAdapter(Adapter):
 
     model_types = ("llama", "qwen2", "mistral")
     body_attr = {"LlamaForCausalLM": "", "Qwen2ForCausalLM": "", "MistralForCausalLM": ""}
-    file_prefixes = ("",)
     blocks_path = "model.layers"
     kv_modules = ("self_attn.k_proj", "self_attn.v_proj")
-    head_prefixes = ()
     pooled_token = {"LlamaForCausalLM": None, "Qwen2ForCausalLM": None, "MistralForCausalLM": None}
     head_side = {"LlamaForCausalLM": "model.norm", "Qwen2ForCausalLM": "model.norm", "MistralForCausalLM": "model.norm"}
     probe_key = "model.embed_tokens.weight"
@@ -428,11 +446,6 @@ class LlamaAdapter(Adapter):
     def embed(self, modules: dict[str, nn.Module], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return modules["model.embed_tokens"](inputs["input_ids"])
 
-    def model_input_names(self) -> tuple[str, ...]:
-        return ("input_ids", "attention_mask")
-
-    def evaluate_forward(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> Any:
-        return super().evaluate_forward(model, {k: v for k, v in inputs.items() if k in self.model_input_names()})
 
     def rotary_module(self) -> nn.Module:
         """The model's own rotary module (`model.model.rotary_emb`'s class, built from the config: it has no
@@ -445,12 +458,6 @@ class LlamaAdapter(Adapter):
             cls = next(getattr(family, n) for n in dir(family) if n.endswith("RotaryEmbedding"))
             self._rotary = cls(config=self.config).eval()
         return self._rotary
-
-    @staticmethod
-    def positions(mask: torch.Tensor) -> torch.Tensor:
-        """[B, T] positions counted over real tokens, as `generate` makes them: 0..T-1 for a right-padded row (the
-        model's own default), shifted past the padding for a left-padded one."""
-        return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
     def block_input(self, inputs: dict[str, torch.Tensor], layer: int = 0,
                     weights: TensorGetter | None = None) -> BlockInput:
@@ -477,7 +484,7 @@ class LlamaAdapter(Adapter):
 
 
 @register
-class GPT2Adapter(Adapter):
+class GPT2Adapter(_CausalLMAdapter):
     """GPT-2 causal LMs: pre-norm blocks with LayerNorms (with biases), learned absolute positions (`wpe`), and
     transformers' `Conv1D` linears, whose weights are stored [in, out] (`featcal.modeling.as_out_in` turns them to
     the solves' [out, in] and back); the fused q/k/v projection `attn.c_attn` is one linear map in → 3·hidden.
@@ -492,10 +499,8 @@ class GPT2Adapter(Adapter):
 
     model_types = ("gpt2",)
     body_attr = {"GPT2LMHeadModel": ""}
-    file_prefixes = ("",)
     blocks_path = "transformer.h"
     kv_modules = ("attn.c_attn",)  # q, k and v in one map
-    head_prefixes = ()
     pooled_token = {"GPT2LMHeadModel": None}
     head_side = {"GPT2LMHeadModel": "transformer.ln_f"}
     probe_key = "transformer.wte.weight"
@@ -514,14 +519,9 @@ class GPT2Adapter(Adapter):
     def embed(self, modules: dict[str, nn.Module], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         ids = inputs["input_ids"]
         mask = inputs.get("attention_mask")
-        positions = torch.arange(ids.shape[1]).expand_as(ids) if mask is None else LlamaAdapter.positions(mask)
+        positions = torch.arange(ids.shape[1]).expand_as(ids) if mask is None else self.positions(mask)
         return modules["transformer.wte"](ids) + modules["transformer.wpe"](positions)
 
-    def model_input_names(self) -> tuple[str, ...]:
-        return ("input_ids", "attention_mask")
-
-    def evaluate_forward(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> Any:
-        return super().evaluate_forward(model, {k: v for k, v in inputs.items() if k in self.model_input_names()})
 
     def run_block(self, block: nn.Module, hidden: torch.Tensor, extra: BlockInput) -> torch.Tensor:
         length = hidden.shape[1]

@@ -85,17 +85,18 @@ def fit_sums(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def example_rows(
-    inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], examples: torch.Tensor,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Each module's input rows and token weights of the chunk's `examples` (a bool per example).
+    weights: dict[str, torch.Tensor], examples: torch.Tensor, *sides: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], ...]:
+    """The token weights, then each side's module inputs, of the chunk's `examples` (a bool per example).
 
     A module's rows are its examples' tokens in example order (B·T, or B·T_encoder for cross-attention keys
     and values, or B when it reads one token per example), so row r belongs to example r // (rows / B)."""
-    chosen_in, chosen_w = {}, {}
+    chosen: list[dict[str, torch.Tensor]] = [{} for _ in range(1 + len(sides))]
     for name, w in weights.items():
         rows = examples.repeat_interleave(w.shape[0] // examples.shape[0])
-        chosen_in[name], chosen_w[name] = inputs[name][rows], w[rows]
-    return chosen_in, chosen_w
+        for out, source in zip(chosen, (weights, *sides), strict=True):
+            out[name] = source[name][rows]
+    return tuple(chosen)
 
 
 def unflatten_stats(flat: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:

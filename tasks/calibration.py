@@ -221,10 +221,11 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
                     extra_m = _block_input(ctx, layer, mask, memory_s, MERGED)
                     out_m, sink_m = run(merged_block, stats_modules, s, extra_m)
                     accumulate(stats, stats_modules, sink_m, sink_e, weights)
-                    chosen = (torch.arange(seen, seen + mask.shape[0]) % every) == every - 1
-                    if held is not None and bool(chosen.any()):
-                        held_m, held_w = example_rows(sink_m, weights, chosen)
-                        accumulate(held, stats_modules, held_m, example_rows(sink_e, weights, chosen)[0], held_w)
+                    if held is not None:
+                        chosen = (torch.arange(seen, seen + mask.shape[0]) % every) == every - 1
+                        if bool(chosen.any()):
+                            held_w, held_m, held_e = example_rows(weights, chosen, sink_m, sink_e)
+                            accumulate(held, stats_modules, held_m, held_e, held_w)
                     add_drift("out", out_m - out_e, out_e, mask)
                 else:  # one side only; it fills both of the statistics' slots
                     if method == "regmean_plus_plus":  # the expert block on the merged stream
