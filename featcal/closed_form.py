@@ -21,16 +21,25 @@ class Hyper:
 
 @dataclass
 class LinearMoments:
-    """Weighted uncentred moments of one linear module's inputs for one task (sums already divided by Σw)."""
+    """Weighted uncentred moments of one linear module's inputs for one task (sums already divided by Σw).
+
+    The expert side comes as C_se, or as the products the solve needs (featcal/statistics.py picks the cheaper)."""
 
     c_ss: torch.Tensor  # E_w[x_s x_sᵀ]   [in, in]
-    c_se: torch.Tensor  # E_w[x_s x_eᵀ]   [in, in]
     mu_s: torch.Tensor  # E_w[x_s]        [in]
     mu_e: torch.Tensor  # E_w[x_e]        [in]
+    c_se: torch.Tensor | None = None  # E_w[x_s x_eᵀ]   [in, in]
+    p_se: torch.Tensor | None = None  # E_w[x_s (W_t x_e)ᵀ]   [in, out]
+    p_ss: torch.Tensor | None = None  # E_w[x_s (W_t x_s)ᵀ]   [in, out]
     weight: float = 1.0  # c_t, the task's weight in the shared solve (featcal.task_weight_power)
 
-    def c_st(self, alpha: float) -> torch.Tensor:
-        return alpha * self.c_se + (1.0 - alpha) * self.c_ss
+    def target(self, alpha: float, w_t: torch.Tensor) -> torch.Tensor:
+        """C_st·W_tᵀ = E_w[x_s (W_t x_t)ᵀ] with x_t = α·x_e + (1−α)·x_s, [in, out] float64; W_t is [out, in]."""
+        if self.p_se is not None and self.p_ss is not None:
+            return alpha * self.p_se + (1.0 - alpha) * self.p_ss
+        if self.c_se is None:
+            raise ValueError("these moments keep no expert side (C_se or its products): RegMean statistics?")
+        return (alpha * self.c_se + (1.0 - alpha) * self.c_ss) @ w_t.double().T
 
     def mu_t(self, alpha: float) -> torch.Tensor:
         return alpha * self.mu_e + (1.0 - alpha) * self.mu_s
@@ -73,7 +82,7 @@ def solve_linear_weight(
     for mom, w_t in tasks:
         n = mom.normaliser()
         a += mom.c_ss / n
-        b += (mom.c_st(hp.alpha) / n) @ w_t.double().T
+        b += mom.target(hp.alpha, w_t) / n
     if hp.trust:  # + μ Σ_t E‖W x_s − W_m x_s‖²/n_t: the data Gram again, with the merged weight as target
         b += hp.trust * a @ merged.double().T
         a *= 1.0 + hp.trust
@@ -114,11 +123,10 @@ def choose_linear_hyper(
     g = torch.zeros_like(b0)
     for fit, held, w_t in tasks:
         n_fit, n_held = fit.normaliser(), held.normaliser()
-        wt = w_t.double().T
         a += fit.c_ss / n_fit
-        b0 += (fit.c_st(hp.alpha) / n_fit) @ wt
+        b0 += fit.target(hp.alpha, w_t) / n_fit
         h += held.c_ss / n_held
-        g += (held.c_st(hp.alpha) / n_held) @ wt
+        g += held.target(hp.alpha, w_t) / n_held
     evals, v = torch.linalg.eigh(a)
     evals = evals.clamp_min(0) + hp.eps
     r0, r_base, r_delta = v.T @ b0, v.T @ base.double().T, v.T @ (merged.double() - base.double()).T

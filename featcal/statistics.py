@@ -1,7 +1,16 @@
-"""Running statistics of calibrated modules' inputs: float64 sums fed chunk by chunk by the Gram kernel."""
+"""Running statistics of calibrated modules' inputs: float64 sums fed chunk by chunk by the Gram kernel.
+
+Two savings keep the Gram stage near its floor (docs/design.md §3):
+- modules that read the very same input (q/k/v, gate/up) with the same token weights share one set of input
+  sums (C_ss, C_se, means): the first of them in block order owns it, the stats file stores it once;
+- a module keeps the expert side in the cheaper of two forms: C_se = Σ w x_s x_eᵀ (in × in), which the solve
+  multiplies by W_tᵀ in float64, or the products themselves, P_e = Σ w x_s (W_t x_e)ᵀ and P_s = Σ w x_s (W_t x_s)ᵀ
+  (in × out, fp32 within a chunk): W_t x_e is the expert module's own output, so P_e costs one product.
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -10,27 +19,78 @@ from torch import nn
 
 import featcal_kernels
 from featcal.closed_form import LinearMoments, NormMoments
-from featcal.modeling import is_norm, linear_dims, normalized
+from featcal.modeling import as_out_in, is_norm, linear_dims, normalized
+
+# How a module's statistics keep the expert side: not at all (RegMean's C_ss only), C_se, or P_e and P_s.
+FORMS = ("none", "gram", "product")
+# Keys of the sums of a module's input (shared by the modules that read it) and of one module's own products.
+INPUT_KEYS = ("ss", "se", "sum_s", "sum_e", "sum_w")
+PRODUCT_KEYS = ("pe", "ps")
+# Metadata key of a statistics file: which module owns the input sums each other module reads.
+INPUT_OF = "input_of"
 
 
-class LinearStats:
-    def __init__(self, dim: int):
+def expert_side_form(rows: int, d_in: int, d_out: int, sharers: int) -> str:
+    """'product' when P_e and P_s (6·rows·in·out fp32 FLOPs: W_t x_s and two products) cost less than C_se shared
+    by `sharers` modules (2·rows·in²/sharers) plus its float64 product with W_tᵀ in the solve (2·in²·out at about
+    half the fp32 rate); else 'gram'. `rows` is the task's token rows for the module."""
+    return "product" if 6 * rows * d_out < 2 * rows * d_in / sharers + 4 * d_in * d_out else "gram"
+
+
+class InputSums:
+    """Σ w x_s x_sᵀ (and Σ w x_s x_eᵀ when some reader keeps C_se), Σ w x_s, Σ w x_e, Σ w of one module input."""
+
+    def __init__(self, dim: int, with_se: bool):
         self.ss = torch.zeros(dim, dim, dtype=torch.float64)
-        self.se = torch.zeros(dim, dim, dtype=torch.float64)
+        self.se = torch.zeros(dim, dim, dtype=torch.float64) if with_se else None
         self.sum_s = torch.zeros(dim, dtype=torch.float64)
         self.sum_e = torch.zeros(dim, dtype=torch.float64)
         self.sum_w = torch.zeros((), dtype=torch.float64)
+        self.flops = 0
 
     def add(self, xs: torch.Tensor, xe: torch.Tensor, w: torch.Tensor) -> None:
-        g = featcal_kernels.dual_gram(xs, xe, w)
+        g = featcal_kernels.dual_gram(xs, xe if self.se is not None else None, w)
         self.ss += g.c_ss.double()
-        self.se += g.c_se.double()
         self.sum_s += g.sum_s.double()
-        self.sum_e += g.sum_e.double()
         self.sum_w += g.sum_w.double()
+        rows, dim = xs.shape
+        self.flops += rows * dim * (dim + 1)  # C_ss: one triangle
+        if self.se is not None:
+            self.se += g.c_se.double()
+            self.sum_e += g.sum_e.double()
+            self.flops += 2 * rows * dim * dim
+        else:
+            self.sum_e += (xe.float().T @ w.float()).double()
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"ss": self.ss, "se": self.se, "sum_s": self.sum_s, "sum_e": self.sum_e, "sum_w": self.sum_w}
+        out = {"ss": self.ss, "sum_s": self.sum_s, "sum_e": self.sum_e, "sum_w": self.sum_w}
+        return out if self.se is None else {**out, "se": self.se}
+
+
+class LinearStats:
+    """One linear module's statistics: the sums of its input (its own, or shared with the module `owner` that
+    reads the same input) and, in product form, P_e and P_s."""
+
+    def __init__(self, d_in: int, d_out: int, form: str, owner: str, inputs: InputSums):
+        if form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        self.form, self.owner, self.inputs = form, owner, inputs
+        product = form == "product"
+        self.pe = torch.zeros(d_in, d_out, dtype=torch.float64) if product else None
+        self.ps = torch.zeros(d_in, d_out, dtype=torch.float64) if product else None
+        self.flops = 0
+
+    def add_products(self, xs: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor, y_e: torch.Tensor) -> None:
+        """P_e += Σ w x_s y_eᵀ and P_s += Σ w x_s (W_t x_s)ᵀ, with y_e = W_t x_e (the expert module's output less
+        its bias) and W_t [out, in]."""
+        xs32 = xs.float()
+        wxs = xs32 * w.float()[:, None]
+        self.pe += (wxs.T @ y_e.float()).double()
+        self.ps += (wxs.T @ (xs32 @ w_t.float().T)).double()
+        self.flops += 6 * xs.shape[0] * w_t.shape[0] * w_t.shape[1]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {} if self.pe is None or self.ps is None else {"pe": self.pe, "ps": self.ps}
 
 
 class NormStats:
@@ -49,6 +109,9 @@ class NormStats:
         return {"sum_z": self.sum_z, "sum_z2": self.sum_z2, "sum_w": self.sum_w}
 
 
+Stats = dict[str, LinearStats | NormStats]
+
+
 def _positive(sum_w: torch.Tensor, module: str) -> float:
     total = float(sum_w)
     if total <= 0:
@@ -58,7 +121,12 @@ def _positive(sum_w: torch.Tensor, module: str) -> float:
 
 def linear_moments(t: dict[str, torch.Tensor], module: str) -> LinearMoments:
     sw = _positive(t["sum_w"], module)
-    return LinearMoments(c_ss=t["ss"] / sw, c_se=t["se"] / sw, mu_s=t["sum_s"] / sw, mu_e=t["sum_e"] / sw)
+
+    def mean(key: str) -> torch.Tensor | None:
+        return t[key] / sw if key in t else None
+
+    return LinearMoments(c_ss=t["ss"] / sw, mu_s=t["sum_s"] / sw, mu_e=t["sum_e"] / sw, c_se=mean("se"),
+                         p_se=mean("pe"), p_ss=mean("ps"))
 
 
 def norm_moments(t: dict[str, torch.Tensor], module: str) -> NormMoments:
@@ -70,8 +138,40 @@ def norm_moments(t: dict[str, torch.Tensor], module: str) -> NormMoments:
 HELD = "held_"
 
 
-def flatten_stats(stats: dict[str, LinearStats | NormStats], prefix: str = "") -> dict[str, torch.Tensor]:
-    return {f"{module}:{prefix}{k}": v.contiguous() for module, s in stats.items() for k, v in s.tensors().items()}
+def flatten_stats(stats: Stats, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor once, as `module:key`: shared input sums under the module that owns them."""
+    flat = {}
+    for module, s in stats.items():
+        tensors = s.tensors()
+        if isinstance(s, LinearStats) and s.owner == module:
+            tensors = {**s.inputs.tensors(), **tensors}
+        flat.update({f"{module}:{prefix}{k}": v.contiguous() for k, v in tensors.items()})
+    return flat
+
+
+def stats_metadata(stats: Stats) -> dict[str, str]:
+    """What a statistics file says besides its tensors: the owner of each shared input's sums."""
+    shared = {m: s.owner for m, s in stats.items() if isinstance(s, LinearStats) and s.owner != m}
+    return {INPUT_OF: json.dumps(shared, sort_keys=True)}
+
+
+def module_keys(keys: list[str], module: str, metadata: dict[str, str]) -> dict[str, str]:
+    """The keys of a statistics file that hold `module`'s sums (its own, and its input's if another module owns
+    them), each mapped to its key among the module's sums."""
+    owner = json.loads(metadata.get(INPUT_OF, "{}")).get(module, module)
+    out = {}
+    for key in keys:
+        name, part = key.rsplit(":", 1)
+        if name == module or (name == owner and part.removeprefix(HELD) in INPUT_KEYS):
+            out[key] = part
+    return out
+
+
+def stats_flops(stats: Stats) -> int:
+    """Multiply-adds ×2 of the products the statistics took (input sums counted once)."""
+    linear = [s for s in stats.values() if isinstance(s, LinearStats)]
+    return sum(s.flops for s in linear) + sum(s.inputs.flops for m, s in stats.items()
+                                               if isinstance(s, LinearStats) and s.owner == m)
 
 
 def held_out_sums(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -87,7 +187,8 @@ def fit_sums(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def example_rows(
     weights: dict[str, torch.Tensor], examples: torch.Tensor, *sides: dict[str, torch.Tensor],
 ) -> tuple[dict[str, torch.Tensor], ...]:
-    """The token weights, then each side's module inputs, of the chunk's `examples` (a bool per example).
+    """The token weights, then each side's module tensors (inputs, or outputs where a side has them), of the
+    chunk's `examples` (a bool per example).
 
     A module's rows are its examples' tokens in example order (B·T, or B·T_encoder for cross-attention keys
     and values, or B when it reads one token per example), so row r belongs to example r // (rows / B)."""
@@ -95,7 +196,8 @@ def example_rows(
     for name, w in weights.items():
         rows = examples.repeat_interleave(w.shape[0] // examples.shape[0])
         for out, source in zip(chosen, (weights, *sides), strict=True):
-            out[name] = source[name][rows]
+            if name in source:
+                out[name] = source[name][rows]
     return tuple(chosen)
 
 
@@ -107,25 +209,63 @@ def unflatten_stats(flat: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.
     return out
 
 
-def new_stats(modules: dict[str, nn.Module]) -> dict[str, LinearStats | NormStats]:
-    return {
-        name: NormStats(m.weight.shape[0]) if is_norm(m) else LinearStats(linear_dims(m)[0])
-        for name, m in modules.items()
-    }
+def _same_input(a: str, b: str, weights: dict[str, torch.Tensor], sides: tuple[dict[str, torch.Tensor], ...]) -> bool:
+    def same(x: torch.Tensor, y: torch.Tensor) -> bool:
+        return x.data_ptr() == y.data_ptr() and x.shape == y.shape and x.stride() == y.stride()
+
+    return all(same(s[a], s[b]) for s in sides) and torch.equal(weights[a], weights[b])
+
+
+def input_owners(names: list[str], weights: dict[str, torch.Tensor], *sides: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Each linear module → the first module (in block order) that reads the very same tensor on every side with
+    equal token weights; its input sums serve both."""
+    owners: dict[str, str] = {}
+    for name in names:
+        owners[name] = next((o for o in dict.fromkeys(owners.values()) if _same_input(o, name, weights, sides)), name)
+    return owners
+
+
+def new_stats(modules: dict[str, nn.Module], forms: dict[str, str] | None = None,
+              owners: dict[str, str] | None = None) -> Stats:
+    """Empty statistics; by default every linear module owns its input's sums and keeps C_se."""
+    forms, owners = forms or {}, owners or {}
+    sums: dict[str, InputSums] = {}
+    out: Stats = {}
+    for name, m in modules.items():
+        if is_norm(m):
+            out[name] = NormStats(m.weight.shape[0])
+            continue
+        d_in, d_out = linear_dims(m)
+        owner = owners.get(name, name)
+        if owner not in sums:
+            readers = [n for n in modules if owners.get(n, n) == owner]
+            sums[owner] = InputSums(d_in, with_se=any(forms.get(n, "gram") == "gram" for n in readers))
+        out[name] = LinearStats(d_in, d_out, forms.get(name, "gram"), owner, sums[owner])
+    return out
 
 
 @contextmanager
-def captured_inputs(modules: dict[str, nn.Module], sink: dict[str, torch.Tensor]) -> Iterator[None]:
-    """Record each module's first positional input, flattened to [tokens, features], while the block runs."""
+def captured_inputs(modules: dict[str, nn.Module], sink: dict[str, torch.Tensor],
+                    outputs: dict[str, torch.Tensor] | None = None) -> Iterator[None]:
+    """Record each module's first positional input, flattened to [tokens, features], while the block runs; with
+    `outputs`, each module's output too."""
 
-    def hook(name: str):
-        def pre_hook(module: nn.Module, args: tuple) -> None:
+    def pre_hook(name: str):
+        def hook(module: nn.Module, args: tuple) -> None:
             x = args[0]
             sink[name] = x.reshape(-1, x.shape[-1])
 
-        return pre_hook
+        return hook
 
-    handles = [m.register_forward_pre_hook(hook(name)) for name, m in modules.items()]
+    def post_hook(name: str):
+        def hook(module: nn.Module, args: tuple, y: torch.Tensor) -> None:
+            outputs[name] = y.reshape(-1, y.shape[-1])
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(pre_hook(name)) for name, m in modules.items()]
+    if outputs is not None:
+        handles += [m.register_forward_hook(post_hook(name)) for name, m in modules.items() if not is_norm(m)]
     try:
         yield
     finally:
@@ -134,16 +274,39 @@ def captured_inputs(modules: dict[str, nn.Module], sink: dict[str, torch.Tensor]
 
 
 def accumulate(
-    stats: dict[str, LinearStats | NormStats], modules: dict[str, nn.Module],
-    merged_inputs: dict[str, torch.Tensor], expert_inputs: dict[str, torch.Tensor],
-    weights: dict[str, torch.Tensor],
+    stats: Stats, modules: dict[str, nn.Module], merged_inputs: dict[str, torch.Tensor],
+    expert_inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor],
+    expert_outputs: dict[str, torch.Tensor] | None = None, expert_modules: dict[str, nn.Module] | None = None,
 ) -> None:
-    """Add one chunk's module inputs (both sides) into the running sums; weights are per token."""
+    """Add one chunk's module inputs (both sides) into the running sums; weights are per token. Product-form
+    modules also need the expert modules and their outputs on the expert side."""
     for name, s in stats.items():
         xs, w = merged_inputs[name], weights[name]
         if xs.shape[0] != w.shape[0]:
             raise ValueError(f"module {name}: input has {xs.shape[0]} token rows, token weights have {w.shape[0]}")
         if isinstance(s, NormStats):
             s.add(normalized(modules[name], xs), w)
-        else:
-            s.add(xs, expert_inputs[name], w)
+            continue
+        if s.owner == name:
+            s.inputs.add(xs, expert_inputs[name], w)
+        if s.form == "product":
+            if expert_outputs is None or expert_modules is None:
+                raise ValueError(f"module {name}: product-form statistics need the expert module and its outputs")
+            expert = expert_modules[name]
+            y_e = expert_outputs[name] if expert.bias is None else expert_outputs[name] - expert.bias
+            s.add_products(xs, w, as_out_in(expert, expert.weight), y_e)
+
+
+def stats_layout(modules: dict[str, nn.Module], weights: dict[str, torch.Tensor], sides: tuple[dict[str, torch.Tensor], ...],
+                 examples: int, chunk_examples: int, keeps_expert: bool) -> tuple[dict[str, str], dict[str, str]]:
+    """(form, owner of the input sums) of each linear module, from a task's first chunk of module inputs: the form
+    for the task's `examples` examples (the chunk has `chunk_examples`), 'none' when the expert side is not kept."""
+    linear = [n for n, m in modules.items() if not is_norm(m)]
+    owners = input_owners(linear, weights, *sides)
+    forms = {}
+    for name in linear:
+        d_in, d_out = linear_dims(modules[name])
+        rows = sides[0][name].shape[0] // chunk_examples * examples
+        sharers = sum(o == owners[name] for o in owners.values())
+        forms[name] = expert_side_form(rows, d_in, d_out, sharers) if keeps_expert else "none"
+    return forms, owners

@@ -20,12 +20,12 @@ from featcal.closed_form import (
 from featcal.data import InputBuilder, load_split, pad_to, pick_examples, row_batches
 from featcal.modeling import as_out_in, calibrated_modules, is_norm, linear_dims, norm_scale_offset
 from featcal.statistics import (
-    HELD, accumulate, captured_inputs, example_rows, fit_sums, flatten_stats, held_out_sums, linear_moments, new_stats,
-    norm_moments, unflatten_stats,
+    HELD, Stats, accumulate, captured_inputs, example_rows, fit_sums, flatten_stats, held_out_sums, input_owners,
+    linear_moments, module_keys, new_stats, norm_moments, stats_flops, stats_layout, stats_metadata,
 )
 from featcal.t5 import column_targets, decoder_batches, greedy_targets
 from storage.atomic import atomic_path
-from storage.checkpoint import read_header, read_tensor, save_tensors
+from storage.checkpoint import read_header, read_metadata, read_tensor, save_tensors
 from tasks.context import RunContext
 from tasks.merge import MERGED
 
@@ -184,19 +184,21 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
     modules_e = calibrated_modules(expert_block)
     merged_block = ctx.skeleton.block(layer, ctx.checkpoint(MERGED)) if method == "featcal" else None
     stats_modules = calibrated_modules(merged_block) if merged_block is not None else modules_e
-    stats = new_stats(stats_modules)
     every = ctx.cfg.featcal.holdout_every
-    held = new_stats(stats_modules) if ctx.cfg.featcal.auto else None  # rows held out to choose λ / ρ
+    auto = ctx.cfg.featcal.auto  # rows held out to choose λ / ρ get sums of their own
+    # Built at the first chunk, whose module inputs show which modules read the same input.
+    made: dict[str, Any] = {}
     emphasis = emphasis_for(ctx, layer, list(stats_modules)) if method == "featcal" else None
     drift = {"in_diff": 0.0, "in_ref": 0.0, "out_diff": 0.0, "out_ref": 0.0}
     last = layer == ctx.calibrated_blocks - 1
     head_side = layer == ctx.num_blocks  # featcal.calibrate_head_side's block L
     finish_e = _stack_end(ctx, layer, task)
+    examples = ctx.run.store.open_array(_mask(ctx, task, layer)).shape[0]
 
-    def run(block: torch.nn.Module, modules: dict[str, torch.nn.Module], hidden: torch.Tensor,
-            extra: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def run(block: torch.nn.Module, modules: dict[str, torch.nn.Module], hidden: torch.Tensor, extra: Any,
+            outputs: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         sink: dict[str, torch.Tensor] = {}
-        with captured_inputs(modules, sink):
+        with captured_inputs(modules, sink, outputs):
             if head_side:
                 return ctx.adapter.run_head_side(block, hidden), sink
             return ctx.adapter.run_block(block, hidden, extra), sink
@@ -206,13 +208,26 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
         drift[f"{kind}_diff"] += d
         drift[f"{kind}_ref"] += r
 
+    def add(weights: dict[str, torch.Tensor], sink_m: dict[str, torch.Tensor], sink_e: dict[str, torch.Tensor],
+            outs_e: dict[str, torch.Tensor] | None, chunk_examples: int) -> None:
+        if not made:
+            forms, owners = stats_layout(stats_modules, weights, (sink_m, sink_e), examples, chunk_examples,
+                                         keeps_expert=merged_block is not None)
+            made.update(stats=new_stats(stats_modules, forms, owners), owners=owners,
+                        held=new_stats(stats_modules, forms, owners) if auto else None)
+        elif input_owners(list(made["owners"]), weights, sink_m, sink_e) != made["owners"]:
+            raise RuntimeError(f"block {layer}, task {task}: modules that shared one input in the first chunk do "
+                               "not in a later one")
+        accumulate(made["stats"], stats_modules, sink_m, sink_e, weights, outs_e, modules_e)
+
     def expert_outputs() -> Iterator[torch.Tensor]:
         memories = zip(_memory(ctx, task, layer, "merged"), _memory(ctx, task, layer, "expert"))
         seen = 0  # examples before the current chunk
         for (mask, s, e), (memory_s, memory_e) in zip(_boundary(ctx, task, layer, ("merged", "expert")), memories):
             extra_e = _block_input(ctx, layer, mask, memory_e, task)
+            outs_e: dict[str, torch.Tensor] | None = {} if merged_block is not None else None
             with torch.inference_mode():
-                out_e, sink_e = run(expert_block, modules_e, e, extra_e)
+                out_e, sink_e = run(expert_block, modules_e, e, extra_e, outs_e)
                 weights = token_weights(mask, list(stats_modules), emphasis, ctx.adapter.pooled_index())
                 if memory_s:  # cross-attention keys/values: one row per encoder token
                     weights.update(dict.fromkeys([m for m in ctx.adapter.memory_modules if m in stats_modules],
@@ -220,19 +235,19 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
                 if merged_block is not None:
                     extra_m = _block_input(ctx, layer, mask, memory_s, MERGED)
                     out_m, sink_m = run(merged_block, stats_modules, s, extra_m)
-                    accumulate(stats, stats_modules, sink_m, sink_e, weights)
-                    if held is not None:
+                    add(weights, sink_m, sink_e, outs_e, mask.shape[0])
+                    if made["held"] is not None:
                         chosen = (torch.arange(seen, seen + mask.shape[0]) % every) == every - 1
                         if bool(chosen.any()):
-                            held_w, held_m, held_e = example_rows(weights, chosen, sink_m, sink_e)
-                            accumulate(held, stats_modules, held_m, held_e, held_w)
+                            held_w, held_m, held_e, held_o = example_rows(weights, chosen, sink_m, sink_e, outs_e)
+                            accumulate(made["held"], stats_modules, held_m, held_e, held_w, held_o, modules_e)
                     add_drift("out", out_m - out_e, out_e, mask)
                 else:  # one side only; it fills both of the statistics' slots
                     if method == "regmean_plus_plus":  # the expert block on the merged stream
                         sink = run(expert_block, modules_e, s, _block_input(ctx, layer, mask, memory_s, task))[1]
                     else:
                         sink = sink_e
-                    accumulate(stats, stats_modules, sink, sink, weights)
+                    add(weights, sink, sink, None, mask.shape[0])
                 if finish_e is not None:
                     out_e = finish_e(out_e)
             add_drift("in", s - e, e, mask)
@@ -245,11 +260,16 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
             pass
     else:
         outputs.append(_write_next_boundary(ctx, task, layer, "expert", expert_outputs()))
+    stats: Stats = made["stats"]
+    held: Stats | None = made["held"]
     stats_rel = ctx.run.stats(task, layer)
     with atomic_path(ctx.run / stats_rel) as tmp:
-        save_tensors({**flatten_stats(stats), **(flatten_stats(held, HELD) if held is not None else {})}, tmp)
+        save_tensors({**flatten_stats(stats), **(flatten_stats(held, HELD) if held is not None else {})}, tmp,
+                     stats_metadata(stats))
     outputs.append(stats_rel)
-    info = {"drift_in": (drift["in_diff"] / max(drift["in_ref"], 1e-30)) ** 0.5}
+    info = {"drift_in": (drift["in_diff"] / max(drift["in_ref"], 1e-30)) ** 0.5,
+            "gram_flops": stats_flops(stats) + (stats_flops(held) if held is not None else 0),
+            "product_form": sorted(m for m, s in stats.items() if getattr(s, "form", None) == "product")}
     if merged_block is not None:  # the uncalibrated merged block runs only for FeatCal's statistics
         info["drift_out_uncalibrated"] = (drift["out_diff"] / max(drift["out_ref"], 1e-30)) ** 0.5
     return outputs, info
@@ -288,8 +308,8 @@ def _task_stats(ctx: RunContext, layer: int, module: str) -> Iterator[dict[str, 
     for task in ctx.tasks:
         path = ctx.run / ctx.run.stats(task, layer)
         header, start = read_header(path)
-        wanted = {k: read_tensor(path, e, start) for k, e in header.items() if k.rsplit(":", 1)[0] == module}
-        yield unflatten_stats(wanted)[module]
+        keys = module_keys(list(header), module, read_metadata(path))
+        yield {part: read_tensor(path, header[key], start) for key, part in keys.items()}
 
 
 def solve_groups(modules: dict[str, torch.nn.Module], groups: int) -> list[list[str]]:

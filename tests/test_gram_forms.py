@@ -1,0 +1,131 @@
+"""The Gram stage's two savings (featcal/statistics.py): one set of input sums per shared input, and the expert
+side kept as products where that is cheaper. Both must give the solve what C_se gave it."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import featcal.statistics as statistics
+from featcal.modeling import calibrated_modules
+from featcal.statistics import (
+    INPUT_OF, accumulate, captured_inputs, expert_side_form, flatten_stats, linear_moments, module_keys, new_stats,
+    stats_layout, stats_metadata,
+)
+from flows.pipeline import run_pipeline
+from storage.checkpoint import read_metadata
+from tests.conftest import example_config
+
+
+class SharedInputBlock(nn.Module):
+    """q, k and v read one input; down narrows (out < in), as an MLP's second layer does."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6, bias=False)
+        self.up = nn.Linear(6, 12)
+        self.down = nn.Linear(12, 3)
+
+    def forward(self, x):
+        h = self.q(x) + self.k(x) * self.v(x)
+        return self.down(torch.tanh(self.up(h)))
+
+
+def _chunks():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(2, 5, 6, generator=g), torch.randn(2, 5, 6, generator=g),
+             (torch.rand(2, 5, generator=g) > 0.3).float()) for _ in range(3)]
+
+
+@torch.no_grad()
+def _stats(forced: str | None, monkeypatch):
+    torch.manual_seed(0)
+    merged, expert = SharedInputBlock(), SharedInputBlock()
+    mods_m, mods_e = calibrated_modules(merged), calibrated_modules(expert)
+    if forced is not None:
+        monkeypatch.setattr(statistics, "expert_side_form", lambda *a: forced)
+    stats = None
+    for s, e, mask in _chunks():
+        sink_m, sink_e, outs_e = {}, {}, {}
+        with captured_inputs(mods_m, sink_m):
+            merged(s)
+        with captured_inputs(mods_e, sink_e, outs_e):
+            expert(e)
+        weights = dict.fromkeys(mods_m, mask.reshape(-1))
+        if stats is None:
+            forms, owners = stats_layout(mods_m, weights, (sink_m, sink_e), 6, 2, keeps_expert=True)
+            stats = new_stats(mods_m, forms, owners)
+        accumulate(stats, mods_m, sink_m, sink_e, weights, outs_e, mods_e)
+    return stats, merged, expert
+
+
+@pytest.mark.parametrize("form", ["gram", "product"])
+def test_moments_match_brute_force_in_either_form(form, monkeypatch):
+    stats, merged, expert = _stats(form, monkeypatch)
+    assert stats["k"].owner == stats["v"].owner == "q" and stats["up"].owner == "up"
+    flat, meta = flatten_stats(stats), stats_metadata(stats)
+    assert "k:ss" not in flat and "q:ss" in flat and json.loads(meta[INPUT_OF]) == {"k": "q", "v": "q"}
+    acts_m, acts_e = {}, {}
+    xs_all, xe_all, w_all = [], [], []
+    for s, e, mask in _chunks():  # brute force: every row in float64
+        with torch.no_grad(), captured_inputs(calibrated_modules(merged), acts_m), \
+                captured_inputs(calibrated_modules(expert), acts_e):
+            merged(s)
+            expert(e)
+        xs_all.append({k: v.double() for k, v in acts_m.items()})
+        xe_all.append({k: v.double() for k, v in acts_e.items()})
+        w_all.append(mask.reshape(-1).double())
+    w = torch.cat(w_all)
+    for name in ("k", "down"):
+        keys = module_keys(list(flat), name, meta)
+        mom = linear_moments({part: flat[key] for key, part in keys.items()}, name)
+        xs = torch.cat([c[name] for c in xs_all])
+        xe = torch.cat([c[name] for c in xe_all])
+        w_t = getattr(expert, name).weight.double()
+        alpha = 0.25
+        x_t = alpha * xe + (1 - alpha) * xs
+        want = (xs * w[:, None]).T @ (x_t @ w_t.T) / w.sum()
+        torch.testing.assert_close(mom.target(alpha, w_t), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mom.c_ss, (xs * w[:, None]).T @ xs / w.sum(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mom.mu_e, (xe * w[:, None]).sum(0) / w.sum(), rtol=1e-5, atol=1e-6)
+        assert (mom.p_se is not None) == (form == "product") and (mom.c_se is not None) == (form == "gram")
+
+
+def test_expert_side_form_is_the_cheaper_one():
+    # ViT-B/32, 32 examples × 50 tokens: the MLP's narrowing layer keeps products, the others C_se
+    rows = 32 * 50
+    assert expert_side_form(rows, 3072, 768, 1) == "product"
+    assert expert_side_form(rows, 768, 3072, 1) == "gram"
+    assert expert_side_form(rows, 768, 768, 3) == "gram"
+    # few rows: products are cheaper than C_se's product with W_tᵀ in the solve
+    assert expert_side_form(16, 768, 768, 1) == "product"
+
+
+@pytest.fixture(scope="module")
+def forced_runs(tiny_example, tmp_path_factory):
+    """The same tiny CLIP run with every module in C_se form and in product form."""
+    runs = {}
+    for form in ("gram", "product"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(statistics, "expert_side_form", lambda *a, f=form: f)
+            run_dir = tmp_path_factory.mktemp(f"forms-{form}")
+            cfg = example_config(tiny_example, "clip", runtime={"keep_activations": True},
+                                 evaluation={"enabled": False})
+            run_pipeline(cfg, run_dir)
+            runs[form] = run_dir
+    return runs
+
+
+def test_product_form_gives_the_weights_of_the_gram_form(forced_runs):
+    gram = load_file(forced_runs["gram"] / "calibrated" / "model.safetensors")
+    product = load_file(forced_runs["product"] / "calibrated" / "model.safetensors")
+    assert gram.keys() == product.keys()
+    worst = max(float((product[k].double() - gram[k].double()).norm() / gram[k].double().norm().clamp_min(1e-30))
+                for k in gram)
+    assert worst < 1e-5, worst
+    stats = sorted((forced_runs["product"] / "stats").rglob("*.safetensors"))
+    assert stats, "keep_activations keeps the statistics files"
+    meta = json.loads(read_metadata(stats[0])[INPUT_OF])
+    assert meta, "q/k/v share one input: the file says whose sums they read"
