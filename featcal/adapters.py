@@ -389,9 +389,10 @@ class T5Adapter(Adapter):
             if extra.encoder_hidden is None:
                 raise ValueError("a T5 decoder block needs its stream's encoder output (BlockInput.encoder_hidden)")
             length = hidden.shape[1]
-            keep = keep & torch.ones(length, length, dtype=torch.bool).tril()
+            keep = keep & torch.ones(length, length, dtype=torch.bool, device=hidden.device).tril()
             cross = additive_mask(extra.encoder_mask[:, None, None, :].bool(), hidden.dtype)
-        out = block(hidden, attention_mask=additive_mask(keep, hidden.dtype), position_bias=extra.position_bias,
+        bias = None if extra.position_bias is None else extra.position_bias.to(hidden.device, hidden.dtype)
+        out = block(hidden, attention_mask=additive_mask(keep, hidden.dtype), position_bias=bias,
                     encoder_hidden_states=extra.encoder_hidden, encoder_attention_mask=cross)
         return out[0]
 
@@ -471,7 +472,8 @@ class LlamaAdapter(_CausalLMAdapter):
 
     def run_block(self, block: nn.Module, hidden: torch.Tensor, extra: BlockInput) -> torch.Tensor:
         length = hidden.shape[1]
-        query, key = torch.arange(length)[:, None], torch.arange(length)[None, :]
+        steps = torch.arange(length, device=hidden.device)
+        query, key = steps[:, None], steps[None, :]
         keep = key <= query
         window = getattr(block.self_attn, "sliding_window", getattr(self.config, "sliding_window", None))
         if window is not None:
@@ -479,7 +481,7 @@ class LlamaAdapter(_CausalLMAdapter):
         keep = keep[None, None] & extra.attention_mask[:, None, None, :].bool()
         cos, sin = extra.rotary
         out = block(hidden, attention_mask=additive_mask(keep, hidden.dtype),
-                    position_embeddings=(cos.to(hidden.dtype), sin.to(hidden.dtype)))
+                    position_embeddings=(cos.to(hidden.device, hidden.dtype), sin.to(hidden.device, hidden.dtype)))
         return out[0] if isinstance(out, tuple) else out
 
 
@@ -525,7 +527,7 @@ class GPT2Adapter(_CausalLMAdapter):
 
     def run_block(self, block: nn.Module, hidden: torch.Tensor, extra: BlockInput) -> torch.Tensor:
         length = hidden.shape[1]
-        keep = torch.ones(length, length, dtype=torch.bool).tril()[None, None]
+        keep = torch.ones(length, length, dtype=torch.bool, device=hidden.device).tril()[None, None]
         if extra.attention_mask is not None:
             keep = keep & extra.attention_mask[:, None, None, :].bool()
         out = block(hidden, attention_mask=additive_mask(keep, hidden.dtype))

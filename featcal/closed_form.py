@@ -77,7 +77,7 @@ def solve_linear_weight(
 
     `tasks` yields (moments, W_t) one task at a time, so only one task's d×d moments are ever held."""
     d = merged.shape[1]
-    a = torch.zeros(d, d, dtype=torch.float64)
+    a = torch.zeros(d, d, dtype=torch.float64, device=merged.device)
     b = hp.lam * anchor(merged, base, hp.rho).T
     for mom, w_t in tasks:
         n = mom.normaliser()
@@ -86,7 +86,7 @@ def solve_linear_weight(
     if hp.trust:  # + μ Σ_t E‖W x_s − W_m x_s‖²/n_t: the data Gram again, with the merged weight as target
         b += hp.trust * a @ merged.double().T
         a *= 1.0 + hp.trust
-    a += hp.lam * torch.eye(d, dtype=torch.float64)
+    a += hp.lam * torch.eye(d, dtype=torch.float64, device=merged.device)
     sol = featcal_kernels.ridge_solve(a, b, damping=hp.eps)
     return LinearSolution(weight=sol.x.T.contiguous(), damping=sol.damping)
 
@@ -116,10 +116,10 @@ def choose_linear_hyper(
     `tasks` yields (fit moments, held-out moments, W_t). One eigendecomposition of the fit system serves the
     whole grid: in its eigenbasis V, Wᵀ = V·(R_0 + λ(R_base + ρ·R_delta)) / (e + λ + ε), and for each λ the
     held-out score is a quadratic in ρ, so each λ costs two products with the rotated held-out Gram."""
-    d = merged.shape[1]
-    a = torch.zeros(d, d, dtype=torch.float64)
-    h = torch.zeros(d, d, dtype=torch.float64)
-    b0 = torch.zeros(d, merged.shape[0], dtype=torch.float64)
+    d, f64 = merged.shape[1], {"dtype": torch.float64, "device": merged.device}
+    a = torch.zeros(d, d, **f64)
+    h = torch.zeros(d, d, **f64)
+    b0 = torch.zeros(d, merged.shape[0], **f64)
     g = torch.zeros_like(b0)
     for fit, held, w_t in tasks:
         n_fit, n_held = fit.normaliser(), held.normaliser()
@@ -131,8 +131,8 @@ def choose_linear_hyper(
     evals = evals.clamp_min(0) + hp.eps
     r0, r_base, r_delta = v.T @ b0, v.T @ base.double().T, v.T @ (merged.double() - base.double()).T
     h_rot, g_rot = v.T @ h @ v, v.T @ g
-    rho = torch.tensor(rhos, dtype=torch.float64)
-    scores = torch.empty(len(lams), len(rhos), dtype=torch.float64)
+    rho = torch.tensor(rhos, **f64)
+    scores = torch.empty(len(lams), len(rhos), **f64)
     for i, lam in enumerate(lams):
         scale = 1.0 / (evals + lam)[:, None]
         y0, y1 = scale * (r0 + lam * r_base), scale * (lam * r_delta)  # Wᵀ in the eigenbasis: y0 + ρ·y1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -189,6 +190,11 @@ class ZeroShotConfig(_Strict):
         return self.task_templates.get(task, self.templates)
 
 
+# runtime.device: what a run may ask for (featcal/devices.py resolves it against what torch sees).
+DEVICE_SPEC = re.compile(r"auto|cpu|cuda(?::([0-9]+))?")
+DEVICE_FORMS = "auto, cpu, cuda or cuda:N (N = 0, 1, ...)"
+
+
 class RuntimeConfig(_Strict):
     keep_activations: bool = False
     threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's choice")
@@ -198,6 +204,18 @@ class RuntimeConfig(_Strict):
                                             "activation_store (endpoint_url, ...); credentials: the backend's env vars")
     solve_groups: int = Field(1, ge=1, description="split each block's solve into this many stages of about "
                               "equal cost (the Dask runner runs them at the same time); the weights do not change")
+    device: str = Field("auto", description="where block forwards and Gram sums run: auto (cuda:0 when torch sees "
+                        "CUDA, else cpu), cpu, cuda or cuda:N; float64 solves move to cpu when the device lacks room")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16: activations stored as bf16 (half the disk and I/O) and block forwards in bf16; "
+                            "Grams still sum in fp32 within a chunk and float64 across chunks, solves in float64")
+
+    @field_validator("device")
+    @classmethod
+    def _device_spec(cls, spec: str) -> str:
+        if DEVICE_SPEC.fullmatch(spec) is None:
+            raise ValueError(f"{spec!r} is not a device: expected {DEVICE_FORMS}")
+        return spec
 
     @field_validator("activation_store")
     @classmethod

@@ -2,7 +2,8 @@
 
 Two savings keep the Gram stage near its floor (docs/design.md §3):
 - modules that read the very same input (q/k/v, gate/up) with the same token weights share one set of input
-  sums (C_ss, C_se, means): the first of them in block order owns it, the stats file stores it once;
+  sums (C_ss, C_se, means): the first of them in block order owns it, the stats file stores it once, named for all
+  its readers (`q+k+v:ss`);
 - a module keeps the expert side in the cheaper of two forms: C_se = Σ w x_s x_eᵀ (in × in), which the solve
   multiplies by W_tᵀ in float64, or the products themselves, P_e = Σ w x_s (W_t x_e)ᵀ and P_s = Σ w x_s (W_t x_s)ᵀ
   (in × out, fp32 within a chunk): W_t x_e is the expert module's own output, so P_e costs one product.
@@ -10,7 +11,6 @@ Two savings keep the Gram stage near its floor (docs/design.md §3):
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -26,8 +26,8 @@ FORMS = ("none", "gram", "product")
 # Keys of the sums of a module's input (shared by the modules that read it) and of one module's own products.
 INPUT_KEYS = ("ss", "se", "sum_s", "sum_e", "sum_w")
 PRODUCT_KEYS = ("pe", "ps")
-# Metadata key of a statistics file: which module owns the input sums each other module reads.
-INPUT_OF = "input_of"
+# Joins the names of the modules that read one input, in the key of its sums (module names never hold it).
+READERS = "+"
 
 
 def expert_side_form(rows: int, d_in: int, d_out: int, sharers: int) -> str:
@@ -40,12 +40,13 @@ def expert_side_form(rows: int, d_in: int, d_out: int, sharers: int) -> str:
 class InputSums:
     """Σ w x_s x_sᵀ (and Σ w x_s x_eᵀ when some reader keeps C_se), Σ w x_s, Σ w x_e, Σ w of one module input."""
 
-    def __init__(self, dim: int, with_se: bool):
-        self.ss = torch.zeros(dim, dim, dtype=torch.float64)
-        self.se = torch.zeros(dim, dim, dtype=torch.float64) if with_se else None
-        self.sum_s = torch.zeros(dim, dtype=torch.float64)
-        self.sum_e = torch.zeros(dim, dtype=torch.float64)
-        self.sum_w = torch.zeros((), dtype=torch.float64)
+    def __init__(self, dim: int, with_se: bool, device: torch.device | None = None):
+        f64 = {"dtype": torch.float64, "device": device}
+        self.ss = torch.zeros(dim, dim, **f64)
+        self.se = torch.zeros(dim, dim, **f64) if with_se else None
+        self.sum_s = torch.zeros(dim, **f64)
+        self.sum_e = torch.zeros(dim, **f64)
+        self.sum_w = torch.zeros((), **f64)
         self.flops = 0
 
     def add(self, xs: torch.Tensor, xe: torch.Tensor, w: torch.Tensor) -> None:
@@ -76,8 +77,9 @@ class LinearStats:
             raise ValueError(f"form must be one of {FORMS}, got {form!r}")
         self.form, self.owner, self.inputs = form, owner, inputs
         product = form == "product"
-        self.pe = torch.zeros(d_in, d_out, dtype=torch.float64) if product else None
-        self.ps = torch.zeros(d_in, d_out, dtype=torch.float64) if product else None
+        f64 = {"dtype": torch.float64, "device": inputs.ss.device}
+        self.pe = torch.zeros(d_in, d_out, **f64) if product else None
+        self.ps = torch.zeros(d_in, d_out, **f64) if product else None
         self.flops = 0
 
     def add_products(self, xs: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor, y_e: torch.Tensor) -> None:
@@ -94,10 +96,11 @@ class LinearStats:
 
 
 class NormStats:
-    def __init__(self, dim: int):
-        self.sum_z = torch.zeros(dim, dtype=torch.float64)
-        self.sum_z2 = torch.zeros(dim, dtype=torch.float64)
-        self.sum_w = torch.zeros((), dtype=torch.float64)
+    def __init__(self, dim: int, device: torch.device | None = None):
+        f64 = {"dtype": torch.float64, "device": device}
+        self.sum_z = torch.zeros(dim, **f64)
+        self.sum_z2 = torch.zeros(dim, **f64)
+        self.sum_w = torch.zeros((), **f64)
 
     def add(self, z: torch.Tensor, w: torch.Tensor) -> None:
         wz = w[:, None] * z
@@ -139,32 +142,21 @@ HELD = "held_"
 
 
 def flatten_stats(stats: Stats, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Every tensor once, as `module:key`: shared input sums under the module that owns them."""
+    """Every tensor once, as `name:key`: a module's own sums under its name, an input's sums under the names of
+    all the modules that read it joined by READERS."""
     flat = {}
     for module, s in stats.items():
-        tensors = s.tensors()
         if isinstance(s, LinearStats) and s.owner == module:
-            tensors = {**s.inputs.tensors(), **tensors}
-        flat.update({f"{module}:{prefix}{k}": v.contiguous() for k, v in tensors.items()})
+            readers = READERS.join(m for m, r in stats.items() if isinstance(r, LinearStats) and r.owner == module)
+            flat.update({f"{readers}:{prefix}{k}": v.cpu().contiguous() for k, v in s.inputs.tensors().items()})
+        flat.update({f"{module}:{prefix}{k}": v.cpu().contiguous() for k, v in s.tensors().items()})
     return flat
 
 
-def stats_metadata(stats: Stats) -> dict[str, str]:
-    """What a statistics file says besides its tensors: the owner of each shared input's sums."""
-    shared = {m: s.owner for m, s in stats.items() if isinstance(s, LinearStats) and s.owner != m}
-    return {INPUT_OF: json.dumps(shared, sort_keys=True)}
-
-
-def module_keys(keys: list[str], module: str, metadata: dict[str, str]) -> dict[str, str]:
-    """The keys of a statistics file that hold `module`'s sums (its own, and its input's if another module owns
-    them), each mapped to its key among the module's sums."""
-    owner = json.loads(metadata.get(INPUT_OF, "{}")).get(module, module)
-    out = {}
-    for key in keys:
-        name, part = key.rsplit(":", 1)
-        if name == module or (name == owner and part.removeprefix(HELD) in INPUT_KEYS):
-            out[key] = part
-    return out
+def module_keys(keys: list[str], module: str) -> dict[str, str]:
+    """The keys of a statistics file that hold `module`'s sums (its own, and those of the input it reads), each
+    mapped to its key among the module's sums."""
+    return {key: key.rsplit(":", 1)[1] for key in keys if module in key.rsplit(":", 1)[0].split(READERS)}
 
 
 def stats_flops(stats: Stats) -> int:
@@ -226,20 +218,21 @@ def input_owners(names: list[str], weights: dict[str, torch.Tensor], *sides: dic
 
 
 def new_stats(modules: dict[str, nn.Module], forms: dict[str, str] | None = None,
-              owners: dict[str, str] | None = None) -> Stats:
-    """Empty statistics; by default every linear module owns its input's sums and keeps C_se."""
+              owners: dict[str, str] | None = None, device: torch.device | None = None) -> Stats:
+    """Empty statistics (on `device`: where the Gram sums run); by default every linear module owns its input's
+    sums and keeps C_se."""
     forms, owners = forms or {}, owners or {}
     sums: dict[str, InputSums] = {}
     out: Stats = {}
     for name, m in modules.items():
         if is_norm(m):
-            out[name] = NormStats(m.weight.shape[0])
+            out[name] = NormStats(m.weight.shape[0], device)
             continue
         d_in, d_out = linear_dims(m)
         owner = owners.get(name, name)
         if owner not in sums:
             readers = [n for n in modules if owners.get(n, n) == owner]
-            sums[owner] = InputSums(d_in, with_se=any(forms.get(n, "gram") == "gram" for n in readers))
+            sums[owner] = InputSums(d_in, any(forms.get(n, "gram") == "gram" for n in readers), device)
         out[name] = LinearStats(d_in, d_out, forms.get(name, "gram"), owner, sums[owner])
     return out
 
@@ -293,7 +286,9 @@ def accumulate(
             if expert_outputs is None or expert_modules is None:
                 raise ValueError(f"module {name}: product-form statistics need the expert module and its outputs")
             expert = expert_modules[name]
-            y_e = expert_outputs[name] if expert.bias is None else expert_outputs[name] - expert.bias
+            y_e = expert_outputs[name].float()
+            if expert.bias is not None:
+                y_e = y_e - expert.bias.float()
             s.add_products(xs, w, as_out_in(expert, expert.weight), y_e)
 
 

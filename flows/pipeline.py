@@ -189,6 +189,8 @@ class Pipeline:
         cfg, run, tasks, L = self.cfg, self.run, self.ctx.tasks, self.ctx.num_blocks
         last = self.ctx.calibrated_blocks - 1  # L - 1, or L: the head side (featcal.calibrate_head_side)
         cal = cfg.slice("calibration")["calibration"]
+        # bf16 activations are other activations; the device is not in any key: a run may resume elsewhere.
+        precision = cfg.runtime.precision
         merged = self.call(StageCall("merge", "merge", "merge", self.key(
             "merge", cfg.slice("merge"), self.inputs["base"], [self.inputs[f"expert/{t}"] for t in tasks],
             *self.head_inputs)))
@@ -196,7 +198,7 @@ class Pipeline:
         # (record, rel) of the current block boundary per task and side: S (merged) and E (expert).
         side: dict[tuple[str, str], tuple[Record, str]] = {}
         prepared = dict(zip(tasks, self.call_all([StageCall("prepare", f"prepare/{t}", f"prepare · {t}", self.key(
-            "prepare", t, {k: v for k, v in cal.items() if k != "data"}, cal["data"][t],
+            "prepare", t, {k: v for k, v in cal.items() if k != "data"}, cal["data"][t], precision,
             self.inputs[f"calibration/{t}"], self.inputs[f"expert/{t}"], merged_digest),
             needs={"merged": "merge"}, params={"task": t}) for t in tasks]), strict=True))
         for t in tasks:
@@ -223,7 +225,7 @@ class Pipeline:
                 cross = [memory[t, s] for s in ("merged", "expert")] if adapter.reads_encoder(layer) else []
                 digests, needs = read(side[t, "merged"], side[t, "expert"], *cross)
                 gram_calls.append(StageCall("gram", f"gram/l{layer:02d}/{t}", f"block {layer:02d} · gram · {t}", self.key(
-                    "gram", layer, t, *digests, merged_digest,
+                    "gram", layer, t, *digests, merged_digest, precision,
                     self.inputs[f"expert/{t}"], featcal_cfg["pooled_token_weight"], featcal_cfg["method"],
                     *held_out, *hands_on),
                     needs={**needs, run.inputs(t): prepared[t]["stage"], "merged": "merge"},
@@ -249,7 +251,7 @@ class Pipeline:
                 digests, needs = read(side[t, "merged"], *cross)
                 prop_calls.append(StageCall("propagate", f"propagate/l{layer:02d}/{t}",
                                             f"block {layer:02d} · propagate · {t}", self.key(
-                    "propagate", layer, t, *digests, *part_digests),
+                    "propagate", layer, t, *digests, *part_digests, precision),
                     needs={**needs, **{rel: rec["stage"] for rel, rec in parts.items()},
                            run.inputs(t): prepared[t]["stage"]},
                     params={"task": t, "layer": layer}))

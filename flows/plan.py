@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal.config import RunConfig
+from featcal.devices import resolve_device
 from featcal.modeling import Skeleton, calibrated_modules, is_norm, linear_dims
 from flows.pipeline import stage_count
 from storage.checkpoint import CanonicalCheckpoint
@@ -31,9 +32,14 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
     model_bytes = sum(math.prod(base.shape(n)) * 4 for n in base.names())
     block_bytes = sum(p.numel() * 4 for p in skeleton.block_template(0).parameters())
     n, bs, T = cfg.calibration.examples_per_task, cfg.calibration.batch_size, len(cfg.tasks)
-    boundary = n * tokens * hidden * 4  # one side of one boundary, float32
+    act = 2 if cfg.runtime.precision == "bf16" else 4  # bytes of one stored activation / forward value
+    boundary = n * tokens * hidden * act  # one side of one boundary
     stats = sum(2 * d * d * 8 for d in linear_in)
-    chunk = bs * tokens * max([hidden, *linear_in]) * 4 * (2 + len(modules))
+    chunk = bs * tokens * max([hidden, *linear_in]) * act * (2 + len(modules))
+    device = resolve_device(cfg.runtime.device)
+    # On a GPU: two blocks at the run's precision, one task's float64 Gram sums, two chunks; the solves move to the
+    # CPU when the device lacks room for theirs (featcal/devices.py).
+    on_device = 2 * block_bytes * act // 4 + stats + 2 * chunk
     return {
         "architecture": adapter.architecture,
         "blocks": adapter.num_blocks(),
@@ -46,6 +52,9 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
         "estimated_disk_gib": round((2 * model_bytes + (0 if cfg.runtime.activation_store else 2 * 2 * T * boundary)
                                      + T * stats + adapter.num_blocks() * block_bytes) / GIB, 3),
         "estimated_peak_ram_gib": round((3 * block_bytes + stats + 2 * chunk) / GIB + 1.0, 3),
+        "device": str(device),
+        "precision": cfg.runtime.precision,
+        "estimated_peak_device_gib": None if device.type == "cpu" else round(on_device / GIB, 3),
     }
 
 
@@ -82,5 +91,8 @@ def render(p: dict[str, Any]) -> str:
         f"stages            {p['stages']}",
         f"disk (estimate)   {p['estimated_disk_gib']} GiB  (merged + calibrated checkpoints, 2 live boundaries, stats)",
         f"RAM (estimate)    {p['estimated_peak_ram_gib']} GiB  (3 blocks, one block's Grams, 2 chunks, +1 GiB runtime)",
+        f"device            {p['device']}, {p['precision']}" + (
+            "" if p["estimated_peak_device_gib"] is None
+            else f"  (peak device memory estimate {p['estimated_peak_device_gib']} GiB: 2 blocks, Grams, 2 chunks)"),
     ]
     return "\n".join(lines)

@@ -27,6 +27,9 @@ from zarr.storage import FsspecStore
 from storage.atomic import atomic_path, digest, remove
 
 ROOT = "acts"  # activation outputs are named `acts/...` relative to the run directory, wherever they live
+# zarr 3.1 has no bfloat16: such arrays hold each value's 16-bit pattern as uint16, tagged by this attribute.
+BFLOAT16 = "bfloat16"
+LOGICAL_DTYPE_ATTR = "featcal_dtype"
 
 
 class ActivationError(ValueError):
@@ -77,18 +80,25 @@ class ActivationStore:
 
     def write_array(self, location: str, shape: tuple[int, ...], chunk_rows: int, dtype: str,
                     row_blocks: Iterable[torch.Tensor | np.ndarray]) -> None:
-        """Write consecutive row blocks into a new array; fails if the rows do not add up to `shape`."""
+        """Write consecutive row blocks into a new array; fails if the rows do not add up to `shape`.
+
+        dtype "bfloat16" rounds each block to bf16 (as torch's .to(torch.bfloat16)) and stores the bit patterns."""
+        words = dtype == BFLOAT16
+        tagged = {"dtype": "uint16", "attributes": {LOGICAL_DTYPE_ATTR: BFLOAT16}} if words else {"dtype": dtype}
         with self.staged(location) as tmp:
             array = zarr.create_array(store=self._zarr_store(tmp, read_only=False), shape=shape,
-                                      chunks=(chunk_rows, *shape[1:]), dtype=dtype, compressors=None, fill_value=0)
+                                      chunks=(chunk_rows, *shape[1:]), compressors=None, fill_value=0, **tagged)
             start = 0
             for block in row_blocks:
-                values = block.detach().cpu().numpy() if isinstance(block, torch.Tensor) else np.asarray(block)
+                if words:
+                    values = _bf16_words(block)
+                else:
+                    values = block.detach().cpu().numpy() if isinstance(block, torch.Tensor) else np.asarray(block)
                 stop = start + values.shape[0]
                 if stop > shape[0] or tuple(values.shape[1:]) != tuple(shape[1:]):
                     raise ActivationError(
                         f"{location}: block of shape {values.shape} does not fit array {shape} at row {start}")
-                array[start:stop] = values.astype(dtype, copy=False)
+                array[start:stop] = values if words else values.astype(dtype, copy=False)
                 start = stop
             if start != shape[0]:
                 raise ActivationError(f"{location}: wrote {start} rows, expected {shape[0]}")
@@ -102,8 +112,15 @@ class ActivationStore:
     def iter_row_blocks(self, location: str, rows: int) -> Iterator[torch.Tensor]:
         """Stream an array in blocks of `rows` rows, so RAM never holds more than one block."""
         array = self.open_array(location)
+        words = _is_bf16(array)
         for start in range(0, array.shape[0], rows):
-            yield torch.from_numpy(np.ascontiguousarray(array[start:start + rows]))
+            values = np.ascontiguousarray(array[start:start + rows])
+            yield torch.from_numpy(values.view(np.int16)).view(torch.bfloat16) if words else torch.from_numpy(values)
+
+    def array_dtype(self, location: str) -> torch.dtype:
+        """The dtype iter_row_blocks yields: torch.bfloat16 for the tagged uint16 arrays, else the stored one."""
+        array = self.open_array(location)
+        return torch.bfloat16 if _is_bf16(array) else torch.from_numpy(np.empty(0, dtype=array.dtype)).dtype
 
     def array_names(self, location: str) -> list[str]:
         """The arrays directly inside a group location, sorted."""
@@ -165,3 +182,13 @@ class ActivationStore:
 
     def _name(self, location: str) -> str:
         return location if self.local else f"{self.url}{location[len(self.root):]}"
+
+
+def _is_bf16(array: zarr.Array) -> bool:
+    return array.attrs.get(LOGICAL_DTYPE_ATTR) == BFLOAT16
+
+
+def _bf16_words(block: torch.Tensor | np.ndarray) -> np.ndarray:
+    """The bf16 bit patterns of a block as uint16 (rounded on the block's own device: half the bytes to copy)."""
+    values = block.detach() if isinstance(block, torch.Tensor) else torch.from_numpy(np.asarray(block))
+    return values.to(torch.bfloat16).cpu().view(torch.int16).numpy().view(np.uint16)

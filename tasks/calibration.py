@@ -18,14 +18,15 @@ from featcal.closed_form import (
     solve_linear_weight, solve_norm_affine, solve_regmean_weight,
 )
 from featcal.data import InputBuilder, load_split, pad_to, pick_examples, row_batches
+from featcal.devices import solve_device, to_device
 from featcal.modeling import as_out_in, calibrated_modules, is_norm, linear_dims, norm_scale_offset
 from featcal.statistics import (
     HELD, Stats, accumulate, captured_inputs, example_rows, fit_sums, flatten_stats, held_out_sums, input_owners,
-    linear_moments, module_keys, new_stats, norm_moments, stats_flops, stats_layout, stats_metadata,
+    linear_moments, module_keys, new_stats, norm_moments, stats_flops, stats_layout,
 )
 from featcal.t5 import column_targets, decoder_batches, greedy_targets
 from storage.atomic import atomic_path
-from storage.checkpoint import read_header, read_metadata, read_tensor, save_tensors
+from storage.checkpoint import read_header, read_tensor, save_tensors
 from tasks.context import RunContext
 from tasks.merge import MERGED
 
@@ -104,7 +105,7 @@ def prepare(ctx: RunContext, task: str) -> tuple[list[str], dict[str, Any]]:
             rel, tokens = ctx.run.acts(task, start, side), _tokens(ctx, task, start)
             with torch.inference_mode():
                 rows = (ctx.adapter.embed_at(start, modules, b).reshape(-1, hidden) for b in stored_inputs(ctx, task))
-                store.write_array(store.location(rel), (n * tokens, hidden), bs * tokens, "float32", rows)
+                store.write_array(store.location(rel), (n * tokens, hidden), bs * tokens, ctx.storage_dtype, rows)
             outputs.append(rel)
     return outputs, info
 
@@ -143,7 +144,10 @@ def _boundary(ctx: RunContext, task: str, layer: int, sides: tuple[str, ...]) ->
     streams = [store.iter_row_blocks(store.location(ctx.run.acts(task, layer, side)), bs * tokens) for side in sides]
     kept = ctx.adapter.head_side_tokens() if layer == ctx.num_blocks else slice(None)
     for mask, *chunks in zip(masks, *streams, strict=True):
-        yield mask[:, kept], *(c.reshape(mask.shape[0], tokens, -1)[:, kept] for c in chunks)
+        # To a GPU through pinned memory, asynchronously: reading the next chunk overlaps this one's compute.
+        moved = to_device({"mask": mask, **{side: c for side, c in zip(sides, chunks, strict=True)}}, ctx.device)
+        mask = moved.pop("mask")
+        yield mask[:, kept], *(c.to(ctx.dtype).reshape(mask.shape[0], tokens, -1)[:, kept] for c in moved.values())
 
 
 def _memory(ctx: RunContext, task: str, layer: int, side: str) -> Iterator[dict[str, torch.Tensor]]:
@@ -156,7 +160,9 @@ def _memory(ctx: RunContext, task: str, layer: int, side: str) -> Iterator[dict[
     masks = store.iter_row_blocks(_mask(ctx, task, 0), bs)
     hidden = store.iter_row_blocks(store.location(ctx.run.encoder_output(task, side)), bs * tokens)
     for mask, h in zip(masks, hidden, strict=True):
-        yield {"encoder_attention_mask": mask, "encoder_hidden_states": h.reshape(mask.shape[0], tokens, -1)}
+        moved = to_device({"encoder_attention_mask": mask, "encoder_hidden_states": h}, ctx.device)
+        moved["encoder_hidden_states"] = moved["encoder_hidden_states"].to(ctx.dtype).reshape(mask.shape[0], tokens, -1)
+        yield moved
 
 
 def _block_input(ctx: RunContext, layer: int, mask: torch.Tensor, memory: dict[str, torch.Tensor],
@@ -168,7 +174,7 @@ def _block_input(ctx: RunContext, layer: int, mask: torch.Tensor, memory: dict[s
 
 def _sq_norms(diff: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
     m = mask.float()[..., None]
-    return float(((diff * m) ** 2).sum()), float(((ref * m) ** 2).sum())
+    return float(((diff.float() * m) ** 2).sum()), float(((ref.float() * m) ** 2).sum())
 
 
 def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, Any]]:
@@ -180,9 +186,9 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
     - regmean_plus_plus: expert block on S_t, its inputs on both sides.
     RegMean variants weigh every real token 1 (no pooled-token emphasis)."""
     method = ctx.cfg.featcal.method
-    expert_block = ctx.skeleton.block(layer, ctx.checkpoint(task))
+    expert_block = ctx.on_device(ctx.skeleton.block(layer, ctx.checkpoint(task)))
     modules_e = calibrated_modules(expert_block)
-    merged_block = ctx.skeleton.block(layer, ctx.checkpoint(MERGED)) if method == "featcal" else None
+    merged_block = ctx.on_device(ctx.skeleton.block(layer, ctx.checkpoint(MERGED))) if method == "featcal" else None
     stats_modules = calibrated_modules(merged_block) if merged_block is not None else modules_e
     every = ctx.cfg.featcal.holdout_every
     auto = ctx.cfg.featcal.auto  # rows held out to choose λ / ρ get sums of their own
@@ -213,8 +219,8 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
         if not made:
             forms, owners = stats_layout(stats_modules, weights, (sink_m, sink_e), examples, chunk_examples,
                                          keeps_expert=merged_block is not None)
-            made.update(stats=new_stats(stats_modules, forms, owners), owners=owners,
-                        held=new_stats(stats_modules, forms, owners) if auto else None)
+            made.update(stats=new_stats(stats_modules, forms, owners, ctx.device), owners=owners,
+                        held=new_stats(stats_modules, forms, owners, ctx.device) if auto else None)
         elif input_owners(list(made["owners"]), weights, sink_m, sink_e) != made["owners"]:
             raise RuntimeError(f"block {layer}, task {task}: modules that shared one input in the first chunk do "
                                "not in a later one")
@@ -237,7 +243,7 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
                     out_m, sink_m = run(merged_block, stats_modules, s, extra_m)
                     add(weights, sink_m, sink_e, outs_e, mask.shape[0])
                     if made["held"] is not None:
-                        chosen = (torch.arange(seen, seen + mask.shape[0]) % every) == every - 1
+                        chosen = (torch.arange(seen, seen + mask.shape[0], device=mask.device) % every) == every - 1
                         if bool(chosen.any()):
                             held_w, held_m, held_e, held_o = example_rows(weights, chosen, sink_m, sink_e, outs_e)
                             accumulate(made["held"], stats_modules, held_m, held_e, held_w, held_o, modules_e)
@@ -264,8 +270,7 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
     held: Stats | None = made["held"]
     stats_rel = ctx.run.stats(task, layer)
     with atomic_path(ctx.run / stats_rel) as tmp:
-        save_tensors({**flatten_stats(stats), **(flatten_stats(held, HELD) if held is not None else {})}, tmp,
-                     stats_metadata(stats))
+        save_tensors({**flatten_stats(stats), **(flatten_stats(held, HELD) if held is not None else {})}, tmp)
     outputs.append(stats_rel)
     info = {"drift_in": (drift["in_diff"] / max(drift["in_ref"], 1e-30)) ** 0.5,
             "gram_flops": stats_flops(stats) + (stats_flops(held) if held is not None else 0),
@@ -279,7 +284,8 @@ def _stack_end(ctx: RunContext, layer: int, checkpoint: str) -> torch.nn.Module 
     """The module (of `checkpoint`) that turns block `layer`'s output into the encoder output later blocks read,
     when block `layer` ends the encoder of an encoder–decoder; None otherwise."""
     name = ctx.adapter.ends_stack(layer)
-    return None if name is None else ctx.skeleton.materialize(name, ctx.checkpoint(checkpoint).with_prefix(f"{name}."))
+    return None if name is None else ctx.on_device(
+        ctx.skeleton.materialize(name, ctx.checkpoint(checkpoint).with_prefix(f"{name}.")))
 
 
 def _write_next_boundary(ctx: RunContext, task: str, layer: int, side: str, rows: Iterator[torch.Tensor]) -> str:
@@ -290,7 +296,7 @@ def _write_next_boundary(ctx: RunContext, task: str, layer: int, side: str, rows
     rel = ctx.run.encoder_output(task, side) if ctx.adapter.ends_stack(layer) else ctx.run.acts(task, layer + 1, side)
     shape = store.open_array(store.location(ctx.run.acts(task, layer, side))).shape
     store.write_array(store.location(rel), tuple(shape), ctx.cfg.calibration.batch_size * _tokens(ctx, task, layer),
-                      "float32", rows)
+                      ctx.storage_dtype, rows)
     return rel
 
 
@@ -303,13 +309,15 @@ def _mask(ctx: RunContext, task: str, layer: int = 0) -> str:
 
 
 # ---- solve --------------------------------------------------------------------------------------
-def _task_stats(ctx: RunContext, layer: int, module: str) -> Iterator[dict[str, torch.Tensor]]:
-    """One module's statistics, task after task in task order, read without mmap: one task's at a time."""
+def _task_stats(ctx: RunContext, layer: int, module: str,
+                device: torch.device | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """One module's statistics (on `device`), task after task in task order, read without mmap: one task's at a
+    time."""
     for task in ctx.tasks:
         path = ctx.run / ctx.run.stats(task, layer)
         header, start = read_header(path)
-        keys = module_keys(list(header), module, read_metadata(path))
-        yield {part: read_tensor(path, header[key], start) for key, part in keys.items()}
+        keys = module_keys(list(header), module)
+        yield {part: read_tensor(path, header[key], start).to(device) for key, part in keys.items()}
 
 
 def solve_groups(modules: dict[str, torch.nn.Module], groups: int) -> list[list[str]]:
@@ -359,6 +367,7 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
     names = solve_groups(modules, groups)[group]
     solved: dict[str, torch.Tensor] = {}
     damping: dict[str, float] = {}
+    solved_on: set[str] = set()  # float64 solves: on the run's device when it has room, else the CPU
     for name in names:
         module = modules[name]
         p = f"{name}." if name else ""
@@ -389,19 +398,21 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
                 solved[bias] = beta.to(merged[bias].dtype)
             continue
         # Weights in the solves' [out, in] layout (Conv1D stores [in, out]); the solved one goes back in `solved`.
-        w_merged = as_out_in(module, merged[weight])
+        dev = solve_device(ctx.device, *linear_dims(module))
+        solved_on.add(str(dev))
+        w_merged = as_out_in(module, merged[weight]).to(dev)
 
         def w_of(ckpt: Any) -> torch.Tensor:
-            return as_out_in(module, ckpt.get(prefix + weight))
+            return as_out_in(module, ckpt.get(prefix + weight)).to(dev)
 
         if not featcal:
             grams = ((linear_moments(stats, where).c_ss, w_of(expert))
-                     for stats, expert in zip(_task_stats(ctx, layer, name), experts, strict=True))
+                     for stats, expert in zip(_task_stats(ctx, layer, name, dev), experts, strict=True))
             sol = solve_regmean_weight(grams, fc.regmean_off_diagonal, fc.eps)
         else:
             if fc.auto:
                 def split_tasks() -> Iterator[tuple[LinearMoments, LinearMoments, torch.Tensor]]:
-                    for stats, task, expert, c in zip(_task_stats(ctx, layer, name), ctx.tasks, experts, weights,
+                    for stats, task, expert, c in zip(_task_stats(ctx, layer, name, dev), ctx.tasks, experts, weights,
                                                       strict=True):
                         fit, held = _fit_and_held(stats, task, where, fc.holdout_every)
                         yield (replace(linear_moments(fit, where), weight=c),
@@ -412,18 +423,18 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
             bias_terms: list[BiasTerm] = []
 
             def per_task() -> Iterator[tuple[LinearMoments, torch.Tensor]]:
-                for stats, expert, c in zip(_task_stats(ctx, layer, name), experts, weights, strict=True):
+                for stats, expert, c in zip(_task_stats(ctx, layer, name, dev), experts, weights, strict=True):
                     mom, w_t = replace(linear_moments(stats, where), weight=c), w_of(expert)
                     if has_bias:
-                        bias_terms.append(BiasTerm.of(mom, w_t, expert.get(prefix + bias), mhp.alpha))
+                        bias_terms.append(BiasTerm.of(mom, w_t, expert.get(prefix + bias).to(dev), mhp.alpha))
                     yield mom, w_t
 
             sol = solve_linear_weight(per_task(), w_merged, w_of(base), mhp)
             if has_bias and fc.calibrate_bias:
-                b = solve_linear_bias(bias_terms, sol.weight, merged[bias], base.get(prefix + bias), mhp,
-                                      merged_weight=w_merged)
-                solved[bias] = b.to(merged[bias].dtype)
-        solved[weight] = as_out_in(module, sol.weight).contiguous().to(merged[weight].dtype)
+                b = solve_linear_bias(bias_terms, sol.weight, merged[bias].to(dev), base.get(prefix + bias).to(dev),
+                                      mhp, merged_weight=w_merged)
+                solved[bias] = b.to("cpu", merged[bias].dtype)
+        solved[weight] = as_out_in(module, sol.weight).to("cpu", merged[weight].dtype).contiguous()
         damping[name] = sol.damping
         if sol.damping > hp.eps:
             log.warning("block %d module %s: Cholesky needed damping %.3g (asked %.3g)", layer, name, sol.damping, hp.eps)
@@ -431,7 +442,8 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
     with atomic_path(ctx.run / rel) as tmp:
         save_tensors(solved, tmp)
     grown = {m: d for m, d in damping.items() if d > hp.eps}
-    info: dict[str, Any] = {"method": fc.method, "modules": len(damping), "damping_grown": grown}
+    info: dict[str, Any] = {"method": fc.method, "modules": len(damping), "damping_grown": grown,
+                            "solved_on": sorted(solved_on)}
     if fc.task_weight_power:
         info["task_weights"] = dict(zip(ctx.tasks, weights, strict=True))
     if chosen:
@@ -483,7 +495,7 @@ def calibrated_tensors(ctx: RunContext, layer: int) -> dict[str, torch.Tensor]:
 
 def calibrated_block(ctx: RunContext, layer: int) -> torch.nn.Module:
     path = ctx.adapter.block_prefix(layer).rstrip(".")
-    return ctx.skeleton.materialize(path, calibrated_tensors(ctx, layer))
+    return ctx.on_device(ctx.skeleton.materialize(path, calibrated_tensors(ctx, layer)))
 
 
 def propagate(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, Any]]:

@@ -10,6 +10,7 @@ import yaml
 
 from featcal import secrets
 from featcal.config import RunConfig, config_from_dict
+from featcal.devices import activation_dtype, resolve_device
 from featcal.modeling import Skeleton
 from storage.activations import ActivationStore
 from storage.checkpoint import CanonicalCheckpoint
@@ -29,6 +30,8 @@ class RunContext:
         self.run = RunDir(root, ActivationStore.of_run(root, runtime.activation_store, runtime.storage_options))
         if self.cfg.runtime.threads:
             torch.set_num_threads(self.cfg.runtime.threads)
+        self.device = resolve_device(runtime.device)  # block forwards, Gram sums
+        self.dtype = activation_dtype(runtime.precision)  # block forwards, stored activations
         self.skeleton = Skeleton.from_checkpoint(self.cfg.experts[self.cfg.tasks[0]])
         self.adapter = self.skeleton.adapter
         self._checkpoints: dict[str, CanonicalCheckpoint] = {}
@@ -51,6 +54,15 @@ class RunContext:
         """How many solve stages block `layer` has: runtime.solve_groups, but one for the head side (one or two
         modules, fewer than a split may ask for)."""
         return 1 if layer == self.num_blocks else self.cfg.runtime.solve_groups
+
+    @property
+    def storage_dtype(self) -> str:
+        """The activation store's dtype name for this run's activations."""
+        return "bfloat16" if self.dtype == torch.bfloat16 else "float32"
+
+    def on_device(self, module: torch.nn.Module) -> torch.nn.Module:
+        """A block (or head-side module) where and in the dtype this run computes."""
+        return module.to(self.device, self.dtype)
 
     def checkpoint_dir(self, name: str) -> Path:
         """`base`, `merged`, `calibrated`, or a task name (its expert)."""

@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoTokenizer
 from featcal.adapters import Adapter, adapter_for
 from featcal.config import ConfigError, RunConfig
 from featcal.data import DataError, InputBuilder, load_split
+from featcal.devices import resolve_device
 from featcal.t5 import answer_kind
 from featcal.zeroshot import class_names
 from storage.activations import ActivationError, ActivationStore
@@ -141,6 +142,7 @@ def preflight(cfg: RunConfig) -> Adapter:
     key = cfg.fingerprint()
     if key in _just_checked:
         return _just_checked.pop(key)
+    resolve_device(cfg.runtime.device)  # a device torch cannot reach fails here, not at the first Gram
     check_zero_shot(cfg)
     adapter = check_checkpoints(cfg)
     check_head_side(cfg, adapter)

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from featcal.devices import peak_device_mib, reset_device_peak
 from storage.rundir import Record, RunDir
 from tasks.context import RunContext, context
 
@@ -16,7 +17,15 @@ StageFn = Callable[..., tuple[list[str], dict[str, Any]]]
 def execute(run_dir: str, stage: str, key: str, fn: StageFn, needs: dict[str, str], params: dict[str, Any]) -> Record:
     """A pipeline stage: `fn(ctx, **params)` with the run's context."""
     ctx: RunContext = context(run_dir)
-    return recorded(ctx.run, stage, key, lambda: fn(ctx, **params), needs)
+    reset_device_peak(ctx.device)
+
+    def work() -> tuple[list[str], dict[str, Any]]:
+        outputs, info = fn(ctx, **params)
+        if ctx.device.type != "cpu":  # on the CPU, peak RSS says it
+            info["peak_device_mib"] = round(peak_device_mib(ctx.device), 1)
+        return outputs, info
+
+    return recorded(ctx.run, stage, key, work, needs)
 
 
 def recorded(run: RunDir, stage: str, key: str, work: Callable[[], tuple[list[str], dict[str, Any]]],

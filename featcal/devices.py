@@ -1,0 +1,73 @@
+"""Where a run computes (runtime.device) and in which dtype it keeps activations (runtime.precision).
+
+Block forwards and Gram sums run on the resolved device; float64 solves run there only when it has room,
+else on the CPU (the Gram sums are float64 either way, so the weights do not depend on where they ran).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from featcal.config import DEVICE_FORMS, DEVICE_SPEC
+
+# runtime.precision -> dtype of block forwards and stored activations (Grams still sum in fp32, then float64).
+STORAGE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# A float64 solve needs about 4 [dim, dim] matrices (Gram, damped copy, Cholesky factor, workspace) plus the
+# right-hand side and solution; this factor leaves room for the allocator's fragmentation and other tensors.
+SOLVE_MEMORY_MARGIN = 1.5
+
+
+def resolve_device(spec: str) -> torch.device:
+    """The torch device a runtime.device value names, refused up front when torch cannot reach it."""
+    match = DEVICE_SPEC.fullmatch(spec)
+    if match is None:
+        raise ValueError(f"runtime.device: {spec!r} is not a device: expected {DEVICE_FORMS}")
+    if spec == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if spec == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"runtime.device: {spec!r} asked for but torch sees no CUDA device "
+                         f"(torch {torch.__version__}); use 'cpu' or 'auto'")
+    index, count = int(match.group(1) or 0), torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(f"runtime.device: {spec!r} asked for but torch sees {count} CUDA device(s), "
+                         f"cuda:0 to cuda:{count - 1}")
+    return torch.device("cuda", index)
+
+
+def activation_dtype(precision: str) -> torch.dtype:
+    """The dtype of block forwards and stored activations for a runtime.precision value."""
+    if precision not in STORAGE_DTYPES:
+        raise ValueError(f"runtime.precision: expected one of {sorted(STORAGE_DTYPES)}, got {precision!r}")
+    return STORAGE_DTYPES[precision]
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A batch on `device`: the batch itself on the CPU; to CUDA through pinned memory, so the copy is
+    asynchronous and overlaps the previous block's compute."""
+    if device.type != "cuda":
+        return batch
+    return {name: (t.pin_memory() if t.device.type == "cpu" else t).to(device, non_blocking=True)
+            for name, t in batch.items()}
+
+
+def solve_device(device: torch.device, dim: int, cols: int) -> torch.device:
+    """Where a float64 solve of a [dim, dim] system with a [dim, cols] right-hand side runs: on a CUDA device
+    when its free memory holds it with margin, else on the CPU (an out-of-memory error mid-run costs more)."""
+    if device.type != "cuda":
+        return torch.device("cpu")
+    free, _ = torch.cuda.mem_get_info(device)
+    needed = SOLVE_MEMORY_MARGIN * 8 * (4 * dim * dim + 2 * dim * cols)
+    return device if free >= needed else torch.device("cpu")
+
+
+def peak_device_mib(device: torch.device) -> float:
+    """Peak device memory allocated since the last reset, for a stage's record (0.0 on the CPU: see peak RSS)."""
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
+
+
+def reset_device_peak(device: torch.device) -> None:
+    """Start a stage's peak device memory from zero (nothing to do on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)

@@ -1,0 +1,132 @@
+"""runtime.device and runtime.precision: resolving devices, refusing bad ones, and one forward + Gram on the
+device FEATCAL_TEST_DEVICE names (default cpu; benchmarks/gpu_check.sh sets cuda) against the CPU result."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+import featcal_kernels
+from featcal.config import ConfigError, RuntimeConfig, config_from_dict
+from featcal.devices import (
+    activation_dtype, peak_device_mib, reset_device_peak, resolve_device, solve_device, to_device)
+
+TEST_DEVICE = torch.device(os.environ.get("FEATCAL_TEST_DEVICE", "cpu"))
+GOOD = {"base": "base", "experts": {"a": "ea"}, "calibration": {"data": {"a": {"path": "da"}}}}
+
+
+def _pretend_cuda(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    """What torch would report with `count` CUDA devices, without touching CUDA."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_defaults_and_explicit_cpu(tmp_path):
+    runtime = config_from_dict(GOOD, tmp_path).runtime
+    assert (runtime.device, runtime.precision) == ("auto", "fp32")
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_auto_picks_cuda_0_only_when_torch_sees_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    _pretend_cuda(monkeypatch, 2)
+    assert resolve_device("auto") == torch.device("cuda", 0)
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+
+
+def test_cuda_without_cuda_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for spec in ("cuda", "cuda:0"):
+        with pytest.raises(ValueError) as err:
+            resolve_device(spec)
+        assert str(err.value) == (f"runtime.device: {spec!r} asked for but torch sees no CUDA device "
+                                  f"(torch {torch.__version__}); use 'cpu' or 'auto'")
+
+
+def test_cuda_index_beyond_the_devices_is_refused(monkeypatch):
+    _pretend_cuda(monkeypatch, 2)
+    with pytest.raises(ValueError, match=r"^runtime.device: 'cuda:2' asked for but torch sees 2 CUDA device\(s\), "
+                                         r"cuda:0 to cuda:1$"):
+        resolve_device("cuda:2")
+
+
+@pytest.mark.parametrize("spec", ["gpu", "cuda:x", "cuda:-1", "cuda:", "CPU", "cuda:0 ", "mps"])
+def test_bad_device_specs_are_refused_by_the_config(tmp_path, spec):
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({**GOOD, "runtime": {"device": spec}}, tmp_path)
+    assert str(err.value) == (f"runtime.device: Value error, {spec!r} is not a device: expected auto, cpu, cuda or "
+                              f"cuda:N (N = 0, 1, ...) (got {spec!r}, from config)")
+    with pytest.raises(ValueError, match=r"^runtime.device: .* is not a device: expected auto, cpu, cuda or cuda:N"):
+        resolve_device(spec)
+
+
+def test_good_device_specs_pass_the_config():
+    assert [RuntimeConfig(device=s).device for s in ("auto", "cpu", "cuda", "cuda:0", "cuda:12")] == [
+        "auto", "cpu", "cuda", "cuda:0", "cuda:12"]
+
+
+def test_precision_maps_to_the_activation_dtype_and_fp16_is_refused(tmp_path):
+    assert activation_dtype("fp32") == torch.float32
+    assert activation_dtype("bf16") == torch.bfloat16
+    assert RuntimeConfig(precision="bf16").precision == "bf16"
+    with pytest.raises(ValidationError, match="precision"):
+        RuntimeConfig(precision="fp16")
+    with pytest.raises(ConfigError, match=r"^runtime.precision: Input should be 'fp32' or 'bf16' \(got 'fp16'"):
+        config_from_dict({**GOOD, "runtime": {"precision": "fp16"}}, tmp_path)
+    with pytest.raises(ValueError, match=r"^runtime.precision: expected one of \['bf16', 'fp32'\], got 'fp16'$"):
+        activation_dtype("fp16")
+
+
+def test_to_device_on_cpu_returns_the_same_tensors():
+    batch = {"input_ids": torch.arange(6).reshape(2, 3), "pixel_values": torch.randn(2, 3)}
+    moved = to_device(batch, torch.device("cpu"))
+    assert all(moved[k] is batch[k] for k in batch) and moved.keys() == batch.keys()
+
+
+def test_solve_device_follows_free_memory(monkeypatch):
+    assert solve_device(torch.device("cpu"), 4096, 4096) == torch.device("cpu")
+    dim, cols = 1000, 500
+    needed = 1.5 * 8 * (4 * dim * dim + 2 * dim * cols)  # 60 MB
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(needed), 80 * 2**30))
+    assert solve_device(cuda, dim, cols) == cuda
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(needed) - 1, 80 * 2**30))
+    assert solve_device(cuda, dim, cols) == torch.device("cpu")
+
+
+def test_peak_memory_is_zero_on_cpu():
+    reset_device_peak(torch.device("cpu"))
+    assert peak_device_mib(torch.device("cpu")) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_and_gram_on_the_test_device_match_the_cpu(dtype):
+    """On a GPU machine (FEATCAL_TEST_DEVICE=cuda) this runs the forward and featcal::dual_gram on CUDA."""
+    if TEST_DEVICE.type == "cuda" and not torch.cuda.is_available():
+        pytest.fail(f"FEATCAL_TEST_DEVICE={TEST_DEVICE} but torch sees no CUDA device (torch {torch.__version__})")
+    g = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(48, 48).to(dtype)
+    x = torch.randn(300, 48, generator=g).to(dtype)
+    w = torch.rand(300, generator=g) + 0.5
+    reset_device_peak(TEST_DEVICE)
+    y_cpu = linear(x)
+    with torch.no_grad():
+        y_dev = linear.to(TEST_DEVICE)(to_device({"x": x}, TEST_DEVICE)["x"])
+    assert y_dev.device.type == TEST_DEVICE.type and y_dev.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y_dev.float().cpu(), y_cpu.detach().float(), rtol=tol, atol=tol)
+    # The same inputs on both sides, so only the kernels differ: fp32 sums in another order (or Triton's terms).
+    xs, xe = x, y_cpu.detach()
+    on_dev = to_device({"xs": xs, "xe": xe, "w": w}, TEST_DEVICE)
+    want = featcal_kernels.dual_gram(xs, xe, w)
+    got = featcal_kernels.dual_gram(on_dev["xs"], on_dev["xe"], on_dev["w"])
+    for name, a, b in zip(want._fields, got, want):
+        assert a.device.type == TEST_DEVICE.type, name
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-3, msg=name)
+    assert want.sum_w.item() == pytest.approx(w.sum().item(), rel=1e-6)
+    assert (peak_device_mib(TEST_DEVICE) > 0) == (TEST_DEVICE.type == "cuda")
