@@ -30,12 +30,17 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
 
 def _add_flow_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("where the stages run")
-    g.add_argument("--runner", choices=["local", "dask"], default="local",
-                   help="local: in this process (default); dask: on Dask workers, a block's independent stages at once")
+    g.add_argument("--runner", choices=["local", "pool", "dask"], default="local",
+                   help="local: in this process (default); pool: in --workers processes on this machine, a block's "
+                        "independent stages at once; dask: on Dask workers, the same")
     g.add_argument("--address", metavar="tcp://HOST:PORT",
                    help="with --runner dask: the scheduler of an existing cluster (tls://HOST:PORT: over TLS)")
-    g.add_argument("--workers", type=int, metavar="N", help="with --runner dask: start a local cluster of N worker processes")
-    g.add_argument("--worker-threads", type=int, default=1, metavar="N", help="torch threads per Dask worker (default 1)")
+    g.add_argument("--workers", type=int, metavar="N",
+                   help="with --runner pool: N worker processes (default: one per core); with --runner dask: start a "
+                        "local cluster of N worker processes")
+    g.add_argument("--worker-threads", type=int, metavar="N",
+                   help="torch threads per worker process (default: the cores divided among the pool's workers; 1 "
+                        "per Dask worker); runtime.threads, when set, wins")
     g.add_argument("--tls-ca-file", metavar="PEM", help="with --address tls://…: the CA that signed the cluster's certificates")
     g.add_argument("--tls-cert", metavar="PEM", help="with --address tls://…: this client's certificate (signed by that CA)")
     g.add_argument("--tls-key", metavar="PEM", help="with --address tls://…: its private key (if not in --tls-cert)")
@@ -163,13 +168,15 @@ def _check_runner(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                          "or --workers N (a local cluster)")
         if args.address is not None and args.workers is not None:
             parser.error("--address and --workers exclude each other: --address joins a cluster, --workers starts one")
-        if args.workers is not None and args.workers < 1:
-            parser.error(f"--workers must be at least 1, got {args.workers}")
         if getattr(args, "no_prefect", False):
             parser.error("--runner dask runs stages as Prefect tasks: it cannot be combined with --no-prefect")
-    elif args.address is not None or args.workers is not None:
-        parser.error("--address and --workers need --runner dask")
-    if args.worker_threads < 1:
+    elif args.address is not None:
+        parser.error("--address needs --runner dask")
+    elif args.runner == "local" and (args.workers is not None or args.worker_threads is not None):
+        parser.error("--workers and --worker-threads need --runner pool (processes on this machine) or --runner dask")
+    if args.workers is not None and args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
+    if args.worker_threads is not None and args.worker_threads < 1:
         parser.error(f"--worker-threads must be at least 1, got {args.worker_threads}")
 
 
@@ -228,7 +235,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not args.skip_disk_check:
         check_free_space(estimate, run_dir)
     _check_cluster(args)
-    if args.no_prefect:
+    if args.no_prefect and args.runner == "pool":
+        from featcal import secrets
+        from flows.pipeline import run_pipeline
+        from flows.pool_runner import stage_pool
+
+        known = secrets.found(cfg.model_dump(mode="json", by_alias=True))
+        with stage_pool(args.workers, args.worker_threads, known) as pool:
+            run_pipeline(cfg, run_dir, pool, submit=pool.submit)
+    elif args.no_prefect:
         from flows.pipeline import run_pipeline
 
         run_pipeline(cfg, run_dir)
@@ -428,14 +443,16 @@ def _quiet_prefect_tracebacks(debug: bool) -> None:
                 handler.addFilter(one_line)
 
 
-_USER_ERRORS = {"flows.plan": "NotEnoughDisk", "flows.server": "ServerError", "storage.rundir": "RunDirError"}
+_USER_ERRORS = {"flows.plan": "NotEnoughDisk", "flows.server": "ServerError", "storage.rundir": "RunDirError",
+                "flows.pool_runner": "WorkerDied"}
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors the user can fix (bad config or input, a busy, read-only or full disk, a server that does not
-    answer): reported in one line, not as a traceback. Config, data and checkpoint errors are ValueErrors. The
-    others are taken from their modules only when loaded: a module never imported raised nothing, and importing
-    one here (flows.plan loads every model class) would cost seconds on the way to a one-line refusal."""
+    answer, a pool worker killed or out of memory): reported in one line, not as a traceback. Config, data and
+    checkpoint errors are ValueErrors. The others are taken from their modules only when loaded: a module never
+    imported raised nothing, and importing one here (flows.plan loads every model class) would cost seconds on the
+    way to a one-line refusal."""
     loaded = [getattr(sys.modules[module], name) for module, name in _USER_ERRORS.items() if module in sys.modules]
     return (ValueError, OSError, *loaded)
 

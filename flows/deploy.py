@@ -52,13 +52,15 @@ def check_cron(cron: str) -> None:
 
 
 def deployment_parameters(config: str, run_dir: str, overrides: list[str], runner: str, address: str | None,
-                          workers: int | None, worker_threads: int, tag_task_runs: bool,
+                          workers: int | None, worker_threads: int | None, tag_task_runs: bool,
                           tls_ca_file: str | None = None, tls_cert: str | None = None,
                           tls_key: str | None = None) -> dict[str, Any]:
     """The deployment's parameters, as stored by the server: overrides with their credentials redacted."""
     params: dict[str, Any] = {"config_path": str(Path(config).resolve()), "run_dir": str(Path(run_dir).resolve()),
                               "overrides": secrets.redact_overrides(overrides), "runner": runner,
                               "tag_task_runs": tag_task_runs}
+    if runner == "pool":
+        params.update(workers=workers, worker_threads=worker_threads)
     if runner == "dask":
         params.update(address=address, workers=workers, worker_threads=worker_threads)
         tls = {"tls_ca_file": tls_ca_file, "tls_cert": tls_cert, "tls_key": tls_key}
@@ -76,7 +78,7 @@ def export_override_secrets(overrides: list[str]) -> None:
 
 
 def serve(config: str, run_dir: str, cron: str, name: str, overrides: list[str], runner: str = "local",
-          address: str | None = None, workers: int | None = None, worker_threads: int = 1,
+          address: str | None = None, workers: int | None = None, worker_threads: int | None = None,
           tag_task_runs: bool = False, tls_ca_file: str | None = None, tls_cert: str | None = None,
           tls_key: str | None = None) -> None:
     """Register the deployment and serve it until interrupted (its schedule is paused on shutdown)."""

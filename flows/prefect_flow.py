@@ -1,9 +1,11 @@
 """The pipeline as one Prefect flow: every stage a task with an explicit, verified cache key.
 
 Stages run in the flow's process (`runner="local"`), or on Dask workers (`runner="dask"`, through prefect-dask)
-where the independent stages of a block run at the same time. Either way the flow run carries tags (model,
-merge method, run directory), its task runs carry readable names (`block 03 · gram · sentiment`), and the UI
-shows live progress, a table per block and the final report (flows/artifacts.py).
+where the independent stages of a block run at the same time, or in a pool of worker processes on this machine
+(`runner="pool"`, flows/pool_runner.py; its stages are not Prefect task runs: the flow run, its logs and its
+artifacts are). Either way the flow run carries tags (model, merge method, run directory), its task runs carry
+readable names (`block 03 · gram · sentiment`), and the UI shows live progress, a table per block and the final
+report (flows/artifacts.py).
 
 Credentials in `--set` overrides never reach the Prefect API: the flow run's `overrides` parameter is stored
 with them replaced by placeholders (featcal/secrets.py); the flow itself is called with the real values.
@@ -29,7 +31,7 @@ from storage.rundir import Record
 from tasks.record import execute
 
 RESULTS_DIR = ".prefect-results"
-RUNNERS = ("local", "dask")
+RUNNERS = ("local", "pool", "dask")
 
 
 def key_parameter(_context: Any, parameters: dict[str, Any]) -> str:
@@ -133,15 +135,16 @@ class RedactingFlow(Flow):
 
 
 def featcal_flow(config_path: str, run_dir: str, overrides: list[str] | None = None, runner: str = "local",
-                 address: str | None = None, workers: int | None = None, worker_threads: int = 1,
+                 address: str | None = None, workers: int | None = None, worker_threads: int | None = None,
                  tag_task_runs: bool = False, tls_ca_file: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None) -> dict[str, str]:
     """Calibrate the merged model of CONFIG into RUN_DIR, resuming whatever a previous run finished.
 
-    runner: "local" (stages in this process) or "dask" (on the Dask cluster at `address`, or on a local
-    cluster of `workers` processes, each using `worker_threads` torch threads; `tls_*`: the CA, certificate and
-    key for a tls:// address). The flow run is tagged with the model, merge method and run directory;
-    `tag_task_runs` puts those tags on every task run too."""
+    runner: "local" (stages in this process), "pool" (in `workers` processes on this machine, default one per
+    core, each using `worker_threads` torch threads, default the cores divided among them) or "dask" (on the Dask
+    cluster at `address`, or on a local cluster of `workers` processes, each using `worker_threads` torch threads,
+    default 1; `tls_*`: the CA, certificate and key for a tls:// address). The flow run is tagged with the model,
+    merge method and run directory; `tag_task_runs` puts those tags on every task run too."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     if runner not in RUNNERS:
@@ -162,9 +165,14 @@ def featcal_flow(config_path: str, run_dir: str, overrides: list[str] | None = N
 
             stack.enter_context(temporary_settings(updates={PREFECT_API_URL: _api_for_workers(address)}))
             stages = StageRunner(task_tags, stack.enter_context(dask_task_runner(
-                run_dir, address, workers, worker_threads, known_secrets=known_secrets, tls_ca_file=tls_ca_file,
+                run_dir, address, workers, worker_threads or 1, known_secrets=known_secrets, tls_ca_file=tls_ca_file,
                 tls_cert=tls_cert, tls_key=tls_key)))
             records = run_pipeline(cfg, run_dir, stages, on_stage=live.on_stage, submit=stages.submit)
+        elif runner == "pool":
+            from flows.pool_runner import stage_pool
+
+            pool = stack.enter_context(stage_pool(workers, worker_threads, known_secrets))
+            records = run_pipeline(cfg, run_dir, pool, on_stage=live.on_stage, submit=pool.submit)
         else:
             records = run_pipeline(cfg, run_dir, StageRunner(task_tags), on_stage=live.on_stage)
     live.finish()

@@ -90,7 +90,8 @@ def test_dask_runner_needs_a_cluster_flag(tiny_example, tmp_path, capsys):
     assert "--runner dask needs --address tcp://HOST:PORT (an existing cluster) or --workers N" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["run", config, "--run-dir", str(tmp_path / "r"), "--workers", "2"])
-    assert "--address and --workers need --runner dask" in capsys.readouterr().err
+    assert "--workers and --worker-threads need --runner pool (processes on this machine) or --runner dask" in (
+        capsys.readouterr().err)
     assert not (tmp_path / "r").exists()
 
 
