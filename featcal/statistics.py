@@ -51,17 +51,17 @@ class InputSums:
 
     def add(self, xs: torch.Tensor, xe: torch.Tensor, w: torch.Tensor) -> None:
         g = featcal_kernels.dual_gram(xs, xe if self.se is not None else None, w)
-        self.ss += g.c_ss.double()
-        self.sum_s += g.sum_s.double()
-        self.sum_w += g.sum_w.double()
+        self.ss += g.c_ss
+        self.sum_s += g.sum_s
+        self.sum_w += g.sum_w
         rows, dim = xs.shape
         self.flops += rows * dim * (dim + 1)  # C_ss: one triangle
         if self.se is not None:
-            self.se += g.c_se.double()
-            self.sum_e += g.sum_e.double()
+            self.se += g.c_se
+            self.sum_e += g.sum_e
             self.flops += 2 * rows * dim * dim
         else:
-            self.sum_e += (xe.float().T @ w.float()).double()
+            self.sum_e += xe.float().T @ w.float()
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {"ss": self.ss, "sum_s": self.sum_s, "sum_e": self.sum_e, "sum_w": self.sum_w}
@@ -87,8 +87,8 @@ class LinearStats:
         its bias) and W_t [out, in]."""
         xs32 = xs.float()
         wxs = xs32 * w.float()[:, None]
-        self.pe += (wxs.T @ y_e.float()).double()
-        self.ps += (wxs.T @ (xs32 @ w_t.float().T)).double()
+        self.pe += wxs.T @ y_e.float()
+        self.ps += wxs.T @ (xs32 @ w_t.float().T)
         self.flops += 6 * xs.shape[0] * w_t.shape[0] * w_t.shape[1]
 
     def tensors(self) -> dict[str, torch.Tensor]:

@@ -38,10 +38,24 @@ def output_shapes(d: int, has_xe: bool) -> list[tuple[int, ...]]:
     return [(d, d), (d, d) if has_xe else (0,), (d,), (d,) if has_xe else (0,), ()]
 
 
+# Tile of the in-place mirror: a transposed copy is cache-friendly only in small blocks.
+MIRROR_TILE = 256
+
+
 def mirror_upper(c: torch.Tensor) -> torch.Tensor:
-    """Full symmetric matrix from the upper triangle of ``c`` (the lower one is ignored)."""
-    upper = c.triu()
-    return upper + upper.triu(1).T
+    """``c`` made symmetric in place from its upper triangle (the lower one is overwritten), and returned.
+
+    Tile by tile: a whole-matrix ``u + u.T`` reads one operand across rows and cost a d = 3072 Gram about 6× as
+    long, a fifth of its products on one thread."""
+    d = c.shape[0]
+    for i in range(0, d, MIRROR_TILE):
+        rows = slice(i, i + MIRROR_TILE)
+        diagonal = c[rows, rows]
+        diagonal.copy_(diagonal.triu() + diagonal.triu(1).T)
+        for j in range(i + MIRROR_TILE, d, MIRROR_TILE):
+            cols = slice(j, j + MIRROR_TILE)
+            c[cols, rows] = c[rows, cols].T
+    return c
 
 
 def _add_upper_gram(c_ss: torch.Tensor, wxs: torch.Tensor, xs: torch.Tensor) -> None:

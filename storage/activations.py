@@ -10,7 +10,6 @@ crash can leave a half-copied array: its digest then differs from the record's a
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -20,11 +19,12 @@ from typing import Any
 import fsspec
 import numpy as np
 import torch
+import xxhash
 import zarr
 from fsspec.implementations.local import LocalFileSystem
 from zarr.storage import FsspecStore
 
-from storage.atomic import atomic_path, digest, remove
+from storage.atomic import atomic_path, content_hash, digest, remove
 
 ROOT = "acts"  # activation outputs are named `acts/...` relative to the run directory, wherever they live
 # zarr 3.1 has no bfloat16: such arrays hold each value's 16-bit pattern as uint16, tagged by this attribute.
@@ -140,11 +140,11 @@ class ActivationStore:
         """Content digest of an array or group: relative names and bytes, in sorted order."""
         if self.local:
             return digest(Path(location))
-        h = hashlib.blake2b(digest_size=16)
+        h = content_hash()
         self.fs.invalidate_cache(location)
         for path in sorted(self.fs.find(location)):
             h.update(path[len(location):].lstrip("/").encode() + b"\0")
-            h.update(hashlib.blake2b(self.fs.cat_file(path)).digest())
+            h.update(xxhash.xxh3_128(self.fs.cat_file(path)).digest())
         return h.hexdigest()
 
     def remove(self, location: str) -> None:

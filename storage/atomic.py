@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -57,18 +59,25 @@ def read_json(path: Path) -> Any:
     return json.loads(Path(path).read_text())
 
 
+def content_hash() -> xxhash.xxh3_128:
+    """The hash of every content digest: integrity, not secrecy (a record's digest says its output is the one it
+    wrote), so a fast non-cryptographic 128-bit hash: xxh3 reads ~20 GB/s where blake2b read ~0.8, and a run
+    hashes every statistics file it writes."""
+    return xxhash.xxh3_128()
+
+
 def digest(path: Path) -> str:
     """Content digest of a file, or of a directory tree (relative names and bytes, in sorted order)."""
     path = Path(path)
-    h = hashlib.blake2b(digest_size=16)
+    h = content_hash()
     if path.is_dir():
         for child in sorted(p for p in path.rglob("*") if p.is_file()):
             h.update(str(child.relative_to(path)).encode() + b"\0")
             with open(child, "rb") as fh:
-                h.update(hashlib.file_digest(fh, "blake2b").digest())
+                h.update(hashlib.file_digest(fh, content_hash).digest())
     else:
         with open(path, "rb") as fh:
-            h.update(hashlib.file_digest(fh, "blake2b").digest())
+            h.update(hashlib.file_digest(fh, content_hash).digest())
     return h.hexdigest()
 
 
