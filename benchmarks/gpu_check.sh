@@ -57,7 +57,7 @@ main() {
   echo "== python: $py"
   step versions 60 "$py" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'triton', triton.__version__, 'devices', [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])"
-  step tests 120 env FEATCAL_TEST_DEVICE=cuda "$py" -m pytest -q tests/test_devices.py tests/test_kernels*.py
+  step tests 240 env FEATCAL_TEST_DEVICE=cuda "$py" -m pytest -q tests/test_devices.py tests/test_kernels*.py tests/test_precision.py
   local left=$((BUDGET - SECONDS))
   if [ "$left" -lt 60 ]; then
     FAILED+=("pipeline_cost (skipped: ${left}s of the ${BUDGET}s left)")

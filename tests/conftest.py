@@ -1,4 +1,4 @@
-"""Shared fixtures: one tiny example build per test session, and one uninterrupted reference run of it."""
+"""Shared fixtures: one tiny example build per test session, and the uninterrupted reference runs of it."""
 
 import os
 import subprocess
@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -13,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from featcal.config import RunConfig, config_from_dict  # noqa: E402
 from featcal.example import example_for_tests  # noqa: E402
+from flows.pipeline import run_pipeline  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -60,3 +62,18 @@ def reference_run(resume_config, tmp_path_factory) -> Path:
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def one_thread_run(tiny_example, tmp_path_factory) -> Path:
+    """The tiny BERT example in one process, stages one after the other, one torch thread: what runs spread over
+    worker processes (Dask, the pool) must reproduce bit for bit, each worker using one thread too (another thread
+    count may round differently)."""
+    run_dir = tmp_path_factory.mktemp("one-thread")
+    before = torch.get_num_threads()
+    try:
+        run_pipeline(example_config(tiny_example, "bert", evaluation={"enabled": False}, runtime={"threads": 1}), run_dir)
+    finally:
+        torch.set_num_threads(before)  # runtime.threads applies to the whole process
+    return run_dir
+

@@ -4,15 +4,12 @@ weights bit for bit; usage and connection errors name what is wrong."""
 import json
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import fsspec
 import pytest
-import torch
 
 from flows.cli import main
 from flows.dask_runner import DaskUnavailable, _check_shared, check_scheduler
-from flows.pipeline import run_pipeline
 from flows.prefect_flow import featcal_flow
 from storage.atomic import digest
 from storage.rundir import RunDir
@@ -23,28 +20,15 @@ from tests.dask_processes import dask_processes, free_port
 pytest_plugins = ("tests.prefect_server", "tests.s3_server")
 
 
-@pytest.fixture(scope="module")
-def single_process_run(tiny_example, tmp_path_factory) -> Path:
-    """The reference both clusters must reproduce: one process, local activations, one solve per block, and one
-    torch thread like each worker (`--worker-threads 1`): a different thread count may round differently."""
-    run_dir = tmp_path_factory.mktemp("single")
-    before = torch.get_num_threads()
-    try:
-        run_pipeline(example_config(tiny_example, "bert", evaluation={"enabled": False}, runtime={"threads": 1}), run_dir)
-    finally:
-        torch.set_num_threads(before)  # runtime.threads applies to the whole process
-    return run_dir
-
-
 def test_local_cluster_of_two_workers_is_bit_identical_to_one_process(prefect_server, tiny_example,
-                                                                      single_process_run, tmp_path):
+                                                                      one_thread_run, tmp_path):
     no_eval = ["evaluation.enabled=false"]
     state = featcal_flow(str(tiny_example / "bert" / "example.yaml"), str(tmp_path / "dask"), no_eval,
                          runner="dask", workers=2, return_state=True)
     assert state.is_completed(), state
     for rel in ("calibrated/model.safetensors", "merged/model.safetensors",
                 *(f"blocks/l{b:02d}.safetensors" for b in range(3))):
-        assert digest(tmp_path / "dask" / rel) == digest(single_process_run / rel), rel
+        assert digest(tmp_path / "dask" / rel) == digest(one_thread_run / rel), rel
     started = {e["pid"] for e in RunDir(tmp_path / "dask").events() if e["event"] == "start"}
     assert len(started) == 2 and os.getpid() not in started  # every stage ran on one of the two workers
 
@@ -57,7 +41,7 @@ def dask_cluster(tmp_path) -> Iterator[str]:
 
 
 def test_existing_cluster_at_an_address_runs_split_solves_bit_identically(prefect_server, tiny_example, dask_cluster,
-                                                                         single_process_run, s3_options, s3_bucket,
+                                                                         one_thread_run, s3_options, s3_bucket,
                                                                          tmp_path):
     """`--runner dask --address`: a scheduler and two worker processes started by hand, the activations in an
     S3 object store, each block's solve in three groups submitted together; the weights equal a single-process
@@ -68,7 +52,7 @@ def test_existing_cluster_at_an_address_runs_split_solves_bit_identically(prefec
                          runner="dask", address=dask_cluster, return_state=True)
     assert state.is_completed(), state
     for rel in ("calibrated/model.safetensors", "merged/model.safetensors"):
-        assert digest(tmp_path / "dask" / rel) == digest(single_process_run / rel), rel
+        assert digest(tmp_path / "dask" / rel) == digest(one_thread_run / rel), rel
     events = RunDir(tmp_path / "dask").events()
     solvers = {e["pid"] for e in events if e["event"] == "start" and e["stage"].startswith("solve/")}
     started = {e["pid"] for e in events if e["event"] == "start"}

@@ -62,6 +62,18 @@ def test_kill9_mid_flow_then_rerun_is_bit_identical(resume_config, reference_run
     _resumes_bit_identically(resume_config, run_dir, proc.pid, reference_run)
 
 
+def stopped(proc: subprocess.Popen, signum: int, to_group: bool) -> str:
+    """Stop a run as a terminal (the whole group) or a supervisor (the main process alone) would: it must exit with
+    128 + signum within 10 s. Returns what it printed."""
+    sent = time.monotonic()
+    (os.killpg if to_group else os.kill)(proc.pid, signum)
+    out, _ = proc.communicate(timeout=60)
+    took = time.monotonic() - sent
+    assert proc.returncode == 128 + signum, out
+    assert took < 10, f"took {took:.1f} s to stop"
+    return out
+
+
 STOPS = {
     # Ctrl-C in a terminal: SIGINT to the whole process group, Prefect's temporary server included.
     "ctrl-c, prefect": (signal.SIGINT, True, ()),
@@ -81,12 +93,7 @@ def test_stop_signal_ends_the_run_within_10_s_and_it_resumes(stop, resume_config
     children = psutil.Process(proc.pid).children(recursive=True)
     if not options:  # Prefect's temporary server is a child: it must not outlive the run
         assert any("uvicorn" in " ".join(c.cmdline()) for c in children)
-    sent = time.monotonic()
-    (os.killpg if to_group else os.kill)(proc.pid, signum)
-    out, _ = proc.communicate(timeout=60)
-    took = time.monotonic() - sent
-    assert proc.returncode == 128 + signum, out
-    assert took < 10, f"took {took:.1f} s to stop"
+    out = stopped(proc, signum, to_group)
     name = signal.Signals(signum).name
     assert f"featcal: stopped by {name} during stage 'block 01 · gram · count'" in out, out
     assert "rerun the same command to resume" in out
