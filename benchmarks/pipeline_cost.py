@@ -1,12 +1,17 @@
-"""Cost of a FeatCal run: wall time split by stage, peak RSS as the number of experts grows, and the
-floor of forward passes any calibration must make — all measured side by side in one invocation.
+"""Cost of a FeatCal run against its floor: wall time split by stage, peak RSS, and the floor, all measured side by
+side in one invocation.
 
-    python benchmarks/pipeline_cost.py --shape vit-b32 --experts 2 4 8 --examples 32 --threads 1 \
-        --out benchmarks/results/pipeline_cost.md
+    python benchmarks/pipeline_cost.py --shape vit-b32 --experts 8 --examples 32 --threads 1 \
+        --precision fp32 bf16 --compare-with /tmp/featcal-before --out benchmarks/results/pipeline_cost_vitb32.md
 
-The ViT-B/32 shape is the one docs/design.md §5 quotes for the official implementation on these CPUs
-(8 experts, 32 examples/task, 1 thread: 291 s, 7.0 GiB peak RSS). Weights here are synthetic
-(random base, experts = base + seeded perturbations): cost does not depend on what the weights learned.
+The floor is what any implementation of the method must compute: per task and block, the expert and merged forwards
+(Gram stage) and the calibrated forward (propagate stage), measured here as full-model forwards at the run's
+precision, plus the Gram FLOPs the run's statistics took (its Gram records count them) at the matmul rate measured
+here at the same precision. `--compare-with DIR` also runs another checkout of this project (say, the commit before a
+change) on the same inputs in fp32, and reports its time and how far its weights are from this checkout's.
+
+The ViT-B/32 shape is the one docs/design.md §5 quotes for the official implementation on these CPUs. Weights here are
+synthetic (random base, experts = base + seeded perturbations): cost does not depend on what the weights learned.
 """
 
 from __future__ import annotations
@@ -63,7 +68,8 @@ def build_inputs(work: Path, shape: str, n_experts: int, examples: int) -> None:
             Dataset.from_dict({"pixel_values": pixels}, features=features).save_to_disk(str(data))
 
 
-def config_file(work: Path, n_experts: int, examples: int) -> Path:
+def config_file(work: Path, n_experts: int, examples: int, runtime: dict[str, str] | None = None) -> Path:
+    """The run's config; `runtime` only for this checkout (one from before runtime.precision refuses the keys)."""
     tasks = [f"task{t}" for t in range(n_experts)]
     raw = {
         "base": str(work / "base"),
@@ -72,59 +78,109 @@ def config_file(work: Path, n_experts: int, examples: int) -> Path:
                         "examples_per_task": examples, "batch_size": 16},
         "evaluation": {"enabled": False},
     }
-    path = work / f"config-{n_experts}.yaml"
+    if runtime:
+        raw["runtime"] = runtime
+    suffix = "-".join(v.replace(":", "") for v in (runtime or {}).values()) or "default"
+    path = work / f"config-{n_experts}-{suffix}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
 
 
-def run_once(config: Path, run_dir: Path, threads: int, prefect: bool) -> dict:
-    """One `featcal run` in a child process: wall time and that child's own peak RSS."""
+def run_once(config: Path, run_dir: Path, threads: int, prefect: bool, code: Path = ROOT) -> dict:
+    """One `featcal run` of the checkout at `code` in a child process: wall time and that child's own peak RSS."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1"}
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(code)}
     cmd = [sys.executable, "-m", "flows.cli", "run", str(config), "--run-dir", str(run_dir)]
     if not prefect:
         cmd.append("--no-prefect")
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=code, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     if status != 0:
         raise RuntimeError(f"featcal run failed:\n{proc.stderr.read()}")
     by_kind: dict[str, float] = defaultdict(float)
+    gram_flops = 0
     for path in (run_dir / "records").glob("*.json"):
         rec = json.loads(path.read_text())
         if "stage" in rec:
             by_kind[rec["stage"].split("/")[0]] += rec["seconds"]
-    return {"wall_s": wall, "peak_rss_gib": usage.ru_maxrss / 1024**2, "stages_s": dict(by_kind)}
+            gram_flops += rec.get("info", {}).get("gram_flops", 0) if rec["stage"].startswith("gram/") else 0
+    return {"wall_s": wall, "peak_rss_gib": usage.ru_maxrss / 1024**2, "stages_s": dict(by_kind),
+            "gram_flops": gram_flops}
 
 
-def forward_floor(work: Path, n_experts: int, examples: int, threads: int) -> float:
-    """Seconds for the forward passes any calibration needs: expert and merged model over every task's inputs."""
+def forward_seconds(work: Path, examples: int, threads: int, dtype: torch.dtype, device: str) -> float:
+    """Seconds for one full-model forward over one task's calibration inputs, batch 16, at `dtype` on `device`."""
     from datasets import load_from_disk
     from transformers import CLIPVisionModel
 
     torch.set_num_threads(threads)
-    model = CLIPVisionModel.from_pretrained(work / "base").eval()
+    model = CLIPVisionModel.from_pretrained(work / "base").eval().to(device, dtype)
     pixels = torch.tensor(np.asarray(load_from_disk(str(work / "data" / "task0"))["pixel_values"][:examples]))
+    pixels = pixels.to(device, dtype)
     with torch.inference_mode():
         model(pixel_values=pixels[:2])  # warm-up
+        _sync(device)
         start = time.perf_counter()
         for i in range(0, examples, 16):
             model(pixel_values=pixels[i:i + 16])
-        one = time.perf_counter() - start
-    return one * 2 * n_experts  # two models per task
+        _sync(device)
+        return time.perf_counter() - start
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def matmul_rate(threads: int, dtype: torch.dtype, device: str) -> float:
+    """FLOP/s of a Gram-shaped product (one chunk's 16 × 50 rows, in 3072, out 768) at `dtype`, best of 5."""
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(800, 3072, generator=g).to(device, dtype)
+    y = torch.randn(800, 768, generator=g).to(device, dtype)
+    best = float("inf")
+    for _ in range(6):  # the first is a warm-up
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(5):
+            x.T @ y
+        _sync(device)
+        best = min(best, (time.perf_counter() - start) / 5)
+    return 2 * 800 * 3072 * 768 / best
+
+
+def weight_gap(a: Path, b: Path) -> float:
+    """Largest relative Frobenius difference between the calibrated weight matrices of two runs (biases and norms
+    of a random-init model are near zero, so their relative difference says little)."""
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(a / "calibrated" / "model.safetensors"), load_file(b / "calibrated" / "model.safetensors")
+    if wa.keys() != wb.keys():
+        raise RuntimeError(f"{a} and {b} hold different tensors")
+    return max(float((wa[k].double() - wb[k].double()).norm() / wb[k].double().norm().clamp_min(1e-30))
+               for k in wa if wa[k].dim() == 2)
 
 
 def model_gib(work: Path) -> float:
     return (work / "base" / "model.safetensors").stat().st_size / 1024**3
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+KINDS = ["merge", "prepare", "gram", "solve", "propagate", "assemble"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=sorted(SHAPES), default="vit-b32")
-    parser.add_argument("--experts", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--experts", type=int, nargs="+", default=[8])
     parser.add_argument("--examples", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--precision", choices=sorted(DTYPES), nargs="+", default=["fp32"])
+    parser.add_argument("--device", default="cpu", help="runtime.device of this checkout's runs (cpu, cuda, cuda:N)")
+    parser.add_argument("--compare-with", type=Path, metavar="CHECKOUT",
+                        help="another checkout of this project, run in fp32 on the same inputs")
     parser.add_argument("--prefect", action="store_true", help="run through the Prefect flow (ephemeral server)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/featcal-bench"))
     parser.add_argument("--out", type=Path, required=True)
@@ -133,32 +189,55 @@ def main() -> None:
     build_inputs(work, args.shape, max(args.experts), args.examples)
     rows = []
     for n in args.experts:
-        run_dir = args.work / f"run-{args.shape}-{n}-{time.time_ns()}"
-        result = run_once(config_file(work, n, args.examples), run_dir, args.threads, args.prefect)
-        result["floor_s"] = forward_floor(work, n, args.examples, args.threads)
-        rows.append((n, result))
-        print(n, json.dumps(result), flush=True)
-    kinds = ["merge", "prepare", "gram", "solve", "propagate", "assemble"]
+        runs = [("this checkout", p, ROOT) for p in args.precision]
+        if args.compare_with is not None:
+            runs.insert(0, (f"`{args.compare_with.name}`", "fp32", args.compare_with.resolve()))
+        dirs: dict[tuple[str, str], Path] = {}
+        for label, precision, code in runs:
+            run_dir = args.work / f"run-{args.shape}-{n}-{precision}-{time.time_ns()}"
+            runtime = {"precision": precision, "device": args.device} if code == ROOT else None
+            result = run_once(config_file(work, n, args.examples, runtime), run_dir, args.threads, args.prefect, code)
+            dirs[label, precision] = run_dir
+            rows.append({"experts": n, "code": label, "precision": precision, **result})
+            print(json.dumps(rows[-1]), flush=True)
+        reference = dirs.get(("this checkout", "fp32"))
+        for row in rows[-len(runs):]:
+            if reference is not None:
+                row["weight_gap"] = weight_gap(dirs[row["code"], row["precision"]], reference)
+    # After the runs: a child's peak RSS starts from this process's at fork, so this process stays small till then.
+    forward = {p: forward_seconds(work, args.examples, args.threads, DTYPES[p], args.device) for p in args.precision}
+    rate = {p: matmul_rate(args.threads, DTYPES[p], args.device) for p in args.precision}
+    for row in rows:
+        row["forward_floor_s"] = forward[row["precision"]] * 3 * row["experts"]
+        row["floor_s"] = row["forward_floor_s"] + row["gram_flops"] / rate[row["precision"]]
     lines = [
-        f"# FeatCal run cost — {args.shape} shape, {args.examples} examples/task, {args.threads} thread(s)",
+        f"# FeatCal run cost against its floor — {args.shape} shape, {args.examples} examples/task, "
+        f"{args.threads} thread(s)",
         "",
-        f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d')}. Runner: {'Prefect flow' if args.prefect else 'direct (no Prefect)'}.",
-        f"One model: {model_gib(work):.3f} GiB of float32 weights. Command: `python benchmarks/pipeline_cost.py "
-        f"--shape {args.shape} --experts {' '.join(map(str, args.experts))} --examples {args.examples} --threads {args.threads}"
-        f"{' --prefect' if args.prefect else ''}`",
+        f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d')}. Runner: "
+        f"{'Prefect flow' if args.prefect else 'direct (no Prefect)'}. Device: {args.device}. One model: {model_gib(work):.3f} GiB of float32 "
+        f"weights. Command: `python benchmarks/pipeline_cost.py {' '.join(sys.argv[1:])}`",
         "",
-        "| experts | wall (s) | " + " | ".join(f"{k} (s)" for k in kinds)
-        + " | stages total (s) | forward floor (s) | stages / floor | peak RSS (GiB) | RSS / model |",
-        "|---:" * (len(kinds) + 7) + "|",
+        "Matmul rate measured here: " + ", ".join(f"{p} {rate[p] / 1e9:.0f} GFLOP/s" for p in args.precision)
+        + "; one full forward over one task's inputs: " + ", ".join(f"{p} {forward[p]:.2f} s" for p in args.precision)
+        + ".",
+        "",
+        "| experts | code | precision | wall (s) | " + " | ".join(f"{k} (s)" for k in KINDS)
+        + " | stages total (s) | floor (s) | stages / floor | peak RSS (GiB) | weight matrices vs this checkout's fp32 |",
+        "|---:|---|---|" + "---:|" * (len(KINDS) + 6),
     ]
-    for n, r in rows:
-        cells = [f"{r['stages_s'].get(k, 0.0):.1f}" for k in kinds]
-        total = sum(r["stages_s"].get(k, 0.0) for k in kinds)
-        lines.append(f"| {n} | {r['wall_s']:.1f} | " + " | ".join(cells) + f" | {total:.1f} | {r['floor_s']:.1f} | "
-                     f"{total / r['floor_s']:.1f} | {r['peak_rss_gib']:.2f} | {r['peak_rss_gib'] / model_gib(work):.1f} |")
+    for r in rows:
+        total = sum(r["stages_s"].get(k, 0.0) for k in KINDS)
+        floor = f"{r['floor_s']:.1f}" if r["gram_flops"] else f"≥ {r['forward_floor_s']:.1f}"
+        ratio = f"{total / r['floor_s']:.2f}" if r["gram_flops"] else f"≤ {total / r['forward_floor_s']:.2f}"
+        gap = f"{r['weight_gap']:.1e}" if "weight_gap" in r else "–"
+        lines.append(f"| {r['experts']} | {r['code']} | {r['precision']} | {r['wall_s']:.1f} | "
+                     + " | ".join(f"{r['stages_s'].get(k, 0.0):.1f}" for k in KINDS)
+                     + f" | {total:.1f} | {floor} | {ratio} | {r['peak_rss_gib']:.2f} | {gap} |")
     lines += ["", "Stage seconds are summed over that stage's runs (from the run's records); wall includes process start,",
-              "imports and preflight. The forward floor is the expert and merged full forward passes over every task's",
-              "calibration inputs, measured in the same invocation."]
+              "imports and preflight. Floor = 3 full forwards per task (expert and merged in the Gram stage, calibrated",
+              "in propagate) at the run's precision + the Gram FLOPs its records count at the matmul rate of that",
+              "precision. A checkout whose records do not count Gram FLOPs gets the forward part only (≥ / ≤)."]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print(args.out.read_text())
