@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
-from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -107,11 +106,10 @@ class StagePool:
         """Which worker ended, how, and the stage it cost. Once one dies the executor SIGTERMs the others: the odd
         one out is the first to go."""
         processes = list(self._processes.values())
-        # A dead worker's sentinel is ready a moment before the worker can be reaped: join those, briefly.
-        gone = set(wait([p.sentinel for p in processes], timeout=1.0))
+        # A broken pool ends every worker; reap them all (briefly), so the one that died first is known, not guessed
+        # from whichever the executor's SIGTERM reached before it was reaped.
         for p in processes:
-            if p.sentinel in gone:
-                p.join(1.0)
+            p.join(3.0)
         ended = {p.pid: p.exitcode for p in processes if p.exitcode}
         pid = next((pid for pid, code in ended.items() if code != -signal.SIGTERM), next(iter(ended), None))
         who = "a pool worker process died" if pid is None else f"pool worker pid {pid} {_how(ended[pid])}"
