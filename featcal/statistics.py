@@ -23,9 +23,6 @@ from featcal.modeling import as_out_in, is_norm, linear_dims, normalized
 
 # How a module's statistics keep the expert side: not at all (RegMean's C_ss only), C_se, or P_e and P_s.
 FORMS = ("none", "gram", "product")
-# Keys of the sums of a module's input (shared by the modules that read it) and of one module's own products.
-INPUT_KEYS = ("ss", "se", "sum_s", "sum_e", "sum_w")
-PRODUCT_KEYS = ("pe", "ps")
 # Joins the names of the modules that read one input, in the key of its sums (module names never hold it).
 READERS = "+"
 
@@ -191,14 +188,6 @@ def example_rows(
             if name in source:
                 out[name] = source[name][rows]
     return tuple(chosen)
-
-
-def unflatten_stats(flat: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in flat.items():
-        module, key = name.rsplit(":", 1)
-        out.setdefault(module, {})[key] = tensor
-    return out
 
 
 def _same_input(a: str, b: str, weights: dict[str, torch.Tensor], sides: tuple[dict[str, torch.Tensor], ...]) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal.config import RunConfig
-from featcal.devices import resolve_device
+from featcal.devices import activation_dtype, resolve_device
 from featcal.modeling import Skeleton, calibrated_modules, is_norm, linear_dims
 from flows.pipeline import stage_count
 from storage.checkpoint import CanonicalCheckpoint
@@ -32,7 +32,7 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
     model_bytes = sum(math.prod(base.shape(n)) * 4 for n in base.names())
     block_bytes = sum(p.numel() * 4 for p in skeleton.block_template(0).parameters())
     n, bs, T = cfg.calibration.examples_per_task, cfg.calibration.batch_size, len(cfg.tasks)
-    act = 2 if cfg.runtime.precision == "bf16" else 4  # bytes of one stored activation / forward value
+    act = activation_dtype(cfg.runtime.precision).itemsize  # bytes of one stored activation / forward value
     boundary = n * tokens * hidden * act  # one side of one boundary
     stats = sum(2 * d * d * 8 for d in linear_in)
     chunk = bs * tokens * max([hidden, *linear_in]) * act * (2 + len(modules))

@@ -19,7 +19,6 @@ from typing import Any
 import fsspec
 import numpy as np
 import torch
-import xxhash
 import zarr
 from fsspec.implementations.local import LocalFileSystem
 from zarr.storage import FsspecStore
@@ -144,7 +143,7 @@ class ActivationStore:
         self.fs.invalidate_cache(location)
         for path in sorted(self.fs.find(location)):
             h.update(path[len(location):].lstrip("/").encode() + b"\0")
-            h.update(xxhash.xxh3_128(self.fs.cat_file(path)).digest())
+            h.update(content_hash(self.fs.cat_file(path)).digest())
         return h.hexdigest()
 
     def remove(self, location: str) -> None:

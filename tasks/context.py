@@ -12,7 +12,7 @@ from featcal import secrets
 from featcal.config import RunConfig, config_from_dict
 from featcal.devices import activation_dtype, resolve_device
 from featcal.modeling import Skeleton
-from storage.activations import ActivationStore
+from storage.activations import BFLOAT16, ActivationStore
 from storage.checkpoint import CanonicalCheckpoint
 from storage.rundir import RunDir
 
@@ -58,7 +58,7 @@ class RunContext:
     @property
     def storage_dtype(self) -> str:
         """The activation store's dtype name for this run's activations."""
-        return "bfloat16" if self.dtype == torch.bfloat16 else "float32"
+        return BFLOAT16 if self.dtype == torch.bfloat16 else "float32"
 
     def on_device(self, module: torch.nn.Module) -> torch.nn.Module:
         """A block (or head-side module) where and in the dtype this run computes."""

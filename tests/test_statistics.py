@@ -5,7 +5,7 @@ from torch import nn
 
 from featcal.modeling import calibrated_modules, normalized
 from featcal.statistics import (
-    accumulate, captured_inputs, flatten_stats, linear_moments, new_stats, norm_moments, unflatten_stats,
+    accumulate, captured_inputs, flatten_stats, linear_moments, module_keys, new_stats, norm_moments,
 )
 
 
@@ -36,7 +36,8 @@ def test_hooked_statistics_match_direct_moments():
             expert(e)
         w = mask.reshape(-1)
         accumulate(stats, mods_m, sink_m, sink_e, dict.fromkeys(mods_m, w))
-    stats = unflatten_stats(flatten_stats(stats))  # through the on-disk naming
+    flat = flatten_stats(stats)  # through the on-disk naming, read back as the solve reads it
+    stats = {m: {part: flat[key] for key, part in module_keys(list(flat), m).items()} for m in mods_m}
 
     xs = torch.cat([s.reshape(-1, 4) for s, _, _ in chunks]).double()
     xe = torch.cat([e.reshape(-1, 4) for _, e, _ in chunks]).double()
