@@ -58,6 +58,8 @@ class Adapter:
     memory_modules: ClassVar[tuple[str, ...]] = ()
     # Head tensors stay per task and are never merged.
     head_prefixes: ClassVar[tuple[str, ...]] = ("classifier.",)
+    # A causal LM, scored by its next-token loss rather than by labels.
+    language_model: ClassVar[bool] = False
     # Index of the token the head reads, or None when the head pools all tokens.
     pooled_token: ClassVar[dict[str, int | None]]
     probe_key: ClassVar[str]  # a canonical tensor name every checkpoint of the family has
@@ -403,6 +405,7 @@ class _CausalLMAdapter(Adapter):
 
     file_prefixes = ("",)
     head_prefixes = ()
+    language_model = True
 
     @staticmethod
     def positions(mask: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,9 @@ class TaskScores:
     metric: str = "accuracy"
     values: dict[str, list[float]] = field(default_factory=dict)
     targets: list[float] = field(default_factory=list)
+    # A causal LM: per model [Σ next-token NLL, tokens predicted, tokens predicted right] (`add_next_tokens`); its
+    # accuracy figure is then the next-token accuracy.
+    next_tokens: dict[str, list[float]] = field(default_factory=dict)
 
     def add_values(self, model: str, values: list[float], targets: list[float]) -> None:
         """One batch of a regression task: `model`'s parsed answers (NaN: none) and the targets (kept once)."""
@@ -93,6 +96,15 @@ class TaskScores:
         kept += predicted.tolist()
         if len(kept) > len(self.labels):
             self.labels += labels.tolist()
+
+    def add_next_tokens(self, model: str, logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """One batch of a causal LM: every real token after a row's first is predicted from the ones before it."""
+        self.metric = "next_token_accuracy"
+        nll, tokens, right = next_token_sums(logits, input_ids, mask)
+        acc = self.next_tokens.setdefault(model, [0.0, 0, 0])
+        acc[0] += nll
+        acc[1] += tokens
+        acc[2] += right
 
     def _head(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """[B, D]: the head token of every row, zero where that token is padding."""
@@ -128,6 +140,9 @@ class TaskScores:
         acc = {k: v / self.seen for k, v in self.correct.items()} if self.seen else {}
         if self.metric == "spearman":
             acc = {k: spearman(v, self.targets) for k, v in self.values.items()}
+        lm = {k: language_model_scores(*v) for k, v in self.next_tokens.items()}
+        if lm:
+            acc = {k: v["next_token_accuracy"] for k, v in lm.items()}
 
         def ratios(diff: dict[str, list[float]], ref: list[float]) -> dict[str, list[float]]:
             return {k: [math.sqrt(d / r) if r > 0 else 0.0 for d, r in zip(v, ref)] for k, v in diff.items()}
@@ -142,9 +157,33 @@ class TaskScores:
                                "last_boundary_drift": last}
         if self.predictions:
             out |= {"predictions": self.predictions, "labels": self.labels}
+        if lm:
+            out["language_model"] = lm
         if self.metric != "accuracy":
             out["metric"] = self.metric
         return out
+
+
+def next_token_sums(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, int, int]:
+    """(Σ NLL in nats, tokens, tokens whose argmax is right) over the positions whose token and the one before it are
+    real: logits [B, T, V] at position t predict token t + 1. The log-softmax runs one row at a time (a real LLM's
+    vocabulary makes [B, T, V] in float32 large)."""
+    nll, tokens, right = 0.0, 0, 0
+    for row_logits, ids, real in zip(logits, input_ids, mask.bool(), strict=True):
+        scored = real[:-1] & real[1:]
+        predicted, target = row_logits[:-1][scored].float(), ids[1:][scored]
+        if target.numel():
+            nll += float(torch.nn.functional.cross_entropy(predicted, target, reduction="sum").double())
+            right += int((predicted.argmax(-1) == target).sum())
+            tokens += int(target.numel())
+    return nll, tokens, right
+
+
+def language_model_scores(nll: float, tokens: int, right: int) -> dict[str, float]:
+    """Mean token loss (nats), its perplexity, and next-token accuracy, from `next_token_sums` totals."""
+    loss = nll / tokens if tokens else math.nan
+    return {"loss": loss, "perplexity": math.exp(loss) if tokens else math.nan,
+            "next_token_accuracy": right / tokens if tokens else math.nan, "tokens": tokens}
 
 
 def _per_boundary(mask: torch.Tensor | list[torch.Tensor], boundaries: int) -> list[torch.Tensor]:
@@ -207,6 +246,7 @@ def summarize(tasks: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out["normalized_accuracy"] = {m: v / avg["expert"] for m, v in avg.items()}
     if {"merged", "calibrated", "expert"} <= avg.keys() and avg["expert"] != avg["merged"]:
         out["gap_closed"] = (avg["calibrated"] - avg["merged"]) / (avg["expert"] - avg["merged"])
+    out |= _language_model_summary(tasks)
     drifts = [s["drift"] for s in tasks.values() if s["drift"]]
     if drifts:
         out["average_drift"] = _average(drifts)  # all tokens; the key older readers know
@@ -216,6 +256,19 @@ def summarize(tasks: dict[str, dict[str, Any]]) -> dict[str, Any]:
             m: {"all_tokens": out["average_drift"][m][-1], "head_token": out["average_drift_head_token"][m][-1]}
             for m in out["average_drift"] if out["average_drift"][m]
         }
+    return out
+
+
+def _language_model_summary(tasks: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Causal LMs: the token loss averaged over tasks (and its perplexity), and the gap closed in loss terms,
+    (merged − calibrated) / (merged − expert): like the accuracy gap, 1 when calibration reaches the experts."""
+    scored = [s["language_model"] for s in tasks.values() if s.get("language_model")]
+    if not scored:
+        return {}
+    loss = {m: sum(lm[m]["loss"] for lm in scored) / len(scored) for m in MODELS if all(m in lm for lm in scored)}
+    out: dict[str, Any] = {"average_loss": loss, "average_loss_perplexity": {m: math.exp(v) for m, v in loss.items()}}
+    if {"merged", "calibrated", "expert"} <= loss.keys() and loss["expert"] != loss["merged"]:
+        out["gap_closed_loss"] = (loss["merged"] - loss["calibrated"]) / (loss["merged"] - loss["expert"])
     return out
 
 
@@ -230,7 +283,11 @@ def markdown(report: dict[str, Any]) -> str:
     if report["method"] != "featcal":
         lines += [f"`calibrated` is the {method} solution; `merged` is the merge it started from.", ""]
     tasks, models = report["tasks"], report["models"]
+    if any(s.get("language_model") for s in tasks.values()):
+        lines += language_model_markdown(report)
     if any(s["accuracy"] for s in tasks.values()):
+        if any(s.get("metric") == "next_token_accuracy" for s in tasks.values()):
+            lines += ["## Next-token accuracy (%)", ""]
         lines += ["| task | " + " | ".join(models) + " | examples |", "|---" * (len(models) + 2) + "|"]
         for task, s in tasks.items():
             cells = [f"{100 * s['accuracy'][m]:.1f}" if m in s["accuracy"] else "–" for m in models]
@@ -245,6 +302,26 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["No task has labelled evaluation data and a head: accuracy not measured.", ""]
     lines += drift_markdown(report)
     return "\n".join(lines) + "\n"
+
+
+def language_model_markdown(report: dict[str, Any]) -> list[str]:
+    """Causal LMs: per task, each model's mean token loss on the task's evaluation text and its perplexity."""
+    models, summary = report["models"], report["summary"]
+    lines = ["## Token loss in nats (perplexity), lower is better", "",
+             "| task | " + " | ".join(models) + " | tokens |", "|---" * (len(models) + 2) + "|"]
+    for task, s in report["tasks"].items():
+        lm = s.get("language_model") or {}
+        cells = [f"{lm[m]['loss']:.4f} ({lm[m]['perplexity']:.2f})" if m in lm else "–" for m in models]
+        tokens = next(iter(lm.values()))["tokens"] if lm else 0
+        lines.append(f"| {task} | " + " | ".join(cells) + f" | {tokens} |")
+    avg = summary.get("average_loss", {})
+    lines.append("| **average** | " + " | ".join(
+        f"{avg[m]:.4f} ({summary['average_loss_perplexity'][m]:.2f})" if m in avg else "–" for m in models) + " | |")
+    lines.append("")
+    if "gap_closed_loss" in summary:
+        lines += [f"Gap closed in loss (merged − calibrated) / (merged − expert): "
+                  f"**{100 * summary['gap_closed_loss']:.1f} %**", ""]
+    return lines
 
 
 def _head_index(report: dict[str, Any]) -> int | None:

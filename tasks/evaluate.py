@@ -76,24 +76,32 @@ def _task_scores(ctx: RunContext, task: str, split: _Split, progress: EvalProgre
                            ds.column_names, split.where)
     listed = ev.models
     models, drifting = _models(ctx, task)
-    label_column = source.label_column if task in ev.data else None
+    lm = ctx.adapter.language_model
+    label_column = source.label_column if task in ev.data and not lm else None
     scores = TaskScores(head_index=ctx.adapter.pooled_index())
     for batch, rows in enumerate(row_batches(ds, ev.batch_size), start=1):
         inputs = builder(rows)
         mask = inputs.get("attention_mask")
+        hidden, logits = {}, {}
         with torch.inference_mode():
-            outs = {name: ctx.adapter.evaluate_forward(m, inputs) for name, m in models.items()}
+            for name, m in models.items():
+                out = ctx.adapter.evaluate_forward(m, inputs)
+                hidden[name] = out.hidden_states
+                if lm and name in listed:  # scored now: one [B, T, vocab] logits tensor alive at a time
+                    scores.add_next_tokens(name, out.logits, inputs["input_ids"], mask)
+                elif label_column and hasattr(out, "logits"):
+                    logits[name] = out.logits
+                del out
         if drifting:
-            ref = outs["expert"].hidden_states
             if mask is None:
-                mask = torch.ones(ref[0].shape[:2], dtype=torch.long)
-            scores.add_reference(ref, mask)
+                mask = torch.ones(hidden["expert"][0].shape[:2], dtype=torch.long)
+            scores.add_reference(hidden["expert"], mask)
             for name in drifting:
-                scores.add_drift(name, outs[name].hidden_states, ref, mask)
-        if label_column and all(hasattr(out, "logits") for out in outs.values()):
+                scores.add_drift(name, hidden[name], hidden["expert"], mask)
+        if label_column and logits.keys() >= set(listed):
             labels = torch.as_tensor(rows[label_column])
             for name in listed:
-                scores.add_predictions(name, outs[name].logits, labels)
+                scores.add_predictions(name, logits[name], labels)
         n = len(next(iter(rows.values())))
         scores.seen += n
         progress.step(task, batch, scores.seen, n)

@@ -2,6 +2,8 @@
 attention (2 key/value heads for 4 query heads), SwiGLU MLP, RMS norms, rotary positions. The adapter's block-by-block
 forward on a right-padded batch, single-expert exactness at every block boundary, and drift falling with two experts."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -165,3 +167,49 @@ def test_two_experts_drift_falls(tmp_path, arch):
     loaded = type(calibrated).from_pretrained(tmp_path / "run" / "calibrated")
     tied = loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
     assert tied == loaded.config.tie_word_embeddings == (arch == "llama")
+
+
+def _brute_force_next_tokens(model, rows: Dataset) -> tuple[float, float]:
+    """Mean token loss and next-token accuracy, one unpadded row at a time through the model's own loss."""
+    nll, right, tokens = 0.0, 0, 0
+    with torch.inference_mode():
+        for ids in rows["input_ids"]:
+            x = torch.tensor([ids])
+            out = model(input_ids=x, labels=x)
+            nll += float(out.loss) * (len(ids) - 1)
+            right += int((out.logits[0, :-1].argmax(-1) == x[0, 1:]).sum())
+            tokens += len(ids) - 1
+    return nll / tokens, right / tokens
+
+
+def test_language_model_evaluation(tmp_path):
+    """The evaluate stage scores a causal LM on held-out text: per model the mean next-token loss, its perplexity and
+    next-token accuracy, equal to the model's own loss on each unpadded row (the stage pads rows into batches of 3);
+    the loss gap closed follows from the per-task losses, and the report shows them."""
+    held_out = {t: _rows(100 + t) for t in range(2)}
+    for t, rows in held_out.items():
+        rows.save_to_disk(str(tmp_path / f"held{t}"))
+    cfg = _build(tmp_path, "llama", experts=2, evaluation={
+        "batch_size": 3, "models": ["merged", "calibrated", "expert"],
+        "data": {f"task{t}": {"path": str(tmp_path / f"held{t}")} for t in range(2)}})
+    run_pipeline(cfg, tmp_path / "run")
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    adapter = adapter_for(_model("llama").config)
+    for t, task in enumerate(cfg.tasks):
+        scores = report["tasks"][task]
+        assert scores["metric"] == "next_token_accuracy"
+        for name, ckpt in (("expert", None), ("calibrated", tmp_path / "run" / "calibrated")):
+            model = task_model(cfg.experts[task], ckpt and CanonicalCheckpoint(ckpt, adapter))
+            loss, accuracy = _brute_force_next_tokens(model, held_out[t])
+            lm = scores["language_model"][name]
+            assert lm["loss"] == pytest.approx(loss, rel=1e-5)
+            assert lm["perplexity"] == pytest.approx(np.exp(loss), rel=1e-5)
+            assert lm["next_token_accuracy"] == pytest.approx(accuracy) == scores["accuracy"][name]
+            assert lm["tokens"] == sum(len(r) - 1 for r in held_out[t]["input_ids"])
+    summary = report["summary"]
+    loss = {m: np.mean([report["tasks"][t]["language_model"][m]["loss"] for t in cfg.tasks]) for m in report["models"]}
+    assert summary["average_loss"] == pytest.approx(loss)
+    assert summary["gap_closed_loss"] == pytest.approx(
+        (loss["merged"] - loss["calibrated"]) / (loss["merged"] - loss["expert"]))
+    text = (tmp_path / "run" / "report.md").read_text()
+    assert "## Token loss in nats (perplexity)" in text and "Gap closed in loss" in text
