@@ -33,14 +33,15 @@ log = logging.getLogger("featcal")
 def head_token_label(index: int | None) -> str:
     """How the report names the token the head reads."""
     if index is None:
-        return "all tokens (the head pools every token)"
+        return "all tokens (the head pools every token, or, in a language model, predicts from each)"
     return "token 0 (CLS)" if index == 0 else f"token {index}"
 
 
 def drift_definition(head_index: int | None) -> dict[str, Any]:
     """The report's `drift_definition`: what the `drift` and `drift_head_token` numbers measure."""
     head = (f"only {head_token_label(head_index)}, the token the classification head reads" if head_index is not None
-            else "the head pools every token, so the head-token drift equals the all-token drift")
+            else "the head reads every token (it pools them, or a language model predicts from each), so the "
+                 "head-token drift equals the all-token drift")
     return {"measure": "relative drift ‖h_model − h_expert‖ / ‖h_expert‖ per block boundary (0 = embeddings)",
             "lower_is_better": True, "drift": "all real (non-padding) tokens", "drift_head_token": head,
             "head_token_index": head_index}
@@ -346,8 +347,8 @@ def drift_markdown(report: dict[str, Any]) -> list[str]:
                   "last-block solve weights that token above the others, so at the last boundary the all-token "
                   "drift may rise while the head-token drift falls.", ""]
     elif has_head:
-        lines += ["*all tokens*: over every real (non-padding) token. The head pools every token, so it reads "
-                  "all tokens: the all-token figure is also the head figure.", ""]
+        lines += ["*all tokens*: over every real (non-padding) token. The head reads every token (it pools them, "
+                  "or a language model predicts from each): the all-token figure is also the head figure.", ""]
     if has_head:
         kinds = [("all_tokens", "all tokens"), ("head_token", "head token")]
         if not separate:
