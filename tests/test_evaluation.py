@@ -131,7 +131,7 @@ def test_markdown_labels_both_figures_per_task():
 def test_markdown_without_pooled_token_says_the_head_reads_all_tokens():
     md = markdown(_report(None))
     assert "lower is better" in md
-    assert "reads all tokens" in md and "all-token figure is also the head figure" in md
+    assert "reads every token" in md and "all-token figure is also the head figure" in md
     assert "| task | merged · all tokens = head | calibrated · all tokens = head |" in md
     assert "head token |" not in md
 
