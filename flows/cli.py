@@ -139,10 +139,23 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--out", default="demo", help="where the demo's benchmark and run go (default ./demo)")
 
 
+def _add_eval_harness(sub: argparse._SubParsersAction) -> None:
+    h = sub.add_parser("eval-harness", help="score a finished run's checkpoints with lm-evaluation-harness and add "
+                                            "the scores to its report (pip install 'featcal[harness]')")
+    h.add_argument("run_dir", help="the run directory of a finished `featcal run` (decoder-only LMs)")
+    h.add_argument("--tasks", required=True, help="comma-separated harness task names (or task YAML files)")
+    h.add_argument("--include-path", metavar="DIR", help="a directory of extra task YAMLs (e.g. over local JSONL)")
+    h.add_argument("--models", default="calibrated,merged,experts",
+                   help="comma-separated: calibrated, merged, base, experts, expert:TASK (default: %(default)s)")
+    h.add_argument("--limit", type=float, metavar="N", help="score at most N rows per task (a fraction if below 1)")
+    h.add_argument("--batch-size", type=int, default=1, metavar="N", help="rows per forward (default 1)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="featcal", description="Post-merging feature calibration (FeatCal).")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_plan, _add_run, _add_example, _add_server, _add_serve, _add_deployments, _add_bench, _add_demo):
+    for add in (_add_plan, _add_run, _add_example, _add_server, _add_serve, _add_deployments, _add_bench, _add_demo,
+                _add_eval_harness):
         add(sub)
     _add_debug(parser)
     return parser
@@ -413,6 +426,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval_harness(args: argparse.Namespace) -> int:
+    from flows.harness import eval_harness
+
+    print(eval_harness(args.run_dir, [t for t in args.tasks.split(",") if t], args.models.split(","),
+                       args.include_path, args.limit, args.batch_size))
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "example": _cmd_example,
     "plan": _cmd_plan,
@@ -422,6 +443,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "deployments": _cmd_deployments,
     "bench": _cmd_bench,
     "demo": _cmd_demo,
+    "eval-harness": _cmd_eval_harness,
 }
 
 
