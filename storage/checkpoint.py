@@ -60,16 +60,21 @@ def read_metadata(path: Path) -> dict[str, str]:
     return _raw_header(path)[0].get("__metadata__", {})
 
 
-def read_tensor(path: Path, entry: dict, data_start: int) -> torch.Tensor:
-    """One tensor by plain reads: safetensors' mmap would leave every page it touched in our RSS."""
+def read_tensor(path: Path, entry: dict, data_start: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """One tensor by plain reads: safetensors' mmap would leave every page it touched in our RSS. With `rows`
+    (start, stop): only those rows along the first dimension (a contiguous byte range of the file)."""
     start, end = entry["data_offsets"]
+    shape = list(entry["shape"])
+    if rows is not None:  # 0 <= rows[0] <= rows[1] <= shape[0]
+        row_bytes = (end - start) // shape[0]
+        start, end, shape[0] = start + rows[0] * row_bytes, start + rows[1] * row_bytes, rows[1] - rows[0]
     buf = bytearray(end - start)
     with open(path, "rb") as fh:
         fh.seek(data_start + start)
         fh.readinto(buf)
     if not buf:
-        return torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
-    return torch.frombuffer(buf, dtype=DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        return torch.empty(shape, dtype=DTYPES[entry["dtype"]])
+    return torch.frombuffer(buf, dtype=DTYPES[entry["dtype"]]).reshape(shape)
 
 
 class TensorFiles:
@@ -96,11 +101,14 @@ class TensorFiles:
     def names(self) -> list[str]:
         return list(self._entries)
 
-    def get(self, name: str) -> torch.Tensor:
-        return read_tensor(*self._entries[name])
+    def get(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        return read_tensor(*self._entries[name], rows=rows)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._entries[name][1]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return DTYPES[self._entries[name][1]["dtype"]]
 
 
 class CanonicalCheckpoint:
@@ -137,14 +145,18 @@ class CanonicalCheckpoint:
     def __contains__(self, canonical: str) -> bool:
         return canonical in self._file_name
 
-    def get(self, canonical: str) -> torch.Tensor:
+    def get(self, canonical: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor, or with `rows` (start, stop) only those rows along its first dimension."""
         try:
-            return self.files.get(self._file_name[canonical])
+            return self.files.get(self._file_name[canonical], rows)
         except KeyError:
             raise CheckpointError(f"{self.directory} has no tensor {canonical!r}") from None
 
     def shape(self, canonical: str) -> tuple[int, ...]:
         return self.files.shape(self._file_name[canonical])
+
+    def dtype(self, canonical: str) -> torch.dtype:
+        return self.files.dtype(self._file_name[canonical])
 
     def with_prefix(self, prefix: str) -> dict[str, torch.Tensor]:
         """All tensors whose canonical name starts with `prefix`, keyed relative to it."""

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from featcal.merging import merged_tensor
+from featcal.merging import chunk_rows, merged_rows, merged_tensor
 from featcal.zeroshot import zero_shot_heads
 from storage.checkpoint import CanonicalCheckpoint, finite, write_checkpoint
 from tasks.context import RunContext
@@ -24,16 +24,26 @@ def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
     base = ctx.checkpoint("base")
     experts = {f"experts.{t}": ctx.checkpoint(t) for t in ctx.tasks}
 
-    def read(owner: str, ckpt: CanonicalCheckpoint, name: str) -> torch.Tensor:
-        return finite(ckpt.get(name), name, owner, ckpt.directory)
+    def read(owner: str, ckpt: CanonicalCheckpoint, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        return finite(ckpt.get(name, rows), name, owner, ckpt.directory)
+
+    def merged(name: str) -> torch.Tensor:
+        shape, dtype = base.shape(name), base.dtype(name)
+        rows = chunk_rows(shape, ctx.cfg.merge) if dtype.is_floating_point else None
+        if rows is None:
+            return merged_tensor(read("base", base, name), lambda: (read(o, e, name) for o, e in experts.items()),
+                                 ctx.cfg.merge)
+        # A large tensor (an LLM's embedding) a block of rows at a time: the same values, without float64 copies of
+        # the whole tensor per pass (featcal/merging.py).
+        return merged_rows(shape, dtype, lambda a, b: read("base", base, name, (a, b)),
+                           lambda a, b: (read(o, e, name, (a, b)) for o, e in experts.items()), ctx.cfg.merge, rows)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for name in base.names():
             if ctx.adapter.is_head(name):
                 yield base.file_name(name), read("base", base, name)
                 continue
-            yield base.file_name(name), merged_tensor(
-                read("base", base, name), lambda: (read(o, e, name) for o, e in experts.items()), ctx.cfg.merge)
+            yield base.file_name(name), merged(name)
 
     heads = {
         head_file(task): {n: read(owner, e, n) for n in e.names() if ctx.adapter.is_head(n)}
