@@ -61,7 +61,11 @@ class Skeleton:
                     f"tensor {path}.{name}: shape {tuple(tensor.shape)} does not fit the model's "
                     f"{tuple(persistent[name].shape)}"
                 )
-        module.load_state_dict({k: v.to(persistent[k].dtype) for k, v in state.items()}, strict=True)
+        # Straight into the allocated parameters (state_dict's tensors share their storage; copy_ casts): a converted
+        # copy of every tensor first would double the peak of an LLM's embedding.
+        with torch.no_grad():
+            for name, tensor in state.items():
+                persistent[name].copy_(tensor)
         return module.eval()
 
     def block(self, layer: int, checkpoint: CanonicalCheckpoint) -> nn.Module:

@@ -10,6 +10,7 @@ from typing import Any
 from featcal.config import RunConfig
 from featcal.devices import activation_dtype, resolve_device
 from featcal.modeling import Skeleton, calibrated_modules, is_norm, linear_dims
+from featcal.statistics import expert_side_form
 from flows.pipeline import stage_count
 from storage.checkpoint import CanonicalCheckpoint
 from tasks.preflight import preflight
@@ -27,15 +28,31 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
     else:
         tokens = (vision.image_size // vision.patch_size) ** 2 + 1
     modules = calibrated_modules(skeleton.block_template(0))
-    linear_in = [linear_dims(m)[0] for m in modules.values() if not is_norm(m)]
+    linear = [linear_dims(m) for m in modules.values() if not is_norm(m)]
+    linear_in = [d_in for d_in, _ in linear]
     base = CanonicalCheckpoint(cfg.base, adapter)
-    model_bytes = sum(math.prod(base.shape(n)) * 4 for n in base.names())
+    # On disk, as the checkpoint stores them (a bf16 checkpoint's merged, calibrated and solved blocks are bf16 too).
+    stored = {name: math.prod(base.shape(name)) * base.dtype(name).itemsize for name in base.names()}
+    model_bytes = sum(stored.values())
+    block_disk = sum(v for name, v in stored.items() if name.startswith(adapter.block_prefix(0)))
+    # In memory, as the stages hold them: float32 (the skeleton's modules).
     block_bytes = sum(p.numel() * 4 for p in skeleton.block_template(0).parameters())
+    embeddings = adapter.embedding_modules()
+    embed_bytes = sum(p.numel() * 4 for m in embeddings for p in skeleton.body.get_submodule(m).parameters())
+    embed_stored = sum(v for name, v in stored.items() if any(name.startswith(f"{m}.") for m in embeddings))
     n, bs, T = cfg.calibration.examples_per_task, cfg.calibration.batch_size, len(cfg.tasks)
     act = activation_dtype(cfg.runtime.precision).itemsize  # bytes of one stored activation / forward value
     boundary = n * tokens * hidden * act  # one side of one boundary
-    stats = sum(2 * d * d * 8 for d in linear_in)
+    # One task's float64 statistics of one block, at most (modules that read the same input share theirs): C_ss per
+    # module, and for FeatCal the expert side as the Gram stage keeps it, C_se or the products P_e, P_s.
+    keeps_expert = cfg.featcal.method == "featcal"
+    stats = sum(8 * (d_in * d_in + (0 if not keeps_expert else 2 * d_in * d_out
+                                    if expert_side_form(n * tokens, d_in, d_out, 1) == "product" else d_in * d_in))
+                for d_in, d_out in linear)
     chunk = bs * tokens * max([hidden, *linear_in]) * act * (2 + len(modules))
+    # The prepare stage loads one side's embedding at a time: its float32 parameters and, while they fill, the stored
+    # tensors (an LLM's embedding is the largest thing a stage holds).
+    prepare_ram = embed_bytes + embed_stored
     device = resolve_device(cfg.runtime.device)
     # On a GPU: two blocks at the run's precision, one task's float64 Gram sums, two chunks; the solves move to the
     # CPU when the device lacks room for theirs (featcal/devices.py).
@@ -50,8 +67,8 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
         "stages": stage_count(T, adapter.num_blocks(), cfg.runtime.solve_groups, cfg.evaluation.enabled,
                               cfg.featcal.calibrate_head_side),
         "estimated_disk_gib": round((2 * model_bytes + (0 if cfg.runtime.activation_store else 2 * 2 * T * boundary)
-                                     + T * stats + adapter.num_blocks() * block_bytes) / GIB, 3),
-        "estimated_peak_ram_gib": round((3 * block_bytes + stats + 2 * chunk) / GIB + 1.0, 3),
+                                     + T * stats + adapter.num_blocks() * block_disk) / GIB, 3),
+        "estimated_peak_ram_gib": round(max(3 * block_bytes + stats + 2 * chunk, prepare_ram) / GIB + 1.0, 3),
         "device": str(device),
         "precision": cfg.runtime.precision,
         "estimated_peak_device_gib": None if device.type == "cpu" else round(on_device / GIB, 3),
@@ -89,8 +106,10 @@ def render(p: dict[str, Any]) -> str:
         "tasks             " + ", ".join(f"{t} ({v['examples']} ex)" for t, v in p["tasks"].items()),
         f"tokens/example    ≤ {p['tokens_per_example_max']}",
         f"stages            {p['stages']}",
-        f"disk (estimate)   {p['estimated_disk_gib']} GiB  (merged + calibrated checkpoints, 2 live boundaries, stats)",
-        f"RAM (estimate)    {p['estimated_peak_ram_gib']} GiB  (3 blocks, one block's Grams, 2 chunks, +1 GiB runtime)",
+        f"disk (estimate)   {p['estimated_disk_gib']} GiB  (merged + calibrated checkpoints, solved blocks, 2 live "
+        "boundaries, one block's stats per task)",
+        f"RAM (estimate)    {p['estimated_peak_ram_gib']} GiB  (3 blocks, one block's Grams, 2 chunks, or the prepare "
+        "stage's embeddings, +1 GiB runtime)",
         f"device            {p['device']}, {p['precision']}" + (
             "" if p["estimated_peak_device_gib"] is None
             else f"  (peak device memory estimate {p['estimated_peak_device_gib']} GiB: 2 blocks, Grams, 2 chunks)"),

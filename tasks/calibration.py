@@ -98,16 +98,24 @@ def prepare(ctx: RunContext, task: str) -> tuple[list[str], dict[str, Any]]:
     mask = store.open_array(_mask(ctx, task))
     info.update(tokens_per_example=mask.shape[1], real_tokens=int(np.asarray(mask[:]).sum()))
     outputs = [inputs_rel]
-    hidden = ctx.adapter.text_or_vision_config().hidden_size
     for side, ckpt in (("merged", MERGED), ("expert", task)):
-        modules = ctx.skeleton.embedding(ctx.checkpoint(ckpt))
-        for start in ctx.adapter.stack_starts():  # each stack's input: the encoder's, then the decoder's
-            rel, tokens = ctx.run.acts(task, start, side), _tokens(ctx, task, start)
-            with torch.inference_mode():
-                rows = (ctx.adapter.embed_at(start, modules, b).reshape(-1, hidden) for b in stored_inputs(ctx, task))
-                store.write_array(store.location(rel), (n * tokens, hidden), bs * tokens, ctx.storage_dtype, rows)
-            outputs.append(rel)
+        outputs += _embedded(ctx, task, side, ckpt, n)
     return outputs, info
+
+
+def _embedded(ctx: RunContext, task: str, side: str, ckpt: str, n: int) -> list[str]:
+    """One side's embedding outputs, stack by stack. Its own function so that side's embedding modules are freed
+    before the other side's load: an LLM's embedding is the largest thing any stage holds."""
+    modules = ctx.skeleton.embedding(ctx.checkpoint(ckpt))
+    hidden, bs, store = ctx.adapter.text_or_vision_config().hidden_size, ctx.cfg.calibration.batch_size, ctx.run.store
+    outputs = []
+    for start in ctx.adapter.stack_starts():  # each stack's input: the encoder's, then the decoder's
+        rel, tokens = ctx.run.acts(task, start, side), _tokens(ctx, task, start)
+        with torch.inference_mode():
+            rows = (ctx.adapter.embed_at(start, modules, b).reshape(-1, hidden) for b in stored_inputs(ctx, task))
+            store.write_array(store.location(rel), (n * tokens, hidden), bs * tokens, ctx.storage_dtype, rows)
+        outputs.append(rel)
+    return outputs
 
 
 # ---- gram ---------------------------------------------------------------------------------------

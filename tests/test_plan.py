@@ -1,0 +1,45 @@
+"""`featcal plan`'s estimates on a decoder-only LM: checkpoints on disk in their stored dtype (bf16 halves them), one
+block's statistics per task as the Gram stage keeps them, and the prepare stage's embedding in the RAM estimate."""
+
+import math
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from featcal.config import config_from_dict
+from flows.plan import GIB, plan
+from tests.test_decoders import SHAPE, _rows
+
+
+def _config(root, dtype: torch.dtype, vocab: int = 64):
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**SHAPE, "vocab_size": vocab}, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).to(dtype)
+    for name in ("base", "e0"):
+        model.save_pretrained(root / name)
+    _rows(0).save_to_disk(str(root / "d0"))
+    return config_from_dict({
+        "base": str(root / "base"), "experts": {"task0": str(root / "e0")},
+        "calibration": {"data": {"task0": {"path": str(root / "d0")}}, "examples_per_task": 16, "batch_size": 4},
+        "evaluation": {"enabled": False},
+    }, root)
+
+
+def test_disk_estimate_counts_checkpoints_in_their_stored_dtype(tmp_path):
+    fp32 = plan(_config(tmp_path / "fp32", torch.float32))
+    bf16 = plan(_config(tmp_path / "bf16", torch.bfloat16))
+    h, i, v, layers = SHAPE["hidden_size"], SHAPE["intermediate_size"], 64, SHAPE["num_hidden_layers"]
+    kv = h // SHAPE["num_attention_heads"] * SHAPE["num_key_value_heads"]
+    block = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h  # q, o; k, v; gate, up, down; two norms
+    model = v * h + layers * block + h  # tied embedding, blocks, final norm
+    # merged + calibrated checkpoints and every solved block: 4 bytes a value in fp32, 2 in bf16
+    halved = (2 * model + layers * block) * 2
+    assert math.isclose((fp32["estimated_disk_gib"] - bf16["estimated_disk_gib"]) * GIB, halved, abs_tol=0.002 * GIB)
+
+
+def test_ram_estimate_covers_the_prepare_stages_embedding(tmp_path):
+    """A large vocabulary: the prepare stage (one side's float32 embedding and, while it fills, its stored bf16
+    tensors) outweighs three blocks and their Grams."""
+    p = plan(_config(tmp_path, torch.bfloat16, vocab=200_000))
+    embedding = 200_000 * SHAPE["hidden_size"]
+    assert math.isclose(p["estimated_peak_ram_gib"], (4 * embedding + 2 * embedding) / GIB + 1.0, abs_tol=0.001)
