@@ -170,11 +170,16 @@ def pipeline_result(bench: Path, name: str, raw: dict[str, Any]) -> dict[str, An
     run_dir = bench / "runs" / name
     run_pipeline(cfg, run_dir)
     report = read_json(run_dir / "report.json")
-    return {"run_dir": str(run_dir), "cost": _stage_cost(run_dir), "chosen": chosen_hyper(run_dir),
-            "accuracy": {t: s["accuracy"] for t, s in report["tasks"].items()},
-            "predictions": {t: s["predictions"] for t, s in report["tasks"].items() if "predictions" in s},
-            "labels": {t: s["labels"] for t, s in report["tasks"].items() if "labels" in s},
-            "drift": report["summary"].get("average_drift", {})}
+    tasks, summary = report["tasks"], report["summary"]
+    result = {"run_dir": str(run_dir), "cost": _stage_cost(run_dir), "chosen": chosen_hyper(run_dir),
+              "accuracy": {t: s["accuracy"] for t, s in tasks.items()},
+              "predictions": {t: s["predictions"] for t, s in tasks.items() if "predictions" in s},
+              "labels": {t: s["labels"] for t, s in tasks.items() if "labels" in s},
+              "drift": summary.get("average_drift", {})}
+    if all("language_model" in s for s in tasks.values()):  # a causal LM: its losses per task and model too
+        result["language_model"] = {t: s["language_model"] for t, s in tasks.items()}
+        result["loss_summary"] = {k: summary[k] for k in ("average_loss", "gap_closed_loss") if k in summary}
+    return result
 
 
 def run_method(bench: Path, name: str) -> dict[str, Any]:

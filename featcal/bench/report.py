@@ -173,6 +173,26 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
     return out
 
 
+def language_model_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dict[str, Any],
+                          rows: Sequence[tuple[str, str, str, str | None]]) -> dict[str, Any]:
+    """`build_report` of causal-LM runs, whose "accuracy" is next-token accuracy: each row also gets its per-task
+    next-token `loss`, `average_loss` and `gap_closed_loss`, (TA − row) / (TA − experts) on the average loss. A loss
+    has no right or wrong rows to pair, and these benchmarks have no sample curves."""
+    report = build_report(results, tasks, meta, rows=rows, curves={})
+    report.pop("paired", None)
+    report.pop("sample_efficiency")
+    for row in report["methods"]:
+        lm = results[row["run"]]["language_model"]
+        row["loss"] = {t: lm[t][row["model"]]["loss"] for t in tasks}
+        row["average_loss"] = _mean(list(row["loss"].values()))
+    average = {(r["run"], r["model"]): r["average_loss"] for r in report["methods"]}
+    ta, experts = average.get(("ta_featcal", "merged")), average.get(("ta_featcal", "expert"))
+    if ta is not None and experts is not None and ta != experts:
+        for row in report["methods"]:
+            row["gap_closed_loss"] = (ta - row["average_loss"]) / (ta - experts)
+    return report
+
+
 def markdown(report: dict[str, Any], curves: Curves = CURVES) -> str:
     tasks = report["tasks"]
     paper = any("paper" in row for row in report["methods"])  # a column of published figures, after ours
