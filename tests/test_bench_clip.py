@@ -150,5 +150,6 @@ def test_missing_mirror_path_is_named_with_its_flag(built, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"--data-from {tmp_path}: {tmp_path}/tanganke/eurosat does not exist" in err
     assert main(["bench", "build", "minilm8", "--out", out, "--tasks", "eurosat"]) == 2
-    assert "--tasks: only for clip-vit-b32-ta8, not minilm8" in capsys.readouterr().err
+    assert ("--tasks: only for clip-vit-b32-ta8, flan-t5-base-glue8, mergebench-llama-3.2-3b, not minilm8"
+            in capsys.readouterr().err)
     assert not (tmp_path / "b").exists()
