@@ -1,6 +1,7 @@
-"""Decoder-only causal LMs of the Llama layout (Llama, Qwen2, Mistral) on tiny models built from a config: grouped-query
-attention (2 key/value heads for 4 query heads), SwiGLU MLP, RMS norms, rotary positions. The adapter's block-by-block
-forward on a right-padded batch, single-expert exactness at every block boundary, and drift falling with two experts."""
+"""Decoder-only causal LMs of the Llama layout (Llama, Qwen2, Mistral, Qwen3) on tiny models built from a config:
+grouped-query attention (2 key/value heads for 4 query heads), SwiGLU MLP, RMS norms, rotary positions. The adapter's
+block-by-block forward on a right-padded batch, single-expert exactness at every block boundary, and drift falling with
+two experts."""
 
 import json
 
@@ -9,13 +10,15 @@ import pytest
 import torch
 import transformers
 from datasets import Dataset
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from featcal.adapters import adapter_for
 from featcal.config import config_from_dict
-from featcal.modeling import task_model
+from featcal.modeling import Skeleton, calibrated_modules, is_norm, task_model
+from featcal.statistics import accumulate, captured_inputs, new_stats
 from flows.pipeline import run_pipeline
 from storage.checkpoint import INDEX_NAME, CanonicalCheckpoint
+from tasks.calibration import token_weights
 from tests.test_architectures import perturbed
 
 EXAMPLES = 16
@@ -26,6 +29,8 @@ CASES = {
     "qwen2": ("Qwen2ForCausalLM", lambda: Qwen2Config(**SHAPE, tie_word_embeddings=False)),  # q/k/v biases
     # A window shorter than the rows, so the sliding-window mask is exercised.
     "mistral": ("MistralForCausalLM", lambda: MistralConfig(**SHAPE, sliding_window=5, tie_word_embeddings=False)),
+    # Per-head q/k RMS norms; head_dim 16 is not hidden / heads (8), so the config's own head_dim is exercised.
+    "qwen3": ("Qwen3ForCausalLM", lambda: Qwen3Config(**SHAPE, head_dim=16, tie_word_embeddings=True)),
 }
 
 
@@ -67,13 +72,18 @@ def _deviations(model, expert, batch) -> list[float]:
             for a, b in zip(_boundaries(model, batch), _boundaries(expert, batch), strict=True)]
 
 
-def _build(root, arch: str, experts: int, **sections):
+def _build(root, arch: str, experts: int, norm_noise: float = 0.0, **sections):
     torch.manual_seed(0)
     base = _model(arch)
     base.save_pretrained(root / "base")
     for t in range(experts):
         expert = _model(arch)
-        expert.load_state_dict(perturbed(base, seed=10 + t))
+        state = perturbed(base, seed=10 + t)
+        if norm_noise:  # `perturbed` scales its noise by a tensor's spread, and norm weights start all equal
+            g = torch.Generator().manual_seed(20 + t)
+            state = {k: v + norm_noise * torch.randn(v.shape, generator=g) if k.endswith("norm.weight") else v
+                     for k, v in state.items()}
+        expert.load_state_dict(state)
         expert.save_pretrained(root / f"e{t}")
         _rows(t).save_to_disk(str(root / f"d{t}"))
     raw = {
@@ -144,8 +154,9 @@ def test_single_expert_exactness(tmp_path, arch, lam, exact):
 def test_two_experts_drift_falls(tmp_path, arch):
     """Task arithmetic of two perturbed experts, then FeatCal: the drift to each expert, averaged over the tasks, is
     unchanged at the embeddings (merged, not calibrated) and falls at the last boundary (what the LM head reads); the
-    LM head and final norm stay merged, and tied embeddings stay tied."""
-    cfg = _build(tmp_path, arch, experts=2)
+    LM head and final norm stay merged, and tied embeddings stay tied. The experts' norms differ (`norm_noise`): the
+    blocks' norms are calibrated, except those the adapter keeps merged (Qwen3's per-head q/k norms)."""
+    cfg = _build(tmp_path, arch, experts=2, norm_noise=0.1)
     run_pipeline(cfg, tmp_path / "run")
     adapter = adapter_for(_model(arch).config)
     merged_ckpt = CanonicalCheckpoint(tmp_path / "run" / "merged", adapter)
@@ -166,7 +177,47 @@ def test_two_experts_drift_falls(tmp_path, arch):
     assert not torch.equal(calibrated.model.layers[1].mlp.down_proj.weight, merged.model.layers[1].mlp.down_proj.weight)
     loaded = type(calibrated).from_pretrained(tmp_path / "run" / "calibrated")
     tied = loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
-    assert tied == loaded.config.tie_word_embeddings == (arch == "llama")
+    assert tied == loaded.config.tie_word_embeddings == (arch in ("llama", "qwen3"))
+    expert = task_model(cfg.experts["task0"])
+    for layer in range(adapter.num_blocks()):
+        def weight(model, name):
+            return model.get_parameter(f"model.layers.{layer}.{name}.weight")
+
+        assert not torch.equal(weight(calibrated, "input_layernorm"), weight(merged, "input_layernorm"))
+        for name in adapter.uncalibrated:  # merged, though the expert's differs
+            assert torch.equal(weight(calibrated, name), weight(merged, name)), name
+            assert not torch.equal(weight(merged, name), weight(expert, name)), name
+
+
+def test_qwen3_per_head_norms_stay_merged(tmp_path):
+    """Why Qwen3's `self_attn.q_norm`/`k_norm` keep their merged values: their input is q or k as [B, T, heads,
+    head_dim], so a block pass gives them `heads` statistics rows per token, while token weights (padding 0) are one
+    per token, and the statistics refuse rows that do not match. Every other norm and linear map is calibrated, in
+    the skeleton's block template and in each block it materialises from a checkpoint alike."""
+    torch.manual_seed(0)
+    model = _model("qwen3")
+    model.save_pretrained(tmp_path / "m")
+    skeleton = Skeleton.from_checkpoint(tmp_path / "m")
+    assert skeleton.adapter.uncalibrated == ("self_attn.q_norm", "self_attn.k_norm")
+    wanted = {"input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+              *(f"self_attn.{p}_proj" for p in "qkvo")}
+    block = skeleton.block(1, CanonicalCheckpoint(tmp_path / "m", skeleton.adapter))
+    assert set(calibrated_modules(skeleton.block_template(1))) == set(calibrated_modules(block)) == wanted
+    every = {n: m for n, m in model.model.layers[0].named_modules() if is_norm(m) or isinstance(m, torch.nn.Linear)}
+    assert set(every) - wanted == set(skeleton.adapter.uncalibrated)
+    batch = _batch(_rows(0))
+    sink: dict[str, torch.Tensor] = {}
+    with torch.inference_mode(), captured_inputs(every, sink):
+        skeleton.adapter.run_block(model.model.layers[0], model.model.embed_tokens(batch["input_ids"]),
+                                   skeleton.adapter.block_input(batch))
+    weights = token_weights(batch["attention_mask"], list(every), None, None)
+    tokens, config = batch["attention_mask"].numel(), model.config
+    assert sink["self_attn.q_norm"].shape == (tokens * config.num_attention_heads, config.head_dim)
+    assert sink["self_attn.k_norm"].shape == (tokens * config.num_key_value_heads, config.head_dim)
+    with pytest.raises(ValueError, match="token rows"):
+        accumulate(new_stats(every), every, sink, sink, weights)
+    calibrated = {n: m for n, m in every.items() if n in wanted}
+    accumulate(new_stats(calibrated), calibrated, sink, sink, weights)  # per-token inputs only: accepted
 
 
 def _brute_force_next_tokens(model, rows: Dataset) -> tuple[float, float]:
