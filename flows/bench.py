@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -142,18 +142,27 @@ def write_report(bench: Path, runs: list[str], out_dir: str | None = None) -> tu
 
 def save_report(bench: Path, stem: str, report: dict[str, Any], results: dict[str, dict[str, Any]], out_dir: str | None,
                 curves: bench_report.Curves = bench_report.CURVES) -> tuple[list[str], dict[str, Any]]:
-    """`report/{stem}.json`, `.md` and plots, also copied to `out_dir` where given: the report stage's outputs."""
+    """The accuracy benchmarks' report stage: its files with the plots, and each method's average."""
+    (bench / "report").mkdir(parents=True, exist_ok=True)
+    plots = bench_report.plots(report, bench / "report", stem, curves)
+    files = saved_report_files(bench, stem, report, results, out_dir, bench_report.markdown(report, curves), plots)
+    return files, {"methods": {r["method"]: round(100 * r["average"], 2) for r in report["methods"]}}
+
+
+def saved_report_files(bench: Path, stem: str, report: dict[str, Any], results: dict[str, dict[str, Any]],
+                       out_dir: str | None, markdown: str, plots: Sequence[Path] = ()) -> list[str]:
+    """`report/{stem}.json`, `.md` and `plots`, also copied to `out_dir` where given: a report stage's outputs."""
     # Each run's record without its per-example predictions (the paired comparisons summarise them).
     report["runs"] = {r: {k: v for k, v in res.items() if k not in ("predictions", "labels")} for r, res in results.items()}
     files = [f"report/{stem}.json", f"report/{stem}.md"]
     write_json(bench / files[0], report)
-    write_bytes(bench / files[1], bench_report.markdown(report, curves).encode())
-    files += [str(p.relative_to(bench)) for p in bench_report.plots(report, bench / "report", stem, curves)]
+    write_bytes(bench / files[1], markdown.encode())
+    files += [str(p.relative_to(bench)) for p in plots]
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         for rel in files:
             shutil.copy2(bench / rel, Path(out_dir) / Path(rel).name)
-    return files, {"methods": {r["method"]: round(100 * r["average"], 2) for r in report["methods"]}}
+    return files
 
 
 def about(spec: BenchSpec) -> str:

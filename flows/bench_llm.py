@@ -8,7 +8,6 @@ trusted only when its outputs on disk still match their record (tasks.record.rec
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -22,9 +21,9 @@ from featcal.bench.llm_methods import llm_method_runs
 from featcal.bench.llm_spec import BASE_MODEL, DOMAINS, LlmBenchSpec
 from featcal.config import digest_of
 from flows.bench import (STAGES, Call, built_outputs, chosen_runs, method_and_report_stages, prefect_call, prepared_bench,
-                         write_run_configs)
+                         saved_report_files, write_run_configs)
 from flows.pipeline import code_digest, code_version, machine
-from storage.atomic import read_json, write_bytes, write_json
+from storage.atomic import read_json
 from storage.fingerprint import fingerprint
 from storage.rundir import Record
 
@@ -78,15 +77,7 @@ def write_llm_report(bench: Path, runs: list[str], out_dir: str | None = None) -
                                       {d: r["calibration"] for d, r in rows.items()}),
             "machine": f"{machine()}, {time.strftime('%Y-%m-%d')}", "spec": spec.model_dump(mode="json")}
     report = llm_report.llm_report(results, spec, meta)
-    report["runs"] = {r: {k: v for k, v in res.items() if k not in ("predictions", "labels")}
-                      for r, res in results.items()}
-    files = [f"report/{spec.name}.json", f"report/{spec.name}.md"]
-    write_json(bench / files[0], report)
-    write_bytes(bench / files[1], llm_report.markdown(report).encode())
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        for rel in files:
-            shutil.copy2(bench / rel, Path(out_dir) / Path(rel).name)
+    files = saved_report_files(bench, spec.name, report, results, out_dir, llm_report.markdown(report))
     return files, {"average_loss": {r["method"]: round(r["average_loss"], 4) for r in report["methods"]}}
 
 

@@ -9,7 +9,6 @@ resumes at the first stage not done, and a rerun of a finished build does nothin
 from __future__ import annotations
 
 import platform
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -23,9 +22,10 @@ from featcal.bench.tinyllama import TOKENIZER, TinyLlamaSpec, located_sources, t
 from featcal.bench.tinyllama_methods import tinyllama_method_runs
 from featcal.config import digest_of
 from flows import bench as bench_flow
-from flows.bench import STAGES, Call, built_outputs, chosen_runs, method_and_report_stages, prefect_call, prepared_bench
+from flows.bench import (STAGES, Call, built_outputs, chosen_runs, method_and_report_stages, prefect_call, prepared_bench,
+                         saved_report_files)
 from flows.pipeline import code_digest, code_version, machine
-from storage.atomic import read_json, write_bytes, write_json
+from storage.atomic import read_json
 from storage.fingerprint import fingerprint
 from storage.rundir import Record, RunDir
 
@@ -113,14 +113,7 @@ def write_tinyllama_report(bench: Path, runs: list[str], out_dir: str | None = N
             # The pipeline stages' own seconds, as recorded when each ran (a rerun resumed from cache takes far less).
             "run_seconds": sum(sum(res["cost"]["stage_seconds"].values()) for res in results.values())}
     report = tinyllama_report.tinyllama_report(results, spec, meta)
-    report["runs"] = {r: {k: v for k, v in res.items() if k not in ("predictions", "labels")} for r, res in results.items()}
-    files = [f"report/{STEM}.json", f"report/{STEM}.md"]
-    write_json(bench / files[0], report)
-    write_bytes(bench / files[1], tinyllama_report.markdown(report, spec).encode())
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        for rel in files:
-            shutil.copy2(bench / rel, Path(out_dir) / Path(rel).name)
+    files = saved_report_files(bench, STEM, report, results, out_dir, tinyllama_report.markdown(report, spec))
     return files, {"average_loss": {r["method"]: round(r["average_loss"], 4) for r in report["methods"]}}
 
 
