@@ -22,6 +22,7 @@ import copyreg
 import multiprocessing
 import os
 import signal
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -106,10 +107,13 @@ class StagePool:
         """Which worker ended, how, and the stage it cost. Once one dies the executor SIGTERMs the others: the odd
         one out is the first to go."""
         processes = list(self._processes.values())
-        # A broken pool ends every worker; reap them all (briefly), so the one that died first is known, not guessed
-        # from whichever the executor's SIGTERM reached before it was reaped.
-        for p in processes:
-            p.join(3.0)
+        # A broken pool ends every worker; wait (briefly) for every exit code, so the one that died first is known, not
+        # guessed from whichever the executor's SIGTERM reached. The executor's own thread reaps them too, and a join
+        # that loses that race reads no exit code yet (waitpid: ECHILD): ask again until each has one.
+        deadline = time.monotonic() + 3.0
+        while any(p.exitcode is None for p in processes) and time.monotonic() < deadline:
+            for p in processes:
+                p.join(0.05)
         ended = {p.pid: p.exitcode for p in processes if p.exitcode}
         pid = next((pid for pid, code in ended.items() if code != -signal.SIGTERM), next(iter(ended), None))
         who = "a pool worker process died" if pid is None else f"pool worker pid {pid} {_how(ended[pid])}"
