@@ -198,7 +198,6 @@ def build_inputs(work: Path, experts: int, examples: int) -> dict[str, float]:
     return seconds
 
 
-
 # ---- runs -----------------------------------------------------------------------------------------
 def config_file(work: Path, n: int, examples: int, precision: str) -> Path:
     tasks = [f"task{t}" for t in range(n)]

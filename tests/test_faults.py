@@ -19,6 +19,9 @@ from flows.cli import main
 from storage.atomic import digest
 from storage.rundir import RunDir
 from tests.conftest import featcal_process
+from tests.prefect_helpers import cli_env, featcal
+
+pytest_plugins = ("tests.prefect_server",)
 
 
 @contextmanager
@@ -79,8 +82,9 @@ def test_disk_full_mid_run_is_one_line_and_resumes_when_there_is_room(resume_con
         assert _weights(run_dir) == _weights(reference_run)
 
 
-def test_nan_in_an_expert_is_named_before_anything_is_merged(tiny_example, tmp_path):
-    """Through Prefect, as a user runs it: one line naming expert and tensor, no traceback, nothing written."""
+def test_nan_in_an_expert_is_named_before_anything_is_merged(prefect_server, tiny_example, tmp_path):
+    """Through Prefect, as a user with a `featcal server` runs it (the session's: no temporary server to start): one
+    line naming expert and tensor, no traceback, nothing written."""
     root = tmp_path / "example"
     shutil.copytree(tiny_example / "bert", root / "bert")
     weights = root / "bert" / "experts" / "negation" / "model.safetensors"
@@ -89,7 +93,7 @@ def test_nan_in_an_expert_is_named_before_anything_is_merged(tiny_example, tmp_p
     tensors[name][2, 3] = float("nan")
     save_file(tensors, str(weights), metadata={"format": "pt"})
     run_dir = tmp_path / "run"
-    proc = featcal_process("run", str(root / "bert" / "example.yaml"), "--run-dir", str(run_dir))
+    proc = featcal("run", str(root / "bert" / "example.yaml"), "--run-dir", str(run_dir), env=cli_env(prefect_server))
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 2, out
     errors = [line for line in out.splitlines() if line.startswith("featcal: error:")]
