@@ -80,6 +80,20 @@ def prepared_bench(bench: Path, spec: Any) -> tuple[Path, Path]:
     return bench, bench / "records" / "fingerprints.json"
 
 
+def mirrored_task_stages(bench: Path, spec: Any, stage: Call, kind: str, code: str, memo: Path,
+                         expert_hub_id: Callable[[str], str]) -> dict[str, Record]:
+    """A hub recipe's `{kind}-data` and `{kind}-expert` stages, one of each per task, each cached on its source's
+    fingerprint (a mirror's content, or a hub id's name)."""
+    records = {}
+    for t in spec.tasks:
+        records[f"data/{t}"] = stage(bench, f"{kind}-data", f"data/{t}", digest_of(
+            [code, "data", t, spec.calibration, spec.test_rows, spec.seed, fingerprint(spec.data_source(t), memo)]), task=t)
+    for t in spec.tasks:
+        records[f"expert/{t}"] = stage(bench, f"{kind}-expert", f"expert/{t}", digest_of(
+            [code, "expert", t, fingerprint(spec.model_source(expert_hub_id(t)), memo)]), task=t)
+    return records
+
+
 def build_stages(bench: Path, spec: BenchSpec, stage: Call) -> dict[str, Record]:
     """Base copy, then one dataset and one expert per task, then the spec's competence rule where it states one
     (it raises when an expert fails it); each cached on its inputs' digests."""

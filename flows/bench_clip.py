@@ -21,7 +21,7 @@ from featcal.bench.estimate import CONFIGS, split_sizes, write_estimate
 from featcal.config import digest_of
 from flows import bench as bench_flow
 from flows.bench import (STAGES, Call, built_outputs, chosen_runs, method_and_report_stages, prefect_call, prepared_bench,
-                         save_report, write_run_configs)
+                         mirrored_task_stages, save_report, write_run_configs)
 from flows.pipeline import code_digest, code_version, machine
 from storage.atomic import read_json
 from storage.fingerprint import fingerprint
@@ -49,12 +49,7 @@ def clip_build_stages(bench: Path, spec: ClipBenchSpec, stage: Call) -> dict[str
         [code, "clip", fingerprint(spec.model_source(BASE_MODEL), memo)]))}
     records["base"] = stage(bench, "clip-base", "base", digest_of(
         [code, "base", records["clip"]["outputs"][clip_build.CLIP]]))
-    for t in spec.tasks:
-        records[f"data/{t}"] = stage(bench, "clip-data", f"data/{t}", digest_of(
-            [code, "data", t, spec.calibration, spec.test_rows, spec.seed, fingerprint(spec.data_source(t), memo)]), task=t)
-    for t in spec.tasks:
-        records[f"expert/{t}"] = stage(bench, "clip-expert", f"expert/{t}", digest_of(
-            [code, "expert", t, fingerprint(spec.model_source(CLIP_TASKS[t].expert), memo)]), task=t)
+    records.update(mirrored_task_stages(bench, spec, stage, "clip", code, memo, lambda t: CLIP_TASKS[t].expert))
     write_run_configs(bench / CONFIGS, {name: clip_methods.pipeline_config(bench, spec, run)
                                         for name, run in clip_methods.clip_method_runs().items()})
     return records

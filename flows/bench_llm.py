@@ -21,7 +21,7 @@ from featcal.bench.llm_methods import llm_method_runs
 from featcal.bench.llm_spec import BASE_MODEL, DOMAINS, LlmBenchSpec
 from featcal.config import digest_of
 from flows.bench import (STAGES, Call, built_outputs, chosen_runs, method_and_report_stages, prefect_call, prepared_bench,
-                         saved_report_files, write_run_configs)
+                         mirrored_task_stages, saved_report_files, write_run_configs)
 from flows.pipeline import code_digest, code_version, machine
 from storage.atomic import read_json
 from storage.fingerprint import fingerprint
@@ -46,13 +46,7 @@ def llm_build_stages(bench: Path, spec: LlmBenchSpec, stage: Call) -> dict[str, 
     code = code_digest(Path(m.__file__) for m in BUILD_MODULES)
     records = {"base": stage(bench, "llm-base", "base", digest_of(
         [code, "base", fingerprint(spec.model_source(BASE_MODEL), memo)]))}
-    for d in spec.tasks:
-        records[f"data/{d}"] = stage(bench, "llm-data", f"data/{d}", digest_of(
-            [code, "data", d, spec.calibration, spec.test_rows, spec.seed, fingerprint(spec.data_source(d), memo)]),
-            domain=d)
-    for d in spec.tasks:
-        records[f"expert/{d}"] = stage(bench, "llm-expert", f"expert/{d}", digest_of(
-            [code, "expert", d, fingerprint(spec.model_source(DOMAINS[d].expert(d)), memo)]), domain=d)
+    records.update(mirrored_task_stages(bench, spec, stage, "llm", code, memo, lambda d: DOMAINS[d].expert(d)))
     write_run_configs(bench / CONFIGS, {name: llm_methods.pipeline_config(bench, spec, run)
                                         for name, run in llm_method_runs().items()})
     return records

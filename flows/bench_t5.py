@@ -23,7 +23,7 @@ from featcal.bench.t5_spec import BASE_MODEL, GLUE_TASKS, T5BenchSpec
 from featcal.config import digest_of
 from flows import bench as bench_flow
 from flows.bench import (STAGES, Call, built_outputs, chosen_runs, method_and_report_stages, prefect_call, prepared_bench,
-                         save_report, write_run_configs)
+                         mirrored_task_stages, save_report, write_run_configs)
 from flows.pipeline import code_digest, code_version, machine
 from storage.atomic import read_json
 from storage.fingerprint import fingerprint
@@ -49,12 +49,7 @@ def t5_build_stages(bench: Path, spec: T5BenchSpec, stage: Call) -> dict[str, Re
     code = code_digest(Path(m.__file__) for m in BUILD_MODULES)
     records = {"base": stage(bench, "t5-base", "base", digest_of(
         [code, "base", fingerprint(spec.model_source(BASE_MODEL), memo)]))}
-    for t in spec.tasks:
-        records[f"data/{t}"] = stage(bench, "t5-data", f"data/{t}", digest_of(
-            [code, "data", t, spec.calibration, spec.test_rows, spec.seed, fingerprint(spec.data_source(t), memo)]), task=t)
-    for t in spec.tasks:
-        records[f"expert/{t}"] = stage(bench, "t5-expert", f"expert/{t}", digest_of(
-            [code, "expert", t, fingerprint(spec.model_source(GLUE_TASKS[t].expert(t)), memo)]), task=t)
+    records.update(mirrored_task_stages(bench, spec, stage, "t5", code, memo, lambda t: GLUE_TASKS[t].expert(t)))
     write_run_configs(bench / CONFIGS, {name: t5_methods.pipeline_config(bench, spec, run)
                                         for name, run in paper_method_runs().items()})
     return records

@@ -92,28 +92,28 @@ def held_out_splits(ds: datasets.Dataset, calibration: int, test_rows: int | Non
     return {"calibration": ds.select(sorted(order[:calibration].tolist())), "test": ds.select(sorted(rest.tolist()))}
 
 
-def write_data(bench: Path, domain: str) -> tuple[list[str], dict[str, Any]]:
-    """The domain's held-out set rendered into text, split into a calibration pool and disjoint held-out rows."""
+def write_data(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
+    """The held-out set of domain `task` rendered into text, split into a calibration pool and disjoint held-out rows."""
     spec = LlmBenchSpec.load(bench)
-    source = spec.data_source(domain)
-    rows = _checked(dataset_split(source, None, SOURCE_SPLIT, bool(spec.data_from), (SOURCE_SPLIT,)), domain, source)
-    splits = held_out_splits(rendered(rows, domain), spec.calibration, spec.test_rows, spec.seed, source)
+    source = spec.data_source(task)
+    rows = _checked(dataset_split(source, None, SOURCE_SPLIT, bool(spec.data_from), (SOURCE_SPLIT,)), task, source)
+    splits = held_out_splits(rendered(rows, task), spec.calibration, spec.test_rows, spec.seed, source)
     out = datasets.DatasetDict(splits)
-    with atomic_path(bench / data_dir(domain)) as tmp:
+    with atomic_path(bench / data_dir(task)) as tmp:
         out.save_to_disk(str(tmp))
-    log.info("data %s: %s", domain, {k: len(v) for k, v in out.items()})
-    return [data_dir(domain)], {"source": source, "source_rows": len(rows), **{s: len(r) for s, r in out.items()}}
+    log.info("data %s: %s", task, {k: len(v) for k, v in out.items()})
+    return [data_dir(task)], {"source": source, "source_rows": len(rows), **{s: len(r) for s, r in out.items()}}
 
 
-def write_expert(bench: Path, domain: str) -> tuple[list[str], dict[str, Any]]:
-    """The domain's fine-tuned causal LM, re-saved by this transformers in its own dtype."""
+def write_expert(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
+    """The fine-tuned causal LM of domain `task`, re-saved by this transformers in its own dtype."""
     spec = LlmBenchSpec.load(bench)
-    hub_id = DOMAINS[domain].expert(domain)
+    hub_id = DOMAINS[task].expert(task)
     model = _causal_lm(spec, hub_id)
-    with atomic_path(bench / expert_dir(domain)) as tmp:
+    with atomic_path(bench / expert_dir(task)) as tmp:
         model.save_pretrained(tmp)
-    log.info("expert %s: %s", domain, spec.model_source(hub_id))
-    return [expert_dir(domain)], {"source": spec.model_source(hub_id), "dtype": str(model.dtype)}
+    log.info("expert %s: %s", task, spec.model_source(hub_id))
+    return [expert_dir(task)], {"source": spec.model_source(hub_id), "dtype": str(model.dtype)}
 
 
 LLM_BUILD_STAGES = {"llm-base": write_base, "llm-data": write_data, "llm-expert": write_expert}
