@@ -43,6 +43,24 @@ def activation_dtype(precision: str) -> torch.dtype:
     return STORAGE_DTYPES[precision]
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); without them torch emulates it."""
+    cpu = torch.cpu
+    return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def bf16_warning(device: torch.device, precision: str, native_bf16: bool) -> str | None:
+    """Why runtime.precision bf16 would make this run slower rather than faster, or None.
+
+    On a CPU without bf16 instructions the block forwards ran 7× slower than fp32 and the whole run 3.3×
+    (benchmarks/results/pipeline_cost_vitb32_avx2.md): bf16 still gives the same weights within its tolerance, so
+    this is said, not refused."""
+    if precision != "bf16" or device.type != "cpu" or native_bf16:
+        return None
+    return ("runtime.precision: bf16 on a CPU without bf16 instructions (no AVX512-BF16 or AMX): torch emulates "
+            "them, and a run took 3.3× as long as in fp32 on such a CPU; use fp32 here")
+
+
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """A batch on `device`: the batch itself on the CPU; to CUDA through pinned memory, so the copy is
     asynchronous and overlaps the previous block's compute."""

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal.config import RunConfig
-from featcal.devices import activation_dtype, resolve_device
+from featcal.devices import activation_dtype, bf16_warning, cpu_has_native_bf16, resolve_device
 from featcal.modeling import Skeleton, calibrated_modules, is_norm, linear_dims
 from featcal.statistics import expert_side_form
 from flows.pipeline import stage_count
@@ -72,6 +72,7 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
         "device": str(device),
         "precision": cfg.runtime.precision,
         "estimated_peak_device_gib": None if device.type == "cpu" else round(on_device / GIB, 3),
+        "warning": bf16_warning(device, cfg.runtime.precision, cpu_has_native_bf16()),
     }
 
 
@@ -113,5 +114,6 @@ def render(p: dict[str, Any]) -> str:
         f"device            {p['device']}, {p['precision']}" + (
             "" if p["estimated_peak_device_gib"] is None
             else f"  (peak device memory estimate {p['estimated_peak_device_gib']} GiB: 2 blocks, Grams, 2 chunks)"),
+        *([f"warning           {p['warning']}"] if p["warning"] else []),
     ]
     return "\n".join(lines)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -10,11 +11,13 @@ from transformers import AutoConfig, AutoTokenizer
 from featcal.adapters import Adapter, adapter_for
 from featcal.config import ConfigError, RunConfig
 from featcal.data import DataError, InputBuilder, load_split
-from featcal.devices import resolve_device
+from featcal.devices import bf16_warning, cpu_has_native_bf16, resolve_device
 from featcal.t5 import answer_kind
 from featcal.zeroshot import class_names
 from storage.activations import ActivationError, ActivationStore
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
+
+log = logging.getLogger("featcal")
 
 
 def _config(path: str, field: str):
@@ -142,7 +145,10 @@ def preflight(cfg: RunConfig) -> Adapter:
     key = cfg.fingerprint()
     if key in _just_checked:
         return _just_checked.pop(key)
-    resolve_device(cfg.runtime.device)  # a device torch cannot reach fails here, not at the first Gram
+    device = resolve_device(cfg.runtime.device)  # a device torch cannot reach fails here, not at the first Gram
+    slow = bf16_warning(device, cfg.runtime.precision, cpu_has_native_bf16())
+    if slow:
+        log.warning(slow)
     check_zero_shot(cfg)
     adapter = check_checkpoints(cfg)
     check_head_side(cfg, adapter)

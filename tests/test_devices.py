@@ -12,7 +12,8 @@ from pydantic import ValidationError
 import featcal_kernels
 from featcal.config import ConfigError, RuntimeConfig, config_from_dict
 from featcal.devices import (
-    activation_dtype, peak_device_mib, reset_device_peak, resolve_device, solve_device, to_device)
+    activation_dtype, bf16_warning, cpu_has_native_bf16, peak_device_mib, reset_device_peak, resolve_device,
+    solve_device, to_device)
 
 TEST_DEVICE = torch.device(os.environ.get("FEATCAL_TEST_DEVICE", "cpu"))
 GOOD = {"base": "base", "experts": {"a": "ea"}, "calibration": {"data": {"a": {"path": "da"}}}}
@@ -80,6 +81,17 @@ def test_precision_maps_to_the_activation_dtype_and_fp16_is_refused(tmp_path):
         config_from_dict({**GOOD, "runtime": {"precision": "fp16"}}, tmp_path)
     with pytest.raises(ValueError, match=r"^runtime.precision: expected one of \['bf16', 'fp32'\], got 'fp16'$"):
         activation_dtype("fp16")
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_is_said_not_refused():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert bf16_warning(cpu, "bf16", native_bf16=False) == (
+        "runtime.precision: bf16 on a CPU without bf16 instructions (no AVX512-BF16 or AMX): torch emulates them, "
+        "and a run took 3.3× as long as in fp32 on such a CPU; use fp32 here")
+    assert bf16_warning(cpu, "bf16", native_bf16=True) is None
+    assert bf16_warning(cpu, "fp32", native_bf16=False) is None
+    assert bf16_warning(cuda, "bf16", native_bf16=False) is None  # GPUs: bf16 tensor cores
+    assert isinstance(cpu_has_native_bf16(), bool)
 
 
 def test_to_device_on_cpu_returns_the_same_tensors():

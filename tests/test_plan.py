@@ -7,7 +7,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from featcal.config import config_from_dict
-from flows.plan import GIB, plan
+import flows.plan
+from flows.plan import GIB, plan, render
 from tests.test_decoders import SHAPE, _rows
 
 
@@ -43,3 +44,14 @@ def test_ram_estimate_covers_the_prepare_stages_embedding(tmp_path):
     p = plan(_config(tmp_path, torch.bfloat16, vocab=200_000))
     embedding = 200_000 * SHAPE["hidden_size"]
     assert math.isclose(p["estimated_peak_ram_gib"], (4 * embedding + 2 * embedding) / GIB + 1.0, abs_tol=0.001)
+
+
+def test_plan_says_when_bf16_would_be_emulated(tmp_path, monkeypatch):
+    cfg = _config(tmp_path, torch.float32)
+    bf16 = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"precision": "bf16", "device": "cpu"})})
+    monkeypatch.setattr(flows.plan, "cpu_has_native_bf16", lambda: False)
+    text = render(plan(bf16))
+    assert "warning           runtime.precision: bf16 on a CPU without bf16 instructions" in text
+    assert plan(cfg)["warning"] is None and "warning" not in render(plan(cfg))
+    monkeypatch.setattr(flows.plan, "cpu_has_native_bf16", lambda: True)
+    assert plan(bf16)["warning"] is None
