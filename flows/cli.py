@@ -24,8 +24,8 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 # Before torch is imported (it reads this once, when it loads): tensors of 2 MiB and more on transparent huge
 # pages. The Gram and solve stages allocate float64 matrices of tens of MB per task and module; on 4 KiB pages
 # each costs a page fault per page when first written (a 3072² one: 65 ms to allocate, 15 ms on huge pages). On
-# the ViT-B/32 shape the run took 1.12× less time with the same weights bit for bit and a lower peak RSS
-# (benchmarks/results/pipeline_cost_vitb32_avx2.md). Without kernel support for them it changes nothing.
+# the ViT-B/32 shape the stages took 1.03–1.13× less time (two invocations) with the same weights bit for bit and
+# a lower peak RSS (benchmarks/results/pipeline_cost_vitb32_avx2.md). Without kernel support it changes nothing.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
