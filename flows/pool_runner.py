@@ -22,6 +22,7 @@ import copyreg
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -126,6 +127,22 @@ class StagePool:
 
 
 @contextmanager
+def _sigint_ignored_by_new_processes() -> Iterator[None]:
+    """Processes started inside ignore SIGINT from their first instruction: an ignored signal stays ignored across
+    exec, and Python then installs no KeyboardInterrupt handler. The workers' initializer ignores it too, but only
+    after their imports: a Ctrl-C to the group during those printed a worker's traceback (seen in CI). Here, in
+    the main thread only (signal handlers can be set nowhere else), this process ignores it for those few ms."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
 def stage_pool(workers: int | None = None, threads: int | None = None,
                known_secrets: dict[str, Any] | None = None) -> Iterator[StagePool]:
     """A pool of `workers` processes (default: one per core) with `threads` torch threads each (default: the
@@ -142,8 +159,9 @@ def stage_pool(workers: int | None = None, threads: int | None = None,
                                    initializer=_start_worker, initargs=(threads, dict(known_secrets or {})))
     # The executor starts a worker per submit that finds none idle: `workers` empty calls now start them all at
     # once, importing torch while the merge runs, instead of the second only when a block's stages arrive.
-    for _ in range(workers):
-        executor.submit(os.getpid)
+    with _sigint_ignored_by_new_processes():
+        for _ in range(workers):
+            executor.submit(os.getpid)
     pool = StagePool(executor, workers, threads)
     try:
         yield pool
