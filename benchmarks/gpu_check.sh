@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check of runtime.device / runtime.precision (issue 14): CUDA tests, then the pipeline cost in fp32 and bf16.
+# GPU check of runtime.device / runtime.precision (issue 14): CUDA tests, a run resumed from CUDA on the CPU and a
+# `--runner dask --gpus 1` run (benchmarks/cross_device.py), then the pipeline cost in fp32 and bf16.
 #
 # Assumptions: run from anywhere inside the checkout (it cds to the repository root) on a machine with a CUDA
 # GPU, where either
@@ -58,6 +59,8 @@ main() {
   step versions 60 "$py" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'triton', triton.__version__, 'devices', [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])"
   step tests 240 env FEATCAL_TEST_DEVICE=cuda "$py" -m pytest -q tests/test_devices.py tests/test_kernels*.py tests/test_precision.py
+  step cross_device 150 "$py" benchmarks/cross_device.py --first cuda --then cpu --gpus 1 \
+    --out benchmarks/results/cross_device_gpu.md
   local left=$((BUDGET - SECONDS))
   if [ "$left" -lt 60 ]; then
     FAILED+=("pipeline_cost (skipped: ${left}s of the ${BUDGET}s left)")

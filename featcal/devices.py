@@ -2,6 +2,9 @@
 
 Block forwards and Gram sums run on the resolved device; float64 solves run there only when it has room,
 else on the CPU (the Gram sums are float64 either way, so the weights do not depend on where they ran).
+
+Several GPUs: each worker process of a local Dask cluster is given one device (`featcal run --gpus N`), and its
+stages run there whatever runtime.device ('auto' or 'cuda') would pick: `pin_worker_device`.
 """
 
 from __future__ import annotations
@@ -17,11 +20,58 @@ STORAGE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.b
 SOLVE_MEMORY_MARGIN = 1.5
 
 
+# This process's device when it is one worker of a run spread over several devices (None: runtime.device decides).
+_worker_device: torch.device | None = None
+
+
+def gpu_devices(count: int) -> list[str]:
+    """The devices of `--gpus N`: cuda:0 to cuda:N-1, refused up front when torch sees fewer."""
+    if count < 1:
+        raise ValueError(f"--gpus must be at least 1, got {count}")
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if seen < count:
+        raise ValueError(f"--gpus {count}: torch sees {seen} CUDA device(s) (torch {torch.__version__}); "
+                         "ask for at most that many, or run without --gpus")
+    return [f"cuda:{i}" for i in range(count)]
+
+
+def check_worker_devices(devices: list[str], spec: str) -> None:
+    """Workers pinned to `devices` replace what runtime.device `spec` would pick; they may not contradict it."""
+    kinds = {torch.device(d).type for d in devices}
+    if spec not in ("auto", *kinds):
+        raise ValueError(f"runtime.device: {spec!r} contradicts the workers' devices {', '.join(devices)}; "
+                         "set it to 'auto' (or drop --gpus)")
+
+
+def device_for_worker(name: object, devices: list[str]) -> str:
+    """The device of worker `name` (a local cluster names its workers 0, 1, ...): one worker per device."""
+    if not isinstance(name, int) or not 0 <= name < len(devices):
+        raise ValueError(f"Dask worker {name!r}: a worker pinned to one of {len(devices)} devices needs a name from 0 "
+                         f"to {len(devices) - 1} (a local cluster's)")
+    return devices[name]
+
+
+def pin_worker_device(device: str) -> None:
+    """Every stage this process runs from now on computes on `device` (checked now: one line, not a CUDA error
+    mid-stage); a CUDA device also becomes the current one, where Triton launches its kernels."""
+    global _worker_device
+    _worker_device = resolve_device(device)
+    if _worker_device.type == "cuda":
+        torch.cuda.set_device(_worker_device)
+
+
+def worker_device() -> torch.device | None:
+    return _worker_device
+
+
 def resolve_device(spec: str) -> torch.device:
-    """The torch device a runtime.device value names, refused up front when torch cannot reach it."""
+    """The torch device a runtime.device value names, refused up front when torch cannot reach it; in a worker
+    pinned to one device, 'auto' and that device's kind name it."""
     match = DEVICE_SPEC.fullmatch(spec)
     if match is None:
         raise ValueError(f"runtime.device: {spec!r} is not a device: expected {DEVICE_FORMS}")
+    if _worker_device is not None and spec in ("auto", _worker_device.type):
+        return _worker_device
     if spec == "auto":
         return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if spec == "cpu":

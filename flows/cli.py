@@ -44,6 +44,9 @@ def _add_flow_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workers", type=int, metavar="N",
                    help="with --runner pool: N worker processes (default: one per core); with --runner dask: start a "
                         "local cluster of N worker processes")
+    g.add_argument("--gpus", type=int, metavar="N",
+                   help="with --runner dask: start a local cluster of N workers, one per GPU (cuda:0 … cuda:N-1), "
+                        "each running its stages on its own GPU; runtime.device must be auto or cuda")
     g.add_argument("--worker-threads", type=int, metavar="N",
                    help="torch threads per worker process (default: the cores divided among the pool's workers; 1 "
                         "per Dask worker); runtime.threads, when set, wins")
@@ -186,10 +189,16 @@ def _add_debug(parser: argparse.ArgumentParser) -> None:
 def _check_runner(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not hasattr(args, "runner"):
         return
-    if args.runner == "dask":
+    if args.gpus is not None:
+        if args.runner != "dask" or args.address is not None or args.workers is not None:
+            parser.error("--gpus N starts a local Dask cluster of one worker per GPU: it needs --runner dask and "
+                         "excludes --address and --workers")
+        if args.gpus < 1:
+            parser.error(f"--gpus must be at least 1, got {args.gpus}")
+    elif args.runner == "dask":
         if args.address is None and args.workers is None:
-            parser.error("--runner dask needs --address tcp://HOST:PORT (an existing cluster) "
-                         "or --workers N (a local cluster)")
+            parser.error("--runner dask needs --address tcp://HOST:PORT (an existing cluster), "
+                         "--workers N (a local cluster) or --gpus N (a local cluster, one worker per GPU)")
         if args.address is not None and args.workers is not None:
             parser.error("--address and --workers exclude each other: --address joins a cluster, --workers starts one")
         if getattr(args, "no_prefect", False):
@@ -246,6 +255,18 @@ def _check_cluster(args: argparse.Namespace) -> None:
         check_scheduler(args.address)
 
 
+def _gpu_devices(args: argparse.Namespace) -> list[str] | None:
+    """The devices of --gpus N, checked against what torch sees and runtime.device before any worker starts."""
+    if args.gpus is None:
+        return None
+    from featcal.config import load_config
+    from featcal.devices import check_worker_devices, gpu_devices
+
+    devices = gpu_devices(args.gpus)
+    check_worker_devices(devices, load_config(args.config, args.overrides).runtime.device)
+    return devices
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from featcal.config import load_config
     from storage.rundir import RunDir
@@ -253,6 +274,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.run_dir).resolve()
     RunDir(run_dir).check_usable()  # a busy or read-only run directory is refused now, before torch or Prefect load
+    devices = _gpu_devices(args)
     from flows.plan import check_free_space, plan
 
     estimate = plan(cfg)  # checks every input (checkpoints, data, store) and estimates the disk the run needs
@@ -287,7 +309,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             state = featcal_flow(args.config, str(run_dir), args.overrides, runner=args.runner, address=args.address,
                                  workers=args.workers, worker_threads=args.worker_threads,
                                  tag_task_runs=args.tag_task_runs, tls_ca_file=args.tls_ca_file,
-                                 tls_cert=args.tls_cert, tls_key=args.tls_key, return_state=True)
+                                 tls_cert=args.tls_cert, tls_key=args.tls_key, devices=devices, return_state=True)
             if api is not None:
                 print(f"flow run: {server.ui_url(api)}/runs/flow-run/{state.state_details.flow_run_id}")
             state.result()  # raises the flow's error, if any
@@ -350,7 +372,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               "Ctrl-C stops serving and pauses its schedule", file=sys.stderr)
         deploy.serve(args.config, args.run_dir, args.cron, name, args.overrides, args.runner, args.address,
                      args.workers, args.worker_threads, args.tag_task_runs, args.tls_ca_file, args.tls_cert,
-                     args.tls_key)
+                     args.tls_key, _gpu_devices(args))
     return 0
 
 

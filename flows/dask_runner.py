@@ -7,6 +7,10 @@ that at start with a token file, and gives each worker a fixed number of torch t
 oversubscribe the cores. Results do not depend on which worker runs what: each stage is deterministic and
 the solve sums the tasks' statistics in task order.
 
+Several GPUs: a local cluster given `devices` (`featcal run --gpus N`: cuda:0 … cuda:N-1) has one worker per device,
+each pinned to its own by the `PinnedDevices` plugin (one stage at a time per worker, so one per GPU). Workers of
+an existing cluster use their own runtime.device: start one per GPU with its CUDA_VISIBLE_DEVICES.
+
 Security: `--address tls://HOST:PORT` with a CA, a certificate and its key (`tls_security`; distributed's
 mutual TLS: the scheduler and the workers only talk to peers whose certificate the CA signed) encrypts the
 traffic and keeps clients without a certificate out. Secrets the run's config holds (featcal/secrets.py) are
@@ -90,6 +94,18 @@ class TorchThreads(WorkerPlugin):
         torch.set_num_threads(self.threads)
 
 
+class PinnedDevices(WorkerPlugin):
+    """Pins each worker of a local cluster to its device: worker i to devices[i]."""
+
+    def __init__(self, devices: list[str]):
+        self.devices = list(devices)
+
+    def setup(self, worker) -> None:  # noqa: ANN001 (distributed.Worker)
+        from featcal.devices import device_for_worker, pin_worker_device
+
+        pin_worker_device(device_for_worker(worker.name, self.devices))
+
+
 class KnownSecrets(WorkerPlugin):
     """Gives every worker (also those that join later) the run's secrets, in memory, so a stage can restore the
     placeholders of run.yaml; forgets them when the plugin is removed at the end of the run."""
@@ -112,7 +128,7 @@ class KnownSecrets(WorkerPlugin):
 
 
 def _probe(path: str, token: str) -> tuple[str, int, bool]:
-    """Runs on each worker: its host, pid and whether it reads our token in the run directory."""
+    """Runs on each worker: its host, torch threads and whether it reads our token in the run directory."""
     import torch
 
     try:
@@ -132,12 +148,16 @@ def local_cluster_kwargs(workers: int, threads: int) -> dict:
 @contextmanager
 def dask_task_runner(run_dir: str, address: str | None = None, workers: int | None = None, threads: int = 1,
                      known_secrets: dict | None = None, tls_ca_file: str | None = None, tls_cert: str | None = None,
-                     tls_key: str | None = None) -> Iterator["DaskTaskRunner"]:  # noqa: F821
+                     tls_key: str | None = None, devices: list[str] | None = None) -> Iterator["DaskTaskRunner"]:  # noqa: F821
     """A started DaskTaskRunner on an existing cluster (`address`, over TLS for tls://) or a new LocalCluster of
-    `workers` processes, checked to see `run_dir` from every worker; `known_secrets` ({placeholder: value}) are
-    given to every worker while the runner is open."""
+    `workers` processes (with `devices`: one per device, each pinned to its own), checked to see `run_dir` from
+    every worker; `known_secrets` ({placeholder: value}) are given to every worker while the runner is open."""
     from prefect_dask import DaskTaskRunner
 
+    if devices and (address is not None or workers not in (None, len(devices))):
+        raise DaskUnavailable(f"--gpus starts a local cluster of one worker per GPU ({len(devices)}): it excludes "
+                              "--address and --workers")
+    workers = len(devices) if devices else workers
     if (address is None) == (workers is None):
         raise DaskUnavailable("the Dask runner needs either --address tcp://HOST:PORT (an existing cluster) "
                               "or --workers N (a local cluster), not both")
@@ -165,6 +185,8 @@ def dask_task_runner(run_dir: str, address: str | None = None, workers: int | No
         stack.push(runner.__exit__)
         client = runner.client  # connected (or the local cluster started) now, so failures surface here
         client.register_plugin(TorchThreads(threads), name="featcal-torch-threads")
+        if devices:
+            client.register_plugin(PinnedDevices(devices), name="featcal-devices")
         if known_secrets:
             client.register_plugin(KnownSecrets(known_secrets), name=SECRETS_PLUGIN)
             stack.callback(_unregister, client, SECRETS_PLUGIN)

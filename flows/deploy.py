@@ -54,7 +54,7 @@ def check_cron(cron: str) -> None:
 def deployment_parameters(config: str, run_dir: str, overrides: list[str], runner: str, address: str | None,
                           workers: int | None, worker_threads: int | None, tag_task_runs: bool,
                           tls_ca_file: str | None = None, tls_cert: str | None = None,
-                          tls_key: str | None = None) -> dict[str, Any]:
+                          tls_key: str | None = None, devices: list[str] | None = None) -> dict[str, Any]:
     """The deployment's parameters, as stored by the server: overrides with their credentials redacted."""
     params: dict[str, Any] = {"config_path": str(Path(config).resolve()), "run_dir": str(Path(run_dir).resolve()),
                               "overrides": secrets.redact_overrides(overrides), "runner": runner,
@@ -63,6 +63,8 @@ def deployment_parameters(config: str, run_dir: str, overrides: list[str], runne
         params.update(workers=workers, worker_threads=worker_threads)
     if runner == "dask":
         params.update(address=address, workers=workers, worker_threads=worker_threads)
+        if devices:
+            params["devices"] = list(devices)
         tls = {"tls_ca_file": tls_ca_file, "tls_cert": tls_cert, "tls_key": tls_key}
         params.update({k: str(Path(v).resolve()) for k, v in tls.items() if v is not None})
     return params
@@ -80,7 +82,7 @@ def export_override_secrets(overrides: list[str]) -> None:
 def serve(config: str, run_dir: str, cron: str, name: str, overrides: list[str], runner: str = "local",
           address: str | None = None, workers: int | None = None, worker_threads: int | None = None,
           tag_task_runs: bool = False, tls_ca_file: str | None = None, tls_cert: str | None = None,
-          tls_key: str | None = None) -> None:
+          tls_key: str | None = None, devices: list[str] | None = None) -> None:
     """Register the deployment and serve it until interrupted (its schedule is paused on shutdown)."""
     from prefect.deployments.runner import EntrypointType
 
@@ -89,7 +91,7 @@ def serve(config: str, run_dir: str, cron: str, name: str, overrides: list[str],
     check_cron(cron)
     cfg = load_config(config, overrides)  # a bad config fails now, not at 2 a.m.
     params = deployment_parameters(config, run_dir, overrides, runner, address, workers, worker_threads, tag_task_runs,
-                                   tls_ca_file, tls_cert, tls_key)
+                                   tls_ca_file, tls_cert, tls_key, devices)
     export_override_secrets(overrides)
     featcal_flow.serve(
         name=name,

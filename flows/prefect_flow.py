@@ -24,6 +24,7 @@ from prefect.runtime import flow_run as current_flow_run
 
 from featcal import secrets
 from featcal.config import RunConfig, load_config
+from featcal.devices import check_worker_devices
 from flows.artifacts import LiveArtifacts
 from flows.pipeline import STAGES, StageCall, run_pipeline
 from flows.server import is_loopback
@@ -137,19 +138,24 @@ class RedactingFlow(Flow):
 def featcal_flow(config_path: str, run_dir: str, overrides: list[str] | None = None, runner: str = "local",
                  address: str | None = None, workers: int | None = None, worker_threads: int | None = None,
                  tag_task_runs: bool = False, tls_ca_file: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None) -> dict[str, str]:
+                 tls_key: str | None = None, devices: list[str] | None = None) -> dict[str, str]:
     """Calibrate the merged model of CONFIG into RUN_DIR, resuming whatever a previous run finished.
 
     runner: "local" (stages in this process), "pool" (in `workers` processes on this machine, default one per
     core, each using `worker_threads` torch threads, default the cores divided among them) or "dask" (on the Dask
     cluster at `address`, or on a local cluster of `workers` processes, each using `worker_threads` torch threads,
-    default 1; `tls_*`: the CA, certificate and key for a tls:// address). The flow run is tagged with the model,
+    default 1; `tls_*`: the CA, certificate and key for a tls:// address; `devices`: a local cluster of one worker per
+device, each pinned to its own, e.g. ["cuda:0", "cuda:1"] from `--gpus 2`). The flow run is tagged with the model,
     merge method and run directory; `tag_task_runs` puts those tags on every task run too."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
     cfg = load_config(config_path, overrides or [])
+    if devices:
+        if runner != "dask":
+            raise ValueError(f"devices {', '.join(devices)} (--gpus) need runner 'dask', not {runner!r}")
+        check_worker_devices(devices, cfg.runtime.device)
     plain = cfg.model_dump(mode="json", by_alias=True)
     # A deployment's overrides are stored redacted: their values come from `featcal serve`'s memory, or not at all.
     secrets.require_known(plain, f"the config of this run ({config_path} with its overrides)")
@@ -166,7 +172,7 @@ def featcal_flow(config_path: str, run_dir: str, overrides: list[str] | None = N
             stack.enter_context(temporary_settings(updates={PREFECT_API_URL: _api_for_workers(address)}))
             stages = StageRunner(task_tags, stack.enter_context(dask_task_runner(
                 run_dir, address, workers, worker_threads or 1, known_secrets=known_secrets, tls_ca_file=tls_ca_file,
-                tls_cert=tls_cert, tls_key=tls_key)))
+                tls_cert=tls_cert, tls_key=tls_key, devices=devices)))
             records = run_pipeline(cfg, run_dir, stages, on_stage=live.on_stage, submit=stages.submit)
         elif runner == "pool":
             from flows.pool_runner import stage_pool

@@ -21,6 +21,7 @@ def execute(run_dir: str, stage: str, key: str, fn: StageFn, needs: dict[str, st
 
     def work() -> tuple[list[str], dict[str, Any]]:
         outputs, info = fn(ctx, **params)
+        info["device"] = str(ctx.device)  # a worker pinned to one GPU, or runtime.device
         if ctx.device.type != "cpu":  # on the CPU, peak RSS says it
             info["peak_device_mib"] = round(peak_device_mib(ctx.device), 1)
         return outputs, info

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import fsspec
 import pytest
+import torch
 
 from flows.cli import main
 from flows.dask_runner import DaskUnavailable, _check_shared, check_scheduler
@@ -20,17 +21,35 @@ from tests.dask_processes import dask_processes, free_port
 pytest_plugins = ("tests.prefect_server", "tests.s3_server")
 
 
-def test_local_cluster_of_two_workers_is_bit_identical_to_one_process(prefect_server, tiny_example,
-                                                                      one_thread_run, tmp_path):
+def test_local_cluster_of_one_worker_per_device_is_bit_identical_to_one_process(prefect_server, tiny_example,
+                                                                                one_thread_run, tmp_path):
+    """What `--gpus 2` starts (a local cluster of two workers, each pinned to its own device by a worker plugin),
+    here with two CPU devices: CI has no GPU. benchmarks/gpu_check.sh runs `--gpus 1` on a CUDA machine."""
     no_eval = ["evaluation.enabled=false"]
     state = featcal_flow(str(tiny_example / "bert" / "example.yaml"), str(tmp_path / "dask"), no_eval,
-                         runner="dask", workers=2, return_state=True)
+                         runner="dask", devices=["cpu", "cpu"], return_state=True)
     assert state.is_completed(), state
     for rel in ("calibrated/model.safetensors", "merged/model.safetensors",
                 *(f"blocks/l{b:02d}.safetensors" for b in range(3))):
         assert digest(tmp_path / "dask" / rel) == digest(one_thread_run / rel), rel
-    started = {e["pid"] for e in RunDir(tmp_path / "dask").events() if e["event"] == "start"}
+    run = RunDir(tmp_path / "dask")
+    started = {e["pid"] for e in run.events() if e["event"] == "start"}
     assert len(started) == 2 and os.getpid() not in started  # every stage ran on one of the two workers
+    records = [json.loads(p.read_text()) for p in (run.root / "records").glob("*.json") if p.stem != "fingerprints"]
+    assert len(records) > 10 and {r["info"]["device"] for r in records} == {"cpu"}
+
+
+def test_gpus_are_refused_in_one_line_without_cuda_or_with_other_cluster_flags(tiny_example, tmp_path, capsys):
+    config = str(tiny_example / "bert" / "example.yaml")
+    assert main(["run", config, "--run-dir", str(tmp_path / "r"), "--runner", "dask", "--gpus", "2"]) == 2
+    assert f"featcal: error: --gpus 2: torch sees 0 CUDA device(s) (torch {torch.__version__})" in (
+        capsys.readouterr().err)
+    for extra in (["--workers", "2"], ["--address", "tcp://127.0.0.1:1"], ["--runner", "pool"]):
+        with pytest.raises(SystemExit):
+            main(["run", config, "--run-dir", str(tmp_path / "r"), "--runner", "dask", "--gpus", "2", *extra])
+        assert "--gpus N starts a local Dask cluster of one worker per GPU: it needs --runner dask and excludes " \
+               "--address and --workers" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.fixture
@@ -71,7 +90,8 @@ def test_dask_runner_needs_a_cluster_flag(tiny_example, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["run", config, "--run-dir", str(tmp_path / "r"), "--runner", "dask"])
     assert exc.value.code == 2
-    assert "--runner dask needs --address tcp://HOST:PORT (an existing cluster) or --workers N" in capsys.readouterr().err
+    assert "--runner dask needs --address tcp://HOST:PORT (an existing cluster), --workers N (a local cluster) or " \
+           "--gpus N" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["run", config, "--run-dir", str(tmp_path / "r"), "--workers", "2"])
     assert "--workers and --worker-threads need --runner pool (processes on this machine) or --runner dask" in (

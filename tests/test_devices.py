@@ -11,9 +11,10 @@ from pydantic import ValidationError
 
 import featcal_kernels
 from featcal.config import ConfigError, RuntimeConfig, config_from_dict
+import featcal.devices
 from featcal.devices import (
-    activation_dtype, bf16_warning, cpu_has_native_bf16, peak_device_mib, reset_device_peak, resolve_device,
-    solve_device, to_device)
+    activation_dtype, bf16_warning, check_worker_devices, cpu_has_native_bf16, device_for_worker, gpu_devices,
+    peak_device_mib, pin_worker_device, reset_device_peak, resolve_device, solve_device, to_device, worker_device)
 
 TEST_DEVICE = torch.device(os.environ.get("FEATCAL_TEST_DEVICE", "cpu"))
 GOOD = {"base": "base", "experts": {"a": "ea"}, "calibration": {"data": {"a": {"path": "da"}}}}
@@ -54,6 +55,53 @@ def test_cuda_index_beyond_the_devices_is_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"^runtime.device: 'cuda:2' asked for but torch sees 2 CUDA device\(s\), "
                                          r"cuda:0 to cuda:1$"):
         resolve_device("cuda:2")
+
+
+def test_gpus_are_the_first_n_cuda_devices_and_no_more_than_torch_sees(monkeypatch):
+    _pretend_cuda(monkeypatch, 2)
+    assert gpu_devices(2) == ["cuda:0", "cuda:1"]
+    assert gpu_devices(1) == ["cuda:0"]
+    with pytest.raises(ValueError) as err:
+        gpu_devices(3)
+    assert str(err.value) == (f"--gpus 3: torch sees 2 CUDA device(s) (torch {torch.__version__}); ask for at most "
+                              "that many, or run without --gpus")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^--gpus 1: torch sees 0 CUDA device\(s\)"):
+        gpu_devices(1)
+    with pytest.raises(ValueError, match=r"^--gpus must be at least 1, got 0$"):
+        gpu_devices(0)
+
+
+def test_local_cluster_worker_i_gets_device_i_and_other_names_are_refused():
+    devices = ["cuda:0", "cuda:1"]
+    assert [device_for_worker(i, devices) for i in (0, 1)] == devices
+    for name in (2, -1, "0", "tcp://10.0.0.1:4000"):
+        with pytest.raises(ValueError) as err:
+            device_for_worker(name, devices)
+        assert str(err.value) == (f"Dask worker {name!r}: a worker pinned to one of 2 devices needs a name from 0 to 1 "
+                                  "(a local cluster's)")
+
+
+@pytest.mark.parametrize("spec", ["auto", "cuda"])
+def test_worker_devices_go_with_auto_or_their_own_kind(spec):
+    check_worker_devices(["cuda:0", "cuda:1"], spec)
+
+
+@pytest.mark.parametrize("spec", ["cpu", "cuda:1"])
+def test_worker_devices_that_contradict_runtime_device_are_refused(spec):
+    with pytest.raises(ValueError) as err:
+        check_worker_devices(["cuda:0", "cuda:1"], spec)
+    assert str(err.value) == (f"runtime.device: {spec!r} contradicts the workers' devices cuda:0, cuda:1; set it to "
+                              "'auto' (or drop --gpus)")
+
+
+def test_a_pinned_worker_resolves_auto_and_its_kind_to_its_own_device(monkeypatch):
+    _pretend_cuda(monkeypatch, 2)
+    monkeypatch.setattr(featcal.devices, "_worker_device", torch.device("cuda", 1))
+    assert resolve_device("auto") == resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device("cpu") == torch.device("cpu")
+    pin_worker_device("cpu")  # a CPU pin touches no CUDA state; monkeypatch restores the unpinned process after
+    assert worker_device() == torch.device("cpu") == resolve_device("auto")
 
 
 @pytest.mark.parametrize("spec", ["gpu", "cuda:x", "cuda:-1", "cuda:", "CPU", "cuda:0 ", "mps"])
