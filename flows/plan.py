@@ -19,7 +19,7 @@ GIB = 1024**3
 
 
 def plan(cfg: RunConfig) -> dict[str, Any]:
-    adapter = preflight(cfg)
+    adapter = preflight(cfg, quiet=True)  # its warning is a line of the plan
     skeleton = Skeleton.from_checkpoint(cfg.experts[cfg.tasks[0]])
     vision = adapter.text_or_vision_config()
     hidden = vision.hidden_size

@@ -141,14 +141,16 @@ def check_activation_store(cfg: RunConfig) -> None:
 _just_checked: dict[str, Adapter] = {}
 
 
-def preflight(cfg: RunConfig) -> Adapter:
+def preflight(cfg: RunConfig, quiet: bool = False) -> Adapter:
+    """Every input checked (each failure one line); what would make the run slow is logged unless `quiet`
+    (`featcal plan` prints it in its own text; `featcal run` plans quietly, then its pipeline says it once)."""
+    device = resolve_device(cfg.runtime.device)  # a device torch cannot reach fails here, not at the first Gram
+    slow = bf16_warning(device, cfg.runtime.precision, cpu_has_native_bf16())
+    if slow and not quiet:
+        log.warning(slow)
     key = cfg.fingerprint()
     if key in _just_checked:
         return _just_checked.pop(key)
-    device = resolve_device(cfg.runtime.device)  # a device torch cannot reach fails here, not at the first Gram
-    slow = bf16_warning(device, cfg.runtime.precision, cpu_has_native_bf16())
-    if slow:
-        log.warning(slow)
     check_zero_shot(cfg)
     adapter = check_checkpoints(cfg)
     check_head_side(cfg, adapter)

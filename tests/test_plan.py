@@ -1,6 +1,7 @@
 """`featcal plan`'s estimates on a decoder-only LM: checkpoints on disk in their stored dtype (bf16 halves them), one
 block's statistics per task as the Gram stage keeps them, and the prepare stage's embedding in the RAM estimate."""
 
+import logging
 import math
 
 import torch
@@ -9,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from featcal.config import config_from_dict
 import flows.plan
 from flows.plan import GIB, plan, render
+import tasks.preflight
 from tests.test_decoders import SHAPE, _rows
 
 
@@ -46,12 +48,18 @@ def test_ram_estimate_covers_the_prepare_stages_embedding(tmp_path):
     assert math.isclose(p["estimated_peak_ram_gib"], (4 * embedding + 2 * embedding) / GIB + 1.0, abs_tol=0.001)
 
 
-def test_plan_says_when_bf16_would_be_emulated(tmp_path, monkeypatch):
+def test_plan_says_when_bf16_would_be_emulated(tmp_path, monkeypatch, caplog):
+    """Once: in the plan's text (`featcal plan`), or logged by the run's preflight (`featcal run` plans quietly)."""
     cfg = _config(tmp_path, torch.float32)
     bf16 = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"precision": "bf16", "device": "cpu"})})
     monkeypatch.setattr(flows.plan, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(tasks.preflight, "cpu_has_native_bf16", lambda: False)
+    caplog.set_level(logging.WARNING, logger="featcal")
     text = render(plan(bf16))
     assert "warning           runtime.precision: bf16 on a CPU without bf16 instructions" in text
+    assert caplog.records == []
+    tasks.preflight.preflight(bf16)
+    assert [r.getMessage()[:58] for r in caplog.records] == ["runtime.precision: bf16 on a CPU without bf16 instructions"]
     assert plan(cfg)["warning"] is None and "warning" not in render(plan(cfg))
     monkeypatch.setattr(flows.plan, "cpu_has_native_bf16", lambda: True)
     assert plan(bf16)["warning"] is None
