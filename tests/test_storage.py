@@ -48,6 +48,21 @@ def test_sharded_checkpoint_round_trip(tmp_path):
     assert (tmp_path / "ck" / "heads" / "a.safetensors").is_file()
 
 
+def test_tensors_read_back_exactly_and_a_cut_file_is_named(tmp_path):
+    tensors = {"w": torch.randn(5, 3, dtype=torch.float64), "b": torch.arange(4, dtype=torch.bfloat16),
+               "m": torch.tensor([True, False]), "e": torch.empty(0, 7)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    files = TensorFiles(tmp_path)
+    for name, t in tensors.items():
+        assert files.get(name).dtype == t.dtype and torch.equal(files.get(name), t), name
+    assert torch.equal(files.get("w", rows=(1, 3)), tensors["w"][1:3])
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-8])
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor data ends after \d+ of \d+ bytes: the file "
+                                              r"is cut short$"):
+        [TensorFiles(tmp_path).get(name) for name in tensors]
+
+
 def test_canonical_names_across_prefixes(tmp_path):
     adapter = adapter_for(BertConfig(architectures=["BertForSequenceClassification"]))
     probe = adapter.probe_key
