@@ -61,6 +61,7 @@ def pin_worker_device(device: str) -> None:
 
 
 def worker_device() -> torch.device | None:
+    """The device `pin_worker_device` gave this process, or None."""
     return _worker_device
 
 

@@ -193,7 +193,7 @@ def _per_boundary(mask: torch.Tensor | list[torch.Tensor], boundaries: int) -> l
 def spearman(predicted: list[float], targets: list[float]) -> float:
     """Spearman's ρ of parsed answers against the targets; an unparsable answer (NaN) ranks below every number."""
     floor = min([*targets, *(p for p in predicted if not math.isnan(p))], default=0.0) - 1.0
-    from scipy.stats import spearmanr  # here: scipy.stats costs every featcal process a second to import
+    from scipy.stats import spearmanr  # here: scipy.stats takes about a second to import, and few runs need it
 
     rho = spearmanr([floor if math.isnan(p) else p for p in predicted], targets).statistic
     return 0.0 if math.isnan(rho) else float(rho)

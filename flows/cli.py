@@ -195,8 +195,8 @@ def _check_runner(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                          "excludes --address and --workers")
         if args.gpus < 1:
             parser.error(f"--gpus must be at least 1, got {args.gpus}")
-    elif args.runner == "dask":
-        if args.address is None and args.workers is None:
+    if args.runner == "dask":
+        if args.address is None and args.workers is None and args.gpus is None:
             parser.error("--runner dask needs --address tcp://HOST:PORT (an existing cluster), "
                          "--workers N (a local cluster) or --gpus N (a local cluster, one worker per GPU)")
         if args.address is not None and args.workers is not None:

@@ -44,11 +44,15 @@ def test_gpus_are_refused_in_one_line_without_cuda_or_with_other_cluster_flags(t
     assert main(["run", config, "--run-dir", str(tmp_path / "r"), "--runner", "dask", "--gpus", "2"]) == 2
     assert f"featcal: error: --gpus 2: torch sees 0 CUDA device(s) (torch {torch.__version__})" in (
         capsys.readouterr().err)
-    for extra in (["--workers", "2"], ["--address", "tcp://127.0.0.1:1"], ["--runner", "pool"]):
+    for extra in (["--workers", "2"], ["--address", "tcp://127.0.0.1:1"], ["--runner", "pool"]):  # and never ignored
         with pytest.raises(SystemExit):
             main(["run", config, "--run-dir", str(tmp_path / "r"), "--runner", "dask", "--gpus", "2", *extra])
         assert "--gpus N starts a local Dask cluster of one worker per GPU: it needs --runner dask and excludes " \
                "--address and --workers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["run", config, "--run-dir", str(tmp_path / "r"), "--runner", "dask", "--gpus", "2", "--no-prefect"])
+    assert "--runner dask runs stages as Prefect tasks: it cannot be combined with --no-prefect" in (
+        capsys.readouterr().err)
     assert not (tmp_path / "r").exists()
 
 
