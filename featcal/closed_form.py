@@ -34,14 +34,10 @@ class LinearMoments:
     weight: float = 1.0  # c_t, the task's weight in the shared solve (featcal.task_weight_power)
     _norm: float | None = field(default=None, init=False, repr=False, compare=False)  # ‖C_ss‖_F, once
 
-    def target(self, alpha: float, w_t: torch.Tensor) -> torch.Tensor:
-        """C_st·W_tᵀ = E_w[x_s (W_t x_t)ᵀ] with x_t = α·x_e + (1−α)·x_s, [in, out] float64; W_t is [out, in]."""
-        return self.add_target(torch.zeros(self.c_ss.shape[0], w_t.shape[0], dtype=torch.float64,
-                                           device=self.c_ss.device), alpha, w_t)
-
     def add_target(self, out: torch.Tensor, alpha: float, w_t: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        """out += scale·C_st·W_tᵀ, in place: the product goes straight into `out` (no [in, out] temporaries, which
-        cost a tenth of the solve on ViT-B/32)."""
+        """out += scale·C_st·W_tᵀ, in place, with C_st·W_tᵀ = E_w[x_s (W_t x_t)ᵀ], x_t = α·x_e + (1−α)·x_s, [in, out]
+        float64 and W_t [out, in]. The product goes straight into `out`: [in, out] temporaries cost a tenth of the
+        solve on ViT-B/32."""
         if self.p_se is not None and self.p_ss is not None:
             return out.add_(self.p_se, alpha=scale * alpha).add_(self.p_ss, alpha=scale * (1.0 - alpha))
         if self.c_se is None:

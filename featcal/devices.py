@@ -60,11 +60,6 @@ def pin_worker_device(device: str) -> None:
         torch.cuda.set_device(_worker_device)
 
 
-def worker_device() -> torch.device | None:
-    """The device `pin_worker_device` gave this process, or None."""
-    return _worker_device
-
-
 def resolve_device(spec: str) -> torch.device:
     """The torch device a runtime.device value names, refused up front when torch cannot reach it; in a worker
     pinned to one device, 'auto' and that device's kind name it."""

@@ -13,6 +13,10 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI loads the config module only when a command needs it
+    from featcal.config import RunConfig
 
 # Before Prefect is imported: no telemetry (no network here), and our logger shown in the UI.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -255,15 +259,14 @@ def _check_cluster(args: argparse.Namespace) -> None:
         check_scheduler(args.address)
 
 
-def _gpu_devices(args: argparse.Namespace) -> list[str] | None:
+def _gpu_devices(args: argparse.Namespace, cfg: RunConfig) -> list[str] | None:
     """The devices of --gpus N, checked against what torch sees and runtime.device before any worker starts."""
     if args.gpus is None:
         return None
-    from featcal.config import load_config
     from featcal.devices import check_worker_devices, gpu_devices
 
     devices = gpu_devices(args.gpus)
-    check_worker_devices(devices, load_config(args.config, args.overrides).runtime.device)
+    check_worker_devices(devices, cfg.runtime.device)
     return devices
 
 
@@ -274,7 +277,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.run_dir).resolve()
     RunDir(run_dir).check_usable()  # a busy or read-only run directory is refused now, before torch or Prefect load
-    devices = _gpu_devices(args)
+    devices = _gpu_devices(args, cfg)
     from flows.plan import check_free_space, plan
 
     estimate = plan(cfg)  # checks every input (checkpoints, data, store) and estimates the disk the run needs
@@ -362,6 +365,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from featcal.devices import gpu_devices
     from flows import deploy, server
 
     api = deploy.require_api()
@@ -372,7 +376,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               "Ctrl-C stops serving and pauses its schedule", file=sys.stderr)
         deploy.serve(args.config, args.run_dir, args.cron, name, args.overrides, args.runner, args.address,
                      args.workers, args.worker_threads, args.tag_task_runs, args.tls_ca_file, args.tls_cert,
-                     args.tls_key, _gpu_devices(args))
+                     args.tls_key, gpu_devices(args.gpus) if args.gpus is not None else None)
     return 0
 
 

@@ -86,10 +86,13 @@ def serve(config: str, run_dir: str, cron: str, name: str, overrides: list[str],
     """Register the deployment and serve it until interrupted (its schedule is paused on shutdown)."""
     from prefect.deployments.runner import EntrypointType
 
+    from featcal.devices import check_worker_devices
     from flows.prefect_flow import featcal_flow, run_tags
 
     check_cron(cron)
     cfg = load_config(config, overrides)  # a bad config fails now, not at 2 a.m.
+    if devices:
+        check_worker_devices(devices, cfg.runtime.device)
     params = deployment_parameters(config, run_dir, overrides, runner, address, workers, worker_threads, tag_task_runs,
                                    tls_ca_file, tls_cert, tls_key, devices)
     export_override_secrets(overrides)

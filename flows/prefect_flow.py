@@ -144,9 +144,9 @@ def featcal_flow(config_path: str, run_dir: str, overrides: list[str] | None = N
     runner: "local" (stages in this process), "pool" (in `workers` processes on this machine, default one per
     core, each using `worker_threads` torch threads, default the cores divided among them) or "dask" (on the Dask
     cluster at `address`, or on a local cluster of `workers` processes, each using `worker_threads` torch threads,
-    default 1; `tls_*`: the CA, certificate and key for a tls:// address; `devices`: a local cluster of one worker per
-device, each pinned to its own, e.g. ["cuda:0", "cuda:1"] from `--gpus 2`). The flow run is tagged with the model,
-    merge method and run directory; `tag_task_runs` puts those tags on every task run too."""
+    default 1; `tls_*`: the CA, certificate and key for a tls:// address; `devices`: a local cluster of one worker
+    per device, each pinned to its own, e.g. ["cuda:0", "cuda:1"] from `--gpus 2`). The flow run is tagged with the
+    model, merge method and run directory; `tag_task_runs` puts those tags on every task run too."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     if runner not in RUNNERS:

@@ -73,7 +73,7 @@ def read_tensor(path: Path, entry: dict, data_start: int, rows: tuple[int, int] 
     raw = torch.empty(end - start, dtype=torch.uint8)
     with open(path, "rb") as fh:
         fh.seek(data_start + start)
-        got = fh.readinto(memoryview(raw.numpy())) if raw.numel() else 0
+        got = fh.readinto(memoryview(raw.numpy()))
     if got != raw.numel():
         raise CheckpointError(f"{path}: tensor data ends after {got} of {raw.numel()} bytes: the file is cut short")
     return raw.view(DTYPES[entry["dtype"]]).reshape(shape)

@@ -14,7 +14,7 @@ from featcal.config import ConfigError, RuntimeConfig, config_from_dict
 import featcal.devices
 from featcal.devices import (
     activation_dtype, bf16_warning, check_worker_devices, cpu_has_native_bf16, device_for_worker, gpu_devices,
-    peak_device_mib, pin_worker_device, reset_device_peak, resolve_device, solve_device, to_device, worker_device)
+    peak_device_mib, pin_worker_device, reset_device_peak, resolve_device, solve_device, to_device)
 
 TEST_DEVICE = torch.device(os.environ.get("FEATCAL_TEST_DEVICE", "cpu"))
 GOOD = {"base": "base", "experts": {"a": "ea"}, "calibration": {"data": {"a": {"path": "da"}}}}
@@ -101,7 +101,7 @@ def test_a_pinned_worker_resolves_auto_and_its_kind_to_its_own_device(monkeypatc
     assert resolve_device("auto") == resolve_device("cuda") == torch.device("cuda", 1)
     assert resolve_device("cpu") == torch.device("cpu")
     pin_worker_device("cpu")  # a CPU pin touches no CUDA state; monkeypatch restores the unpinned process after
-    assert worker_device() == torch.device("cpu") == resolve_device("auto")
+    assert featcal.devices._worker_device == torch.device("cpu") == resolve_device("auto")
 
 
 @pytest.mark.parametrize("spec", ["gpu", "cuda:x", "cuda:-1", "cuda:", "CPU", "cuda:0 ", "mps"])
