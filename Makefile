@@ -24,4 +24,4 @@ demo: install
 	$(BIN)/featcal demo --out demo
 
 test: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q

@@ -654,3 +654,11 @@ def build_tiny_example(out: Path, archs: tuple[str, ...] = ("bert", "clip"), see
             _build_arch(out / arch, arch, seed)
     return out
 
+
+def example_for_tests(tmp_path_factory: Any) -> Path:
+    """One build per pytest session, shared by every test module that calls this.
+
+    Pass pytest's `tmp_path_factory` from a session-scoped fixture; later calls find the
+    build complete and return at once.
+    """
+    return build_tiny_example(tmp_path_factory.getbasetemp() / "featcal-tiny-example")

@@ -1,50 +1,25 @@
-"""Shared fixtures: one tiny example build per test run, and the uninterrupted reference runs of it.
+"""Shared fixtures: one tiny example build per test session, and the uninterrupted reference runs of it."""
 
-`make test` spreads the test files over two pytest-xdist workers; each worker is a session of its own (its own
-Prefect server, reference runs and copy of the example) and Prefect's ephemeral mode of its own."""
-
-import atexit
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from filelock import FileLock
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Before Prefect loads: ephemeral-mode runs keep their SQLite database here, not in the user's ~/.prefect, and two
-# workers never share one.
-_PREFECT_HOME = tempfile.mkdtemp(prefix="featcal-tests-prefect-")
-atexit.register(shutil.rmtree, _PREFECT_HOME, ignore_errors=True)
-os.environ["PREFECT_HOME"] = _PREFECT_HOME
 
 from featcal.config import RunConfig, config_from_dict  # noqa: E402
-from featcal.example import RECIPES, build_tiny_example  # noqa: E402
+from featcal.example import example_for_tests  # noqa: E402
 from flows.pipeline import run_pipeline  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_example(tmp_path_factory) -> Path:
-    """The example, built once per test run: under xdist the workers build its architectures in opposite orders
-    (each under a lock, so each is built once, both at a time) next to their session directories, and each
-    worker tests on a copy of its own, since some tests write beside it."""
-    mine = tmp_path_factory.getbasetemp() / "featcal-tiny-example"
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker is None:
-        return build_tiny_example(mine)
-    shared = tmp_path_factory.getbasetemp().parent / "featcal-tiny-example"
-    archs = list(RECIPES) if int(worker.removeprefix("gw")) % 2 == 0 else list(reversed(RECIPES))
-    for arch in archs:
-        with FileLock(f"{shared}.{arch}.lock"):
-            build_tiny_example(shared, (arch,))
-    shutil.copytree(shared, mine, dirs_exist_ok=True)
-    return mine
+    return example_for_tests(tmp_path_factory)
 
 
 def example_config(root: Path, arch: str, **sections) -> RunConfig:
