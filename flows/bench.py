@@ -27,6 +27,7 @@ from featcal.bench.sources import locate
 from featcal.bench.presets import PRESETS
 from featcal.bench.spec import BenchSpec
 from featcal.config import digest_of
+from flows import signals
 from flows.pipeline import code_digest, code_version, machine
 from flows.prefect_flow import key_parameter
 from storage.atomic import read_json, write_bytes, write_json
@@ -56,7 +57,10 @@ def prefect_call(bench_dir: Path, kind: str, name: str, key: str, **params: Any)
     configured = bench_stage.with_options(
         name=f"bench-{kind}", task_run_name=name, refresh_cache=RunDir(bench_dir).verified(name, key) is None,
         result_storage=bench_dir / RESULTS_DIR)
-    return configured(str(bench_dir), kind, name, key, params)
+    signals.at_stage(name)  # a stop names the stage it interrupted
+    record = configured(str(bench_dir), kind, name, key, params)
+    signals.at_stage(None)
+    return record
 
 
 def direct_call(bench_dir: Path, kind: str, name: str, key: str, **params: Any) -> Record:

@@ -37,28 +37,30 @@ class Stopped(BaseException):
 class _Where:
     """What the run is doing, for the line printed when it stops."""
 
+    started: bool = False
     stage: str | None = None
     done: int = 0
-    total: int | None = None
+    total: int | None = None  # None where the caller does not count its stages (the benchmark flows)
     stopping: int | None = None  # the signal being handled, once one arrived
 
 
 where = _Where()
 
 
-def at_stage(label: str | None, done: int, total: int) -> None:
-    """Called by the pipeline before each stage (label) and after the last one (None)."""
-    where.stage, where.done, where.total = label, done, total
+def at_stage(label: str | None, done: int = 0, total: int | None = None) -> None:
+    """Called before each stage (label) and after it or the last one (None); the pipeline adds its counts."""
+    where.started, where.stage, where.done, where.total = True, label, done, total
 
 
 def stopped_line(signum: int) -> str:
     name = signal.Signals(signum).name
-    if where.total is None:
+    counts = f"{where.done} of {where.total} done" if where.total is not None else ""
+    if not where.started:
         place = "before any stage started"
     elif where.stage is None:
-        place = f"between stages, {where.done} of {where.total} done"
+        place = "between stages" + (f", {counts}" if counts else "")
     else:
-        place = f"during stage '{where.stage}' ({where.done} of {where.total} done)"
+        place = f"during stage '{where.stage}'" + (f" ({counts})" if counts else "")
     return (f"featcal: stopped by {name} {place}; finished stages are kept: "
             "rerun the same command to resume")
 

@@ -160,3 +160,18 @@ def _exploding(tensors):
         if i == 3:
             raise OSError("disk full")
         yield item
+
+
+def test_stop_line_names_the_stage_with_counts_where_the_caller_gives_them(monkeypatch):
+    from flows import signals
+
+    monkeypatch.setattr(signals, "where", signals._Where())
+    assert "stopped by SIGTERM before any stage started;" in signals.stopped_line(signal.SIGTERM)
+    signals.at_stage("expert/spam")  # a benchmark flow's stage: no counts
+    assert "stopped by SIGINT during stage 'expert/spam'; finished" in signals.stopped_line(signal.SIGINT)
+    signals.at_stage(None)
+    assert "stopped by SIGINT between stages; finished" in signals.stopped_line(signal.SIGINT)
+    signals.at_stage("block 00 · solve", 3, 10)
+    assert "during stage 'block 00 · solve' (3 of 10 done);" in signals.stopped_line(signal.SIGINT)
+    signals.at_stage(None, 4, 10)
+    assert "between stages, 4 of 10 done;" in signals.stopped_line(signal.SIGINT)
