@@ -1,6 +1,6 @@
 """CPU benchmark of featcal_kernels against the plain torch expressions, written as markdown.
 
-    python benchmarks/kernels.py --out benchmarks/results/kernels_cpu.md
+    python benchmarks/kernel_speed.py --out benchmarks/results/kernels_cpu.md
 
 These machines are shared and noisy, so every repeat runs the contenders back to back (order
 alternating) next to a square fp32 matmul that measures the peak of that moment; tables quote
@@ -207,7 +207,7 @@ def main() -> None:
     report = [
         "# featcal_kernels benchmark (CPU)",
         "",
-        "Written by `python benchmarks/kernels.py --out benchmarks/results/kernels_cpu.md`.",
+        "Written by `python benchmarks/kernel_speed.py --out benchmarks/results/kernels_cpu.md`.",
         "",
         *machine_lines(load_start, os.getloadavg()[0]),
         "",
