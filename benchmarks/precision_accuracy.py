@@ -7,9 +7,10 @@ invocation, on any pipeline config with evaluation (real weights and labelled te
 
 (The demo's calibration split holds 64 examples a task; its train split, unlabelled here, has 256 and more.)
 
-For MiniLM-8, pass one of its method configs (a `bench/minilm8/runs/*/run.yaml`) instead. Reports each task's
-calibrated accuracy in both precisions, the gap closed, the relative difference of the calibrated weights per block
-(weight matrices, ‖W_bf16 − W_fp32‖ / ‖W_fp32‖) and each run's stage seconds.
+For MiniLM-8, pass one of its method configs instead: `featcal bench run bench/minilm8 --runs ta_featcal` leaves
+it in `bench/minilm8/runs/ta_featcal/run.yaml` (benchmarks/results/precision_accuracy_minilm8.md). Reports each
+task's calibrated accuracy in both precisions, the gap closed, the relative difference of the calibrated weights
+per block (weight matrices, ‖W_bf16 − W_fp32‖ / ‖W_fp32‖) and each run's stage seconds.
 """
 
 from __future__ import annotations
