@@ -104,9 +104,11 @@ class ActivationStore:
 
     # ---- reading ----------------------------------------------------------------------------
     def open_array(self, location: str) -> zarr.Array:
-        if not self._is_array(location):
-            raise ActivationError(f"activation array {self._name(location)} is missing")
-        return zarr.open_array(self._zarr_store(location, read_only=True), mode="r", zarr_format=3)
+        # Opened straight away rather than checked first: on an object store the check is one more round trip.
+        try:
+            return zarr.open_array(self._zarr_store(location, read_only=True), mode="r", zarr_format=3)
+        except FileNotFoundError as exc:  # zarr's ArrayNotFoundError is one too
+            raise ActivationError(f"activation array {self._name(location)} is missing") from exc
 
     def iter_row_blocks(self, location: str, rows: int) -> Iterator[torch.Tensor]:
         """Stream an array in blocks of `rows` rows, so RAM never holds more than one block."""

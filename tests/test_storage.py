@@ -90,6 +90,11 @@ def test_activation_array_streams_and_checks_rows(tmp_path):
     with pytest.raises(ActivationError, match="wrote 3 rows, expected 5"):
         store.write_array(str(tmp_path / "b"), (5, 4), 3, "float32", blocks[:1])
     assert not (tmp_path / "b").exists()
+    (tmp_path / "empty").mkdir()  # a directory without an array, and no path at all: both are named
+    for name in ("b", "empty"):
+        with pytest.raises(ActivationError, match=f"activation array {tmp_path / name} is missing"):
+            store.open_array(str(tmp_path / name))
+    assert not (tmp_path / "b").exists()  # opening for reading created nothing
 
 
 def test_records_verify_release_and_require(tmp_path):
