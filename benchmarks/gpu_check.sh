@@ -8,6 +8,12 @@
 #     checkout's .venv/bin/python or python3, first match wins), or
 #   - the package index is reachable, so a venv at $FEATCAL_GPU_VENV (default /tmp/featcal-gpu-venv) can get a
 #     CUDA torch + triton and `pip install -e .[test]` (it reuses an installed CUDA torch when python3 has one).
+#   - or, on a machine with no package index (this workplace's GPU machines), wheels for the packages its Python
+#     lacks lie in .whl/ (benchmarks/gpu_wheels.sh downloads them here for Python 3.12): they are installed with
+#     --no-deps into $FEATCAL_GPU_SITE (default /tmp/featcal-gpu-site), which goes first on PYTHONPATH.
+# Steps: `gpu_check.sh [tests] [cost] [resume]` runs those named (default: all three). Seen on an H200 (16 cores,
+# 2026-12-04, benchmarks/results/gpu_check*.log): tests 111 s; the cost step's input build 43 s and one fp32 run 125 s,
+# so fp32 + bf16 needs over 300 s; resume over 133 s. A 10-minute call holds one of cost or tests + resume.
 # The whole stays within GPU_CHECK_SECONDS (default 500 s; under 9 minutes with the kill grace): each step has a
 # time limit and the benchmark gets what the earlier steps left (skipped with under 60 s left). A failed or
 # timed-out step is reported and the next still runs, so one GPU session yields both the tests and the table;
@@ -19,6 +25,8 @@ mkdir -p benchmarks/results
 LOG=benchmarks/results/gpu_check.log
 BUDGET=${GPU_CHECK_SECONDS:-500}
 VENV=${FEATCAL_GPU_VENV:-/tmp/featcal-gpu-venv}
+SITE=${FEATCAL_GPU_SITE:-/tmp/featcal-gpu-site}
+STEPS=" ${*:-tests cost resume} "
 FAILED=()
 
 step() {  # step NAME SECONDS CMD...: run under a time limit; a failure is logged and remembered, not fatal
@@ -33,6 +41,13 @@ step() {  # step NAME SECONDS CMD...: run under a time limit; a failure is logge
 ready() {  # ready PYTHON: true when it runs, its torch sees CUDA and featcal with its test tools imports
   [ -x "$(command -v "$1" 2>/dev/null)" ] &&
     timeout 60 "$1" -c "import torch, pytest, featcal.devices; assert torch.cuda.is_available()" 2>/dev/null
+}
+
+carried_wheels() {  # installs .whl/ where it exists and puts it (and the checkout) first on PYTHONPATH
+  compgen -G ".whl/*.whl" >/dev/null || return 0
+  echo "== installing .whl/ into $SITE"
+  python3 -m pip install --quiet --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl
+  export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 }
 
 pick_python() {  # prints the Python to use, creating the venv when none is ready
@@ -54,19 +69,27 @@ main() {
   echo "== gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
   step nvidia-smi 20 nvidia-smi -L
   local py
+  carried_wheels
   py=$(pick_python)
   echo "== python: $py"
   step versions 60 "$py" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'triton', triton.__version__, 'devices', [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])"
-  step tests 240 env FEATCAL_TEST_DEVICE=cuda "$py" -m pytest -q tests/test_devices.py tests/test_kernels*.py tests/test_precision.py
-  step cross_device 150 "$py" benchmarks/cross_device.py --first cuda --then cpu --gpus 1 \
-    --out benchmarks/results/cross_device_gpu.md
-  local left=$((BUDGET - SECONDS))
-  if [ "$left" -lt 60 ]; then
-    FAILED+=("pipeline_cost (skipped: ${left}s of the ${BUDGET}s left)")
-  else
-    step pipeline_cost "$left" "$py" benchmarks/pipeline_cost.py --shape vit-b32 --experts 8 --examples 256 \
-      --threads 16 --device cuda --precision fp32 bf16 --out benchmarks/results/pipeline_cost_gpu.md
+  if [[ $STEPS == *" tests "* ]]; then
+    step tests 240 env FEATCAL_TEST_DEVICE=cuda "$py" -m pytest -q tests/test_devices.py tests/test_kernels*.py \
+      tests/test_precision.py
+  fi
+  if [[ $STEPS == *" resume "* ]]; then
+    step cross_device 300 "$py" benchmarks/cross_device.py --first cuda --then cpu --gpus 1 \
+      --out benchmarks/results/cross_device_gpu.md
+  fi
+  if [[ $STEPS == *" cost "* ]]; then
+    local left=$((BUDGET - SECONDS))
+    if [ "$left" -lt 60 ]; then
+      FAILED+=("pipeline_cost (skipped: ${left}s of the ${BUDGET}s left)")
+    else
+      step pipeline_cost "$left" "$py" benchmarks/pipeline_cost.py --shape vit-b32 --experts 8 --examples 256 \
+        --threads 16 --device cuda --precision fp32 bf16 --out benchmarks/results/pipeline_cost_gpu.md
+    fi
   fi
   if [ ${#FAILED[@]} -gt 0 ]; then
     echo "== FAILED: ${FAILED[*]}"
@@ -75,4 +98,4 @@ main() {
   echo "== all steps passed in ${SECONDS}s"
 }
 
-main 2>&1 | tee "$LOG"
+main 2>&1 | tee -a "$LOG"

@@ -95,7 +95,7 @@ def config_file(work: Path, n_experts: int, examples: int, runtime: dict[str, st
 def run_once(config: Path, run_dir: Path, threads: int, prefect: bool, code: Path = ROOT) -> dict:
     """One `featcal run` of the checkout at `code` in a child process: wall time and that child's own peak RSS."""
     env = {**START_ENV, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(code)}
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "flows.cli", "run", str(config), "--run-dir", str(run_dir)]
     if not prefect:
         cmd.append("--no-prefect")

@@ -132,6 +132,7 @@ def peak_device_mib(device: torch.device) -> float:
 
 
 def reset_device_peak(device: torch.device) -> None:
-    """Start a stage's peak device memory from zero (nothing to do on the CPU)."""
-    if device.type == "cuda":
+    """Start a stage's peak device memory from zero (nothing to do on the CPU, nor before this process first used
+    CUDA: torch then has no allocator to reset and refuses with 'Invalid device argument')."""
+    if device.type == "cuda" and torch.cuda.is_initialized():
         torch.cuda.reset_peak_memory_stats(device)
