@@ -8,6 +8,7 @@ validated). `FeatCal` is docs/design.md §2; `RegMean` and `RegMeanPlusPlus` are
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -76,7 +77,7 @@ class Solved:
     report: dict[str, Any] = field(default_factory=dict)
 
 
-class CalibrationMethod:
+class CalibrationMethod(ABC):
     """One `featcal.method`. `keys` are the `featcal.*` keys (as the YAML names them) it reads from `settings`."""
 
     name: ClassVar[str]
@@ -86,20 +87,22 @@ class CalibrationMethod:
         self.settings = settings
 
     @property
+    @abstractmethod
     def statistics(self) -> StatisticsPlan:
-        raise NotImplementedError
+        """What the Gram stage records for this method."""
 
     @property
     def weighs_tasks(self) -> bool:
         """Whether tasks weigh by their drift (featcal.task_weight_power) rather than all alike."""
         return "task_weight_power" in self.keys
 
+    @abstractmethod
     def solve_linear(self, module: ModuleData) -> Solved:
-        raise NotImplementedError
+        """A linear map's weight (and bias, if the method solves it)."""
 
+    @abstractmethod
     def solve_norm(self, module: ModuleData) -> Solved | None:
         """A norm's affine, or None to keep the merged one."""
-        raise NotImplementedError
 
 
 METHODS: dict[str, type[CalibrationMethod]] = {}
@@ -123,7 +126,8 @@ def calibration_method(fc: FeatCalConfig) -> CalibrationMethod:
     """The method `fc.method` names, handed the values of the keys it declares."""
     cls = METHODS.get(fc.method)
     if cls is None:
-        raise ValueError(f"featcal.method: unknown calibration method {fc.method!r}; known: {', '.join(sorted(METHODS))}")
+        known = ", ".join(sorted(METHODS))
+        raise ValueError(f"featcal.method: unknown calibration method {fc.method!r}; known: {known}")
     values = fc.model_dump(by_alias=True)
     return cls(MappingProxyType({key: values[key] for key in cls.keys}))
 
@@ -180,8 +184,8 @@ class FeatCal(CalibrationMethod):
             def split_tasks() -> Iterator[tuple[LinearMoments, LinearMoments, torch.Tensor]]:
                 for t, (stats, c) in enumerate(zip(module.stats(), weights, strict=True)):
                     fit, held = self._split(module, stats, t)
-                    yield (replace(linear_moments(fit, where), weight=c), replace(linear_moments(held, where), weight=c),
-                           module.expert(t, "weight"))
+                    yield (replace(linear_moments(fit, where), weight=c),
+                           replace(linear_moments(held, where), weight=c), module.expert(t, "weight"))
 
             choice = choose_linear_hyper(split_tasks(), w_merged, module.base("weight"), self.hyper, self.lams,
                                          self.rhos)
@@ -214,9 +218,9 @@ class FeatCal(CalibrationMethod):
         choice = None
         if self.choosing:
             parts = [self._split(module, s, t) for t, s in enumerate(stats)]
-            choice = choose_norm_hyper([replace(norm_moments(f, where), weight=c) for (f, _), c in zip(parts, weights, strict=True)],
-                                       [replace(norm_moments(h, where), weight=c) for (_, h), c in zip(parts, weights, strict=True)],
-                                       *affine, self.hyper, self.lams, self.rhos)
+            fit = [replace(norm_moments(f, where), weight=c) for (f, _), c in zip(parts, weights, strict=True)]
+            held = [replace(norm_moments(h, where), weight=c) for (_, h), c in zip(parts, weights, strict=True)]
+            choice = choose_norm_hyper(fit, held, *affine, self.hyper, self.lams, self.rhos)
         hp, report = self._chosen(choice)
         moms = [replace(norm_moments(s, where), weight=c) for s, c in zip(stats, weights, strict=True)]
         gamma, beta = solve_norm_affine(moms, *affine, hp)

@@ -191,8 +191,9 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
     expert_block = ctx.on_device(ctx.skeleton.block(layer, ctx.checkpoint(task)))
     modules_e = calibrated_modules(expert_block)
     # The uncalibrated merged block runs only when the plan reads its inputs; its output error is then measured too.
-    merged_block = ctx.on_device(ctx.skeleton.block(layer, ctx.checkpoint(MERGED))) if plan.fit_block == "merged" else None
-    fit_block, fit_weights = (merged_block, MERGED) if merged_block is not None else (expert_block, task)
+    merged_block = (ctx.on_device(ctx.skeleton.block(layer, ctx.checkpoint(MERGED))) if plan.fit_block == "merged"
+                    else None)
+    fit_block, fit_checkpoint = (merged_block, MERGED) if merged_block is not None else (expert_block, task)
     stats_modules = calibrated_modules(merged_block) if merged_block is not None else modules_e
     every = plan.held_out_every  # rows held out to choose hyperparameters get sums of their own
     # Built at the first chunk, whose module inputs show which modules read the same input.
@@ -244,7 +245,10 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
                 if plan.fit_stream == "expert":  # the expert block on E_t: the run above
                     sink_s = sink_e
                 else:
-                    out_s, sink_s = run(fit_block, stats_modules, s, _block_input(ctx, layer, mask, memory_s, fit_weights))
+                    extra_s = _block_input(ctx, layer, mask, memory_s, fit_checkpoint)
+                    out_s, sink_s = run(fit_block, stats_modules, s, extra_s)
+                    if merged_block is not None:
+                        add_drift("out", out_s - out_e, out_e, mask)
                 sink_x = sink_e if plan.expert_side else sink_s  # one side only: it fills both of the statistics' slots
                 add(weights, sink_s, sink_x, outs_e, mask.shape[0])
                 if made["held"] is not None:
@@ -253,8 +257,6 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
                         held_w, held_s, held_x, held_o = example_rows(weights, chosen, sink_s, sink_x,
                                                                       outs_e if outs_e is not None else {})
                         accumulate(made["held"], stats_modules, held_s, held_x, held_w, held_o, modules_e)
-                if merged_block is not None:
-                    add_drift("out", out_s - out_e, out_e, mask)
                 if finish_e is not None:
                     out_e = finish_e(out_e)
             add_drift("in", s - e, e, mask)
@@ -276,7 +278,7 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
     info = {"drift_in": (drift["in_diff"] / max(drift["in_ref"], 1e-30)) ** 0.5,
             "gram_flops": stats_flops(stats) + (stats_flops(held) if held is not None else 0),
             "product_form": sorted(m for m, s in stats.items() if getattr(s, "form", None) == "product")}
-    if merged_block is not None:  # the uncalibrated merged block runs only for FeatCal's statistics
+    if merged_block is not None:  # the uncalibrated merged block ran: how far its output is from the expert's
         info["drift_out_uncalibrated"] = (drift["out_diff"] / max(drift["out_ref"], 1e-30)) ** 0.5
     return outputs, info
 
@@ -422,7 +424,9 @@ def _module_data(ctx: RunContext, layer: int, name: str, module: torch.nn.Module
 
         def stored(part: str, tensor: torch.Tensor) -> torch.Tensor:
             dtype = merged[names[part]].dtype
-            return as_out_in(module, tensor).to("cpu", dtype).contiguous() if part == "weight" else tensor.to("cpu", dtype)
+            if part == "weight":
+                return as_out_in(module, tensor).to("cpu", dtype).contiguous()
+            return tensor.to("cpu", dtype)
 
     data = ModuleData(
         where=f"{prefix}{name}", tasks=tuple(ctx.tasks), task_weights=weights, has_bias=names["bias"] in merged,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from featcal.calibration_methods import (
-    CONFIG_KEYS, METHODS, CalibrationMethod, ModuleData, StatisticsPlan, calibration_method, register,
+    CONFIG_KEYS, CONFIG_METHODS, METHODS, CalibrationMethod, ModuleData, StatisticsPlan, calibration_method, register,
 )
 from featcal.config import ConfigError, FeatCalConfig, config_from_dict
 from featcal.statistics import HELD
@@ -20,7 +20,7 @@ def _featcal(**keys) -> FeatCalConfig:
 
 
 def test_the_config_accepts_exactly_the_registered_methods(tmp_path):
-    assert sorted(METHODS) == ["featcal", "regmean", "regmean_plus_plus"]
+    assert sorted(METHODS) == sorted(CONFIG_METHODS) == ["featcal", "regmean", "regmean_plus_plus"]
     with pytest.raises(ConfigError) as err:
         config_from_dict({**RAW, "featcal": {"method": "fisher"}}, tmp_path)
     assert str(err.value) == ("featcal.method: Input should be 'featcal', 'regmean' or 'regmean_plus_plus' "
