@@ -50,7 +50,8 @@ class CalibrationConfig(_Strict):
 
 
 class FeatCalConfig(_Strict):
-    """The block-by-block solve. `method` picks the objective; the same stages and caches serve all three.
+    """The block-by-block solve. `method` picks the objective (featcal/calibration_methods.py holds one class per
+    method: the keys below it reads, its statistics, its solves); the same stages and caches serve all three.
 
     - featcal: docs/design.md §2 (every field below is used).
     - regmean: W = (Σ_t G̃_t)⁻¹ Σ_t G̃_t W_t per linear module, G_t from expert t's own inputs (its block on
@@ -101,11 +102,6 @@ class FeatCalConfig(_Strict):
         if min(grid) <= 0:
             raise ValueError(f"every value must be > 0, got {grid}")
         return grid
-
-    @property
-    def auto(self) -> bool:
-        """Whether the solve chooses λ or ρ itself (the Gram stage then keeps held-out statistics too)."""
-        return self.method == "featcal" and "auto" in (self.lam, self.rho)
 
 
 EvaluatedModel = Literal["base", "merged", "calibrated", "expert"]

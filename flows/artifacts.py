@@ -15,6 +15,7 @@ from prefect.artifacts import (
     create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact,
 )
 
+from featcal.calibration_methods import calibration_method
 from featcal.config import FeatCalConfig
 from featcal.secrets import scrub
 from flows.pipeline import StageCall, solve_stage, stage_count
@@ -174,7 +175,8 @@ def _hyper(solves: list[Record], fc: FeatCalConfig) -> str:
             return str(fixed)
         return f"{statistics.median(chosen):g} (auto, {min(chosen):g}–{max(chosen):g})"
 
-    return f"{spread('lambda', fc.lam)}, {spread('rho', fc.rho)}" if fc.method == "featcal" else ""
+    reads = calibration_method(fc).keys
+    return f"{spread('lambda', fc.lam)}, {spread('rho', fc.rho)}" if {"lambda", "rho"} <= set(reads) else ""
 
 
 def _fmt(value: float | None) -> str:

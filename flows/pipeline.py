@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import yaml
 
+from featcal.calibration_methods import calibration_method
 from featcal.config import RunConfig, digest_of
 from featcal.evaluation import hms
 from featcal.modeling import calibrated_modules
@@ -215,7 +216,8 @@ class Pipeline:
         featcal_cfg = cfg.slice("featcal")["featcal"]
         # The head side changes no transformer block's solve: switching it on reruns only the stages it adds.
         solve_cfg = {k: v for k, v in featcal_cfg.items() if k != "calibrate_head_side"}
-        held_out = [cfg.featcal.holdout_every] if cfg.featcal.auto else []  # the Gram then also sums held-out rows
+        every = calibration_method(cfg.featcal).statistics.held_out_every
+        held_out = [every] if every else []  # the Gram then also sums held-out rows
         adapter = self.ctx.adapter
         for layer in range(last + 1):
             # With the head side, the last transformer block's Gram also writes E_t(L): not the same stage.

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from featcal.calibration_methods import calibration_method
 from featcal.config import RunConfig
 from featcal.devices import activation_dtype, bf16_warning, cpu_has_native_bf16, resolve_device
 from featcal.modeling import Skeleton, calibrated_modules, is_norm, linear_dims
@@ -45,7 +46,7 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
     boundary = n * tokens * hidden * act  # one side of one boundary
     # One task's float64 statistics of one block, at most (modules that read the same input share theirs): C_ss per
     # module, and for FeatCal the expert side as the Gram stage keeps it, C_se or the products P_e, P_s.
-    keeps_expert = cfg.featcal.method == "featcal"
+    keeps_expert = calibration_method(cfg.featcal).statistics.expert_side
     stats = sum(8 * (d_in * d_in + (0 if not keeps_expert else 2 * d_in * d_out
                                     if expert_side_form(n * tokens, d_in, d_out, 1) == "product" else d_in * d_in))
                 for d_in, d_out in linear)

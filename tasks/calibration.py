@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -13,16 +12,13 @@ import torch
 from safetensors.torch import load_file
 
 from featcal.adapters import BlockInput
-from featcal.closed_form import (
-    BiasTerm, Choice, Hyper, LinearMoments, choose_linear_hyper, choose_norm_hyper, solve_linear_bias,
-    solve_linear_weight, solve_norm_affine, solve_regmean_weight,
-)
+from featcal.calibration_methods import ModuleData, calibration_method
 from featcal.data import InputBuilder, load_split, pad_to, pick_examples, row_batches
 from featcal.devices import solve_device, to_device
 from featcal.modeling import as_out_in, calibrated_modules, is_norm, linear_dims, norm_scale_offset
 from featcal.statistics import (
-    HELD, Stats, accumulate, captured_inputs, example_rows, fit_sums, flatten_stats, held_out_sums, input_owners,
-    linear_moments, module_keys, new_stats, norm_moments, stats_flops, stats_layout,
+    HELD, Stats, accumulate, captured_inputs, example_rows, flatten_stats, input_owners, module_keys, new_stats,
+    stats_flops, stats_layout,
 )
 from featcal.t5 import column_targets, decoder_batches, greedy_targets
 from storage.atomic import atomic_path
@@ -134,12 +130,12 @@ def token_weights(mask: torch.Tensor, modules: list[str], emphasis: dict[str, fl
     return out
 
 
-def emphasis_for(ctx: RunContext, layer: int, modules: list[str]) -> dict[str, float] | None:
-    """In the last block the head reads one token: others get pooled_token_weight, except key/value inputs."""
-    ptw = ctx.cfg.featcal.pooled_token_weight
-    if layer != ctx.num_blocks - 1 or ptw is None:
+def emphasis_for(ctx: RunContext, layer: int, modules: list[str],
+                 pooled_token_weight: float | None) -> dict[str, float] | None:
+    """In the last block the head reads one token: others get `pooled_token_weight`, except key/value inputs."""
+    if layer != ctx.num_blocks - 1 or pooled_token_weight is None:
         return None
-    return {m: 1.0 if m in ctx.adapter.kv_modules else ptw for m in modules}
+    return {m: 1.0 if m in ctx.adapter.kv_modules else pooled_token_weight for m in modules}
 
 
 def _boundary(ctx: RunContext, task: str, layer: int, sides: tuple[str, ...]) -> Iterator[tuple[torch.Tensor, ...]]:
@@ -188,21 +184,21 @@ def _sq_norms(diff: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> tupl
 def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, Any]]:
     """Statistics of block `layer`'s module inputs for one task, and E_t(layer+1) (expert block on E_t).
 
-    Which block runs on which stream depends on `featcal.method` (docs/design.md §2):
-    - featcal: merged block on S_t (x_s) and expert block on E_t (x_e);
-    - regmean: expert block on E_t, its inputs on both sides (only C_ss = G_t is used);
-    - regmean_plus_plus: expert block on S_t, its inputs on both sides.
-    RegMean variants weigh every real token 1 (no pooled-token emphasis)."""
-    method = ctx.cfg.featcal.method
+    Which block runs on which stream is the run's calibration method's `StatisticsPlan`
+    (featcal/calibration_methods.py): x_s from its fit block on its fit stream, and x_e from the expert block on E_t
+    when the plan keeps the expert side (else x_s fills both slots)."""
+    plan = calibration_method(ctx.cfg.featcal).statistics
     expert_block = ctx.on_device(ctx.skeleton.block(layer, ctx.checkpoint(task)))
     modules_e = calibrated_modules(expert_block)
-    merged_block = ctx.on_device(ctx.skeleton.block(layer, ctx.checkpoint(MERGED))) if method == "featcal" else None
+    # The uncalibrated merged block runs only when the plan reads its inputs; its output error is then measured too.
+    merged_block = (ctx.on_device(ctx.skeleton.block(layer, ctx.checkpoint(MERGED))) if plan.fit_block == "merged"
+                    else None)
+    fit_block, fit_checkpoint = (merged_block, MERGED) if merged_block is not None else (expert_block, task)
     stats_modules = calibrated_modules(merged_block) if merged_block is not None else modules_e
-    every = ctx.cfg.featcal.holdout_every
-    auto = ctx.cfg.featcal.auto  # rows held out to choose λ / ρ get sums of their own
+    every = plan.held_out_every  # rows held out to choose hyperparameters get sums of their own
     # Built at the first chunk, whose module inputs show which modules read the same input.
     made: dict[str, Any] = {}
-    emphasis = emphasis_for(ctx, layer, list(stats_modules)) if method == "featcal" else None
+    emphasis = emphasis_for(ctx, layer, list(stats_modules), plan.pooled_token_weight)
     drift = {"in_diff": 0.0, "in_ref": 0.0, "out_diff": 0.0, "out_ref": 0.0}
     last = layer == ctx.calibrated_blocks - 1
     head_side = layer == ctx.num_blocks  # featcal.calibrate_head_side's block L
@@ -222,46 +218,45 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
         drift[f"{kind}_diff"] += d
         drift[f"{kind}_ref"] += r
 
-    def add(weights: dict[str, torch.Tensor], sink_m: dict[str, torch.Tensor], sink_e: dict[str, torch.Tensor],
+    def add(weights: dict[str, torch.Tensor], sink_s: dict[str, torch.Tensor], sink_e: dict[str, torch.Tensor],
             outs_e: dict[str, torch.Tensor] | None, chunk_examples: int) -> None:
         if not made:
-            forms, owners = stats_layout(stats_modules, weights, (sink_m, sink_e), examples, chunk_examples,
-                                         keeps_expert=merged_block is not None)
+            forms, owners = stats_layout(stats_modules, weights, (sink_s, sink_e), examples, chunk_examples,
+                                         keeps_expert=plan.expert_side)
             made.update(stats=new_stats(stats_modules, forms, owners, ctx.device), owners=owners,
-                        held=new_stats(stats_modules, forms, owners, ctx.device) if auto else None)
-        elif input_owners(list(made["owners"]), weights, sink_m, sink_e) != made["owners"]:
+                        held=new_stats(stats_modules, forms, owners, ctx.device) if every else None)
+        elif input_owners(list(made["owners"]), weights, sink_s, sink_e) != made["owners"]:
             raise RuntimeError(f"block {layer}, task {task}: modules that shared one input in the first chunk do "
                                "not in a later one")
-        accumulate(made["stats"], stats_modules, sink_m, sink_e, weights, outs_e, modules_e)
+        accumulate(made["stats"], stats_modules, sink_s, sink_e, weights, outs_e, modules_e)
 
     def expert_outputs() -> Iterator[torch.Tensor]:
         memories = zip(_memory(ctx, task, layer, "merged"), _memory(ctx, task, layer, "expert"))
         seen = 0  # examples before the current chunk
         for (mask, s, e), (memory_s, memory_e) in zip(_boundary(ctx, task, layer, ("merged", "expert")), memories):
             extra_e = _block_input(ctx, layer, mask, memory_e, task)
-            outs_e: dict[str, torch.Tensor] | None = {} if merged_block is not None else None
+            outs_e: dict[str, torch.Tensor] | None = {} if plan.expert_side else None
             with torch.inference_mode():
                 out_e, sink_e = run(expert_block, modules_e, e, extra_e, outs_e)
                 weights = token_weights(mask, list(stats_modules), emphasis, ctx.adapter.pooled_index())
                 if memory_s:  # cross-attention keys/values: one row per encoder token
                     weights.update(dict.fromkeys([m for m in ctx.adapter.memory_modules if m in stats_modules],
                                                  memory_s["encoder_attention_mask"].reshape(-1).float()))
-                if merged_block is not None:
-                    extra_m = _block_input(ctx, layer, mask, memory_s, MERGED)
-                    out_m, sink_m = run(merged_block, stats_modules, s, extra_m)
-                    add(weights, sink_m, sink_e, outs_e, mask.shape[0])
-                    if made["held"] is not None:
-                        chosen = (torch.arange(seen, seen + mask.shape[0], device=mask.device) % every) == every - 1
-                        if bool(chosen.any()):
-                            held_w, held_m, held_e, held_o = example_rows(weights, chosen, sink_m, sink_e, outs_e)
-                            accumulate(made["held"], stats_modules, held_m, held_e, held_w, held_o, modules_e)
-                    add_drift("out", out_m - out_e, out_e, mask)
-                else:  # one side only; it fills both of the statistics' slots
-                    if method == "regmean_plus_plus":  # the expert block on the merged stream
-                        sink = run(expert_block, modules_e, s, _block_input(ctx, layer, mask, memory_s, task))[1]
-                    else:
-                        sink = sink_e
-                    add(weights, sink, sink, None, mask.shape[0])
+                if plan.fit_stream == "expert":  # the expert block on E_t: the run above
+                    sink_s = sink_e
+                else:
+                    extra_s = _block_input(ctx, layer, mask, memory_s, fit_checkpoint)
+                    out_s, sink_s = run(fit_block, stats_modules, s, extra_s)
+                    if merged_block is not None:
+                        add_drift("out", out_s - out_e, out_e, mask)
+                sink_x = sink_e if plan.expert_side else sink_s  # one side only: it fills both of the statistics' slots
+                add(weights, sink_s, sink_x, outs_e, mask.shape[0])
+                if made["held"] is not None:
+                    chosen = (torch.arange(seen, seen + mask.shape[0], device=mask.device) % every) == every - 1
+                    if bool(chosen.any()):
+                        held_w, held_s, held_x, held_o = example_rows(weights, chosen, sink_s, sink_x,
+                                                                      outs_e if outs_e is not None else {})
+                        accumulate(made["held"], stats_modules, held_s, held_x, held_w, held_o, modules_e)
                 if finish_e is not None:
                     out_e = finish_e(out_e)
             add_drift("in", s - e, e, mask)
@@ -283,7 +278,7 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
     info = {"drift_in": (drift["in_diff"] / max(drift["in_ref"], 1e-30)) ** 0.5,
             "gram_flops": stats_flops(stats) + (stats_flops(held) if held is not None else 0),
             "product_form": sorted(m for m, s in stats.items() if getattr(s, "form", None) == "product")}
-    if merged_block is not None:  # the uncalibrated merged block runs only for FeatCal's statistics
+    if merged_block is not None:  # the uncalibrated merged block ran: how far its output is from the expert's
         info["drift_out_uncalibrated"] = (drift["out_diff"] / max(drift["out_ref"], 1e-30)) ** 0.5
     return outputs, info
 
@@ -355,123 +350,91 @@ def solve_groups(modules: dict[str, torch.nn.Module], groups: int) -> list[list[
 
 
 def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple[list[str], dict[str, Any]]:
-    """The modules of solve group `group` (of `groups`) of block `layer`, from the tasks' statistics summed in
-    task order; the group's file holds every parameter of its modules, solved or kept.
-
-    featcal solves linear weights, biases and norms (docs/design.md §2); the RegMean variants solve linear
-    weights only (G_t = the task's per-token mean Gram) and keep the merged biases and norms."""
+    """The modules of solve group `group` (of `groups`) of block `layer`, each solved by the run's calibration method
+    (featcal/calibration_methods.py) from the tasks' statistics summed in task order; the group's file holds every
+    parameter of its modules, solved or kept (a part the method leaves keeps the merged value)."""
     fc = ctx.cfg.featcal
-    lams = fc.lambda_grid if fc.lam == "auto" else [fc.lam]
-    rhos = fc.rho_grid if fc.rho == "auto" else [fc.rho]
-    hp = Hyper(lam=lams[0], rho=rhos[0], alpha=fc.alpha, eps=fc.eps, trust=fc.trust)  # auto: per-module choices
-    chosen: dict[str, Choice] = {}
-    featcal = fc.method == "featcal"
-    weights = _task_weights(ctx, layer, fc.task_weight_power) if featcal else [1.0] * len(ctx.tasks)
-    prefix = ctx.adapter.block_prefix(layer)
-    merged = ctx.checkpoint(MERGED).with_prefix(prefix)
-    base = ctx.checkpoint("base")
-    experts = [ctx.checkpoint(t) for t in ctx.tasks]
+    method = calibration_method(fc)
+    weights = _task_weights(ctx, layer, fc.task_weight_power) if method.weighs_tasks else [1.0] * len(ctx.tasks)
+    merged = ctx.checkpoint(MERGED).with_prefix(ctx.adapter.block_prefix(layer))
     modules = calibrated_modules(ctx.skeleton.block_template(layer))
-    names = solve_groups(modules, groups)[group]
     solved: dict[str, torch.Tensor] = {}
     damping: dict[str, float] = {}
+    grown: dict[str, float] = {}
     solved_on: set[str] = set()  # float64 solves: on the run's device when it has room, else the CPU
-    for name in names:
+    reports: dict[str, dict[str, Any]] = {}  # per-module facts the method reports (a chosen λ, ...), by kind
+    for name in solve_groups(modules, groups)[group]:
         module = modules[name]
-        p = f"{name}." if name else ""
-        weight, bias = f"{p}weight", f"{p}bias"
-        has_bias = bias in merged
-        solved.update({k: merged[k] for k in (weight, bias) if k in merged})
-        where = f"{prefix}{name}"
-        if is_norm(module):
-            if not (featcal and fc.calibrate_norm):
-                continue
-            stats = list(_task_stats(ctx, layer, name))  # vectors: small
-            off = norm_scale_offset(module)  # the solve's γ is off + the stored weight (Gemma's (1 + w) norms)
-            affine = ([e.get(prefix + weight) + off for e in experts],
-                      [e.get(prefix + bias) for e in experts] if has_bias else None,
-                      merged[weight] + off, base.get(prefix + weight) + off,
-                      merged.get(bias), base.get(prefix + bias) if has_bias else None)
-            if fc.auto:
-                parts = [_fit_and_held(t, task, where, fc.holdout_every) for t, task in zip(stats, ctx.tasks, strict=True)]
-                chosen[name] = choose_norm_hyper(
-                    [replace(norm_moments(f, where), weight=c) for (f, _), c in zip(parts, weights, strict=True)],
-                    [replace(norm_moments(h, where), weight=c) for (_, h), c in zip(parts, weights, strict=True)],
-                    *affine, hp, lams, rhos)
-            mhp = _chosen_hyper(hp, chosen.get(name))
-            moms = [replace(norm_moments(t, where), weight=c) for t, c in zip(stats, weights, strict=True)]
-            gamma, beta = solve_norm_affine(moms, *affine, mhp)
-            solved[weight] = (gamma - off).to(merged[weight].dtype)
-            if has_bias:
-                solved[bias] = beta.to(merged[bias].dtype)
+        names = _part_names(name)
+        solved.update({k: merged[k] for k in names.values() if k in merged})
+        data, stored = _module_data(ctx, layer, name, module, merged, tuple(weights), solved_on)
+        result = method.solve_norm(data) if is_norm(module) else method.solve_linear(data)
+        if result is None:
             continue
-        # Weights in the solves' [out, in] layout (Conv1D stores [in, out]); the solved one goes back in `solved`.
-        dev = solve_device(ctx.device, *linear_dims(module))
-        solved_on.add(str(dev))
-        w_merged = as_out_in(module, merged[weight]).to(dev)
-
-        def w_of(ckpt: Any) -> torch.Tensor:
-            return as_out_in(module, ckpt.get(prefix + weight)).to(dev)
-
-        if not featcal:
-            grams = ((linear_moments(stats, where).c_ss, w_of(expert))
-                     for stats, expert in zip(_task_stats(ctx, layer, name, dev), experts, strict=True))
-            sol = solve_regmean_weight(grams, fc.regmean_off_diagonal, fc.eps)
-        else:
-            if fc.auto:
-                def split_tasks() -> Iterator[tuple[LinearMoments, LinearMoments, torch.Tensor]]:
-                    for stats, task, expert, c in zip(_task_stats(ctx, layer, name, dev), ctx.tasks, experts, weights,
-                                                      strict=True):
-                        fit, held = _fit_and_held(stats, task, where, fc.holdout_every)
-                        yield (replace(linear_moments(fit, where), weight=c),
-                               replace(linear_moments(held, where), weight=c), w_of(expert))
-
-                chosen[name] = choose_linear_hyper(split_tasks(), w_merged, w_of(base), hp, lams, rhos)
-            mhp = _chosen_hyper(hp, chosen.get(name))
-            bias_terms: list[BiasTerm] = []
-
-            def per_task() -> Iterator[tuple[LinearMoments, torch.Tensor]]:
-                for stats, expert, c in zip(_task_stats(ctx, layer, name, dev), experts, weights, strict=True):
-                    mom, w_t = replace(linear_moments(stats, where), weight=c), w_of(expert)
-                    if has_bias:
-                        bias_terms.append(BiasTerm.of(mom, w_t, expert.get(prefix + bias).to(dev), mhp.alpha))
-                    yield mom, w_t
-
-            sol = solve_linear_weight(per_task(), w_merged, w_of(base), mhp)
-            if has_bias and fc.calibrate_bias:
-                b = solve_linear_bias(bias_terms, sol.weight, merged[bias].to(dev), base.get(prefix + bias).to(dev),
-                                      mhp, merged_weight=w_merged)
-                solved[bias] = b.to("cpu", merged[bias].dtype)
-        solved[weight] = as_out_in(module, sol.weight).to("cpu", merged[weight].dtype).contiguous()
-        damping[name] = sol.damping
-        if sol.damping > hp.eps:
-            log.warning("block %d module %s: Cholesky needed damping %.3g (asked %.3g)", layer, name, sol.damping, hp.eps)
+        solved.update({names[part]: stored(part, tensor) for part, tensor in result.tensors.items()})
+        for kind, value in result.report.items():
+            reports.setdefault(kind, {})[name] = value
+        if result.damping is None:
+            continue
+        damping[name] = result.damping
+        if result.eps is not None and result.damping > result.eps:
+            grown[name] = result.damping
+            log.warning("block %d module %s: Cholesky needed damping %.3g (asked %.3g)", layer, name, result.damping,
+                        result.eps)
     rel = ctx.run.block(layer, group, groups)
     with atomic_path(ctx.run / rel) as tmp:
         save_tensors(solved, tmp)
-    grown = {m: d for m, d in damping.items() if d > hp.eps}
     info: dict[str, Any] = {"method": fc.method, "modules": len(damping), "damping_grown": grown,
                             "solved_on": sorted(solved_on)}
     if fc.task_weight_power:
         info["task_weights"] = dict(zip(ctx.tasks, weights, strict=True))
-    if chosen:
-        info.update({"lambda": {m: c.lam for m, c in chosen.items()}, "rho": {m: c.rho for m, c in chosen.items()}})
+    info.update(reports)
     return [rel], info
 
 
-def _fit_and_held(stats: dict[str, torch.Tensor], task: str, where: str,
-                  every: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """A module's sums over one task's fit rows and over its held-out rows (every `every`-th example)."""
-    held = held_out_sums(stats)
-    if float(held["sum_w"]) <= 0:
-        raise ValueError(f"{where}, task {task}: no held-out calibration rows to choose featcal.lambda / rho "
-                         f"(every {every}th example is held out; calibration.examples_per_task must be >= "
-                         f"featcal.holdout_every)")
-    return fit_sums(stats), held
+def _part_names(module: str) -> dict[str, str]:
+    """A module's weight and bias names within its block."""
+    return {part: f"{module}.{part}" if module else part for part in ("weight", "bias")}
 
 
-def _chosen_hyper(hp: Hyper, choice: Choice | None) -> Hyper:
-    return hp if choice is None else replace(hp, lam=choice.lam, rho=choice.rho)
+def _module_data(ctx: RunContext, layer: int, name: str, module: torch.nn.Module, merged: dict[str, torch.Tensor],
+                 weights: tuple[float, ...],
+                 solved_on: set[str]) -> tuple[ModuleData, Callable[[str, torch.Tensor], torch.Tensor]]:
+    """Module `name` of block `layer` as a method's solve reads it, and how a solved tensor goes back to the
+    checkpoint's layout and dtype. A linear map's tensors move to its solve's device (noted in `solved_on`), its
+    weight as [out, in] (Conv1D stores [in, out]); a norm's stay on the CPU, γ as offset + the stored weight (Gemma's
+    (1 + w) norms)."""
+    prefix, names = ctx.adapter.block_prefix(layer), _part_names(name)
+    base, experts = ctx.checkpoint("base"), [ctx.checkpoint(t) for t in ctx.tasks]
+    if is_norm(module):
+        device = None
+        off = norm_scale_offset(module)
+
+        def solve_layout(part: str, tensor: torch.Tensor) -> torch.Tensor:
+            return tensor + off if part == "weight" else tensor
+
+        def stored(part: str, tensor: torch.Tensor) -> torch.Tensor:
+            return (tensor - off if part == "weight" else tensor).to(merged[names[part]].dtype)
+    else:
+        device = solve_device(ctx.device, *linear_dims(module))
+        solved_on.add(str(device))
+
+        def solve_layout(part: str, tensor: torch.Tensor) -> torch.Tensor:
+            return (as_out_in(module, tensor) if part == "weight" else tensor).to(device)
+
+        def stored(part: str, tensor: torch.Tensor) -> torch.Tensor:
+            dtype = merged[names[part]].dtype
+            if part == "weight":
+                return as_out_in(module, tensor).to("cpu", dtype).contiguous()
+            return tensor.to("cpu", dtype)
+
+    data = ModuleData(
+        where=f"{prefix}{name}", tasks=tuple(ctx.tasks), task_weights=weights, has_bias=names["bias"] in merged,
+        stats=lambda: _task_stats(ctx, layer, name, device),
+        merged=lambda part: solve_layout(part, merged[names[part]]),
+        base=lambda part: solve_layout(part, base.get(prefix + names[part])),
+        expert=lambda t, part: solve_layout(part, experts[t].get(prefix + names[part])))
+    return data, stored
 
 
 def _task_weights(ctx: RunContext, layer: int, power: float) -> list[float]:

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from featcal.adapters import Adapter, adapter_for
+from featcal.calibration_methods import calibration_method
 from featcal.config import ConfigError, RunConfig
 from featcal.data import DataError, InputBuilder, load_split
 from featcal.devices import bf16_warning, cpu_has_native_bf16, resolve_device
@@ -60,11 +61,11 @@ def check_checkpoints(cfg: RunConfig) -> Adapter:
 
 
 def check_head_side(cfg: RunConfig, adapter: Adapter) -> None:
-    """featcal.calibrate_head_side needs FeatCal's solve (the RegMean variants solve blocks only) and an
-    architecture with a head side whose tensors the base has."""
+    """featcal.calibrate_head_side needs a calibration method that reads it (FeatCal's; the RegMean variants solve
+    blocks only) and an architecture with a head side whose tensors the base has."""
     if not cfg.featcal.calibrate_head_side:
         return
-    if cfg.featcal.method != "featcal":
+    if "calibrate_head_side" not in calibration_method(cfg.featcal).keys:
         raise ConfigError(f"featcal.calibrate_head_side: only with featcal.method featcal, not {cfg.featcal.method}")
     path = adapter.head_side_path()
     if not any(n.startswith(f"{path}.") for n in CanonicalCheckpoint(cfg.base, adapter).names()):

@@ -1,0 +1,263 @@
+"""Calibration methods (`featcal.method`): what each asks of the Gram stage and how it solves one module.
+
+A method is one registered class: its name, the `featcal.*` keys it reads (it is handed those and no others, so a
+key it does not declare cannot change its weights), the statistics it needs per module (`StatisticsPlan`), and its
+solve of a linear module and of a norm. The stages in tasks/calibration.py walk blocks and modules and ask the run's
+method; adding a method is a class here (its name and any new keys go into `FeatCalConfig` too, where the YAML is
+validated). `FeatCal` is docs/design.md §2; `RegMean` and `RegMeanPlusPlus` are its closed-form baselines."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any, ClassVar, Literal, get_args
+
+import torch
+
+from featcal.closed_form import (
+    BiasTerm, Choice, Hyper, LinearMoments, choose_linear_hyper, choose_norm_hyper, solve_linear_bias,
+    solve_linear_weight, solve_norm_affine, solve_regmean_weight,
+)
+from featcal.config import FeatCalConfig
+from featcal.statistics import fit_sums, held_out_sums, linear_moments, norm_moments
+
+Side = Literal["merged", "expert"]
+
+
+@dataclass(frozen=True)
+class StatisticsPlan:
+    """What the Gram stage records per module of a block for a method (docs/design.md §2).
+
+    x_s, a module's input in the statistics' first slot, comes from `fit_block`'s uncalibrated block (the merged
+    checkpoint's or the task's expert's) run on the `fit_stream` hidden states (S_t: "merged", E_t: "expert").
+    With `expert_side`, the second slot is x_e from the expert block on E_t and its moments are kept (C_se or the
+    solve's products, μ_e); without, x_s fills both slots and only C_ss, μ_s are used. `pooled_token_weight`: in the
+    last block, the weight of tokens other than the pooled one (None: every real token weighs 1).
+    `held_out_every`: every Nth example's sums are also kept apart, for choosing hyperparameters on them."""
+
+    fit_block: Side
+    fit_stream: Side
+    expert_side: bool
+    pooled_token_weight: float | None = None
+    held_out_every: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.fit_block == "merged" and self.fit_stream == "expert":
+            raise ValueError("StatisticsPlan: the merged block runs on the merged stream only, not on the expert's")
+
+
+@dataclass(frozen=True)
+class ModuleData:
+    """One calibrated module of a block, as a solve reads it, filled by the solve stage.
+
+    Tensors are in the solve's layout (a linear weight [out, in]; a norm's γ with the module's offset added) and on
+    the solve's device, and each is read when asked for, so a solve holds one expert's at a time. `part` is
+    "weight" or "bias"; `expert(t, part)` is task t's, tasks in `tasks` order, as `stats()` yields their sums."""
+
+    where: str  # the module's name in the model, for messages
+    tasks: tuple[str, ...]
+    task_weights: tuple[float, ...]  # c_t, each task's weight in the shared solve
+    has_bias: bool
+    stats: Callable[[], Iterator[dict[str, torch.Tensor]]]
+    merged: Callable[[str], torch.Tensor]
+    base: Callable[[str], torch.Tensor]
+    expert: Callable[[int, str], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Solved:
+    """A module's solved parameters (solve layout; parts left out keep the merged values), with the Cholesky damping
+    a linear solve used against the `eps` it asked for, and per-module facts for the solve record."""
+
+    tensors: dict[str, torch.Tensor]
+    damping: float | None = None
+    eps: float | None = None
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+class CalibrationMethod(ABC):
+    """One `featcal.method`. `keys` are the `featcal.*` keys (as the YAML names them) it reads from `settings`."""
+
+    name: ClassVar[str]
+    keys: ClassVar[tuple[str, ...]]
+
+    def __init__(self, settings: Mapping[str, Any]) -> None:
+        self.settings = settings
+
+    @property
+    @abstractmethod
+    def statistics(self) -> StatisticsPlan:
+        """What the Gram stage records for this method."""
+
+    @property
+    def weighs_tasks(self) -> bool:
+        """Whether tasks weigh by their drift (featcal.task_weight_power) rather than all alike."""
+        return "task_weight_power" in self.keys
+
+    @abstractmethod
+    def solve_linear(self, module: ModuleData) -> Solved:
+        """A linear map's weight (and bias, if the method solves it)."""
+
+    @abstractmethod
+    def solve_norm(self, module: ModuleData) -> Solved | None:
+        """A norm's affine, or None to keep the merged one."""
+
+
+METHODS: dict[str, type[CalibrationMethod]] = {}
+CONFIG_METHODS: tuple[str, ...] = get_args(FeatCalConfig.model_fields["method"].annotation)
+CONFIG_KEYS = frozenset(f.alias or name for name, f in FeatCalConfig.model_fields.items()) - {"method"}
+
+
+def register(cls: type[CalibrationMethod]) -> type[CalibrationMethod]:
+    """Make `cls` the method of `featcal.method: cls.name`; the config must accept that name and every key."""
+    if cls.name not in CONFIG_METHODS:
+        raise ValueError(f"calibration method {cls.name!r}: featcal.method does not accept it (FeatCalConfig.method "
+                         f"lists {', '.join(CONFIG_METHODS)})")
+    unknown = sorted(set(cls.keys) - CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"calibration method {cls.name!r} reads {unknown}, which are not featcal.* keys")
+    METHODS[cls.name] = cls
+    return cls
+
+
+def calibration_method(fc: FeatCalConfig) -> CalibrationMethod:
+    """The method `fc.method` names, handed the values of the keys it declares."""
+    cls = METHODS.get(fc.method)
+    if cls is None:
+        known = ", ".join(sorted(METHODS))
+        raise ValueError(f"featcal.method: unknown calibration method {fc.method!r}; known: {known}")
+    values = fc.model_dump(by_alias=True)
+    return cls(MappingProxyType({key: values[key] for key in cls.keys}))
+
+
+def _fit_and_held(stats: dict[str, torch.Tensor], task: str, where: str,
+                  every: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A module's sums over one task's fit rows and over its held-out rows (every `every`-th example)."""
+    held = held_out_sums(stats)
+    if float(held["sum_w"]) <= 0:
+        raise ValueError(f"{where}, task {task}: no held-out calibration rows to choose featcal.lambda / rho "
+                         f"(every {every}th example is held out; calibration.examples_per_task must be >= "
+                         f"featcal.holdout_every)")
+    return fit_sums(stats), held
+
+
+@register
+class FeatCal(CalibrationMethod):
+    """docs/design.md §2: linear weights, then biases, and norms, towards each expert's features on the merged
+    stream, anchored at ρ·θ_m + (1−ρ)·θ0; λ and ρ fixed or chosen per module on held-out rows ("auto")."""
+
+    name = "featcal"
+    keys = ("lambda", "rho", "lambda_grid", "rho_grid", "holdout_every", "alpha", "eps", "calibrate_bias",
+            "calibrate_norm", "pooled_token_weight", "task_weight_power", "trust", "calibrate_head_side")
+
+    def __init__(self, settings: Mapping[str, Any]) -> None:
+        super().__init__(settings)
+        s = settings
+        self.lams: list[float] = s["lambda_grid"] if s["lambda"] == "auto" else [s["lambda"]]
+        self.rhos: list[float] = s["rho_grid"] if s["rho"] == "auto" else [s["rho"]]
+        self.choosing = "auto" in (s["lambda"], s["rho"])
+        # With a choice, the solve runs at the module's chosen (λ, ρ); the first grid point otherwise.
+        self.hyper = Hyper(lam=self.lams[0], rho=self.rhos[0], alpha=s["alpha"], eps=s["eps"], trust=s["trust"])
+
+    @property
+    def statistics(self) -> StatisticsPlan:
+        return StatisticsPlan(fit_block="merged", fit_stream="merged", expert_side=True,
+                              pooled_token_weight=self.settings["pooled_token_weight"],
+                              held_out_every=self.settings["holdout_every"] if self.choosing else None)
+
+    def _split(self, module: ModuleData, stats: dict[str, torch.Tensor],
+               t: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return _fit_and_held(stats, module.tasks[t], module.where, self.settings["holdout_every"])
+
+    def _chosen(self, choice: Choice | None) -> tuple[Hyper, dict[str, Any]]:
+        if choice is None:
+            return self.hyper, {}
+        return replace(self.hyper, lam=choice.lam, rho=choice.rho), {"lambda": choice.lam, "rho": choice.rho}
+
+    def solve_linear(self, module: ModuleData) -> Solved:
+        where, weights = module.where, module.task_weights
+        w_merged = module.merged("weight")
+        choice = None
+        if self.choosing:
+            def split_tasks() -> Iterator[tuple[LinearMoments, LinearMoments, torch.Tensor]]:
+                for t, (stats, c) in enumerate(zip(module.stats(), weights, strict=True)):
+                    fit, held = self._split(module, stats, t)
+                    yield (replace(linear_moments(fit, where), weight=c),
+                           replace(linear_moments(held, where), weight=c), module.expert(t, "weight"))
+
+            choice = choose_linear_hyper(split_tasks(), w_merged, module.base("weight"), self.hyper, self.lams,
+                                         self.rhos)
+        hp, report = self._chosen(choice)
+        bias_terms: list[BiasTerm] = []
+
+        def per_task() -> Iterator[tuple[LinearMoments, torch.Tensor]]:
+            for t, (stats, c) in enumerate(zip(module.stats(), weights, strict=True)):
+                mom, w_t = replace(linear_moments(stats, where), weight=c), module.expert(t, "weight")
+                if module.has_bias:
+                    bias_terms.append(BiasTerm.of(mom, w_t, module.expert(t, "bias"), hp.alpha))
+                yield mom, w_t
+
+        sol = solve_linear_weight(per_task(), w_merged, module.base("weight"), hp)
+        solved = {"weight": sol.weight}
+        if module.has_bias and self.settings["calibrate_bias"]:
+            solved["bias"] = solve_linear_bias(bias_terms, sol.weight, module.merged("bias"), module.base("bias"), hp,
+                                               merged_weight=w_merged)
+        return Solved(solved, damping=sol.damping, eps=hp.eps, report=report)
+
+    def solve_norm(self, module: ModuleData) -> Solved | None:
+        if not self.settings["calibrate_norm"]:
+            return None
+        where, weights, tasks = module.where, module.task_weights, range(len(module.tasks))
+        stats = list(module.stats())  # vectors: small
+        affine = ([module.expert(t, "weight") for t in tasks],
+                  [module.expert(t, "bias") for t in tasks] if module.has_bias else None,
+                  module.merged("weight"), module.base("weight"),
+                  module.merged("bias") if module.has_bias else None, module.base("bias") if module.has_bias else None)
+        choice = None
+        if self.choosing:
+            parts = [self._split(module, s, t) for t, s in enumerate(stats)]
+            fit = [replace(norm_moments(f, where), weight=c) for (f, _), c in zip(parts, weights, strict=True)]
+            held = [replace(norm_moments(h, where), weight=c) for (_, h), c in zip(parts, weights, strict=True)]
+            choice = choose_norm_hyper(fit, held, *affine, self.hyper, self.lams, self.rhos)
+        hp, report = self._chosen(choice)
+        moms = [replace(norm_moments(s, where), weight=c) for s, c in zip(stats, weights, strict=True)]
+        gamma, beta = solve_norm_affine(moms, *affine, hp)
+        return Solved({"weight": gamma} if beta is None else {"weight": gamma, "bias": beta}, report=report)
+
+
+@register
+class RegMean(CalibrationMethod):
+    """W = (Σ_t G̃_t)⁻¹ Σ_t G̃_t W_t per linear module, G_t the per-token mean Gram of expert t's own inputs (its block
+    on its own stream), G̃ = a·G + (1−a)·diag(G). Biases and norms keep the merged values, so `merge.method: average`
+    gives the published RegMean."""
+
+    name = "regmean"
+    keys = ("regmean_off_diagonal", "eps")
+
+    @property
+    def statistics(self) -> StatisticsPlan:
+        return StatisticsPlan(fit_block="expert", fit_stream="expert", expert_side=False)
+
+    def solve_linear(self, module: ModuleData) -> Solved:
+        grams = ((linear_moments(stats, module.where).c_ss, module.expert(t, "weight"))
+                 for t, stats in enumerate(module.stats()))
+        eps = self.settings["eps"]
+        sol = solve_regmean_weight(grams, self.settings["regmean_off_diagonal"], eps)
+        return Solved({"weight": sol.weight}, damping=sol.damping, eps=eps)
+
+    def solve_norm(self, module: ModuleData) -> Solved | None:
+        return None
+
+
+@register
+class RegMeanPlusPlus(RegMean):
+    """RegMean with G_t from expert t's block run on the merged stream: the inputs that flow through the already
+    solved earlier blocks (forward order, like FeatCal)."""
+
+    name = "regmean_plus_plus"
+
+    @property
+    def statistics(self) -> StatisticsPlan:
+        return StatisticsPlan(fit_block="expert", fit_stream="merged", expert_side=False)

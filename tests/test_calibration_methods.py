@@ -1,0 +1,165 @@
+"""The calibration-method registry (featcal/calibration_methods.py): every method declares the keys it reads and
+the statistics it needs, the config accepts exactly the registered names, and a method's module solve is its
+objective's least-squares solution when called the way the solve stage calls it."""
+
+import pytest
+import torch
+
+from featcal.calibration_methods import (
+    CONFIG_KEYS, CONFIG_METHODS, METHODS, CalibrationMethod, ModuleData, StatisticsPlan, calibration_method, register,
+)
+from featcal.config import ConfigError, FeatCalConfig, config_from_dict
+from featcal.statistics import HELD
+
+D_IN, D_OUT, N, T = 5, 3, 120, 2
+RAW = {"base": "b", "experts": {"a": "ea"}, "calibration": {"data": {"a": {"path": "da"}}}}
+
+
+def _featcal(**keys) -> FeatCalConfig:
+    return FeatCalConfig.model_validate(keys)
+
+
+def test_the_config_accepts_exactly_the_registered_methods(tmp_path):
+    assert sorted(METHODS) == sorted(CONFIG_METHODS) == ["featcal", "regmean", "regmean_plus_plus"]
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({**RAW, "featcal": {"method": "fisher"}}, tmp_path)
+    assert str(err.value) == ("featcal.method: Input should be 'featcal', 'regmean' or 'regmean_plus_plus' "
+                              "(got 'fisher', from config)")
+
+
+def test_an_unknown_method_is_named_with_the_known_ones():
+    """A FeatCalConfig built without validation (the only way past the config's own check)."""
+    with pytest.raises(ValueError) as err:
+        calibration_method(FeatCalConfig.model_construct(method="fisher"))
+    assert str(err.value) == "featcal.method: unknown calibration method 'fisher'; known: featcal, regmean, regmean_plus_plus"
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_each_method_declares_its_keys_and_statistics(name):
+    method = calibration_method(_featcal(method=name))
+    assert method.keys and set(method.keys) <= CONFIG_KEYS
+    assert dict(method.settings) == {k: FeatCalConfig().model_dump(by_alias=True)[k] for k in method.keys}
+    assert isinstance(method.statistics, StatisticsPlan)
+
+
+def test_statistics_plans():
+    plans = {name: calibration_method(_featcal(method=name)).statistics for name in METHODS}
+    assert plans["featcal"] == StatisticsPlan("merged", "merged", expert_side=True, pooled_token_weight=0.01)
+    assert plans["regmean"] == StatisticsPlan("expert", "expert", expert_side=False)
+    assert plans["regmean_plus_plus"] == StatisticsPlan("expert", "merged", expert_side=False)
+    # Held-out rows only where the method chooses λ / ρ on them: FeatCal with either on auto.
+    assert calibration_method(_featcal(rho="auto", holdout_every=3)).statistics.held_out_every == 3
+    assert calibration_method(_featcal(method="regmean", **{"lambda": "auto"})).statistics.held_out_every is None
+    with pytest.raises(ValueError, match="^StatisticsPlan: the merged block runs on the merged stream only"):
+        StatisticsPlan("merged", "expert", expert_side=True)
+
+
+def test_keys_of_another_method_are_accepted_and_never_reach_it(tmp_path):
+    """As before the registry: RegMean validates FeatCal's keys (the YAML may hold them) and ignores them; it is
+    handed only regmean_off_diagonal and eps. (calibrate_head_side with RegMean is refused by preflight:
+    tests/test_head_side.py.)"""
+    cfg = config_from_dict({**RAW, "featcal": {"method": "regmean", "lambda": 0.7, "alpha": 0.9, "trust": 0.5,
+                                               "calibrate_norm": False, "regmean_off_diagonal": 0.6}}, tmp_path)
+    method = calibration_method(cfg.featcal)
+    assert dict(method.settings) == {"regmean_off_diagonal": 0.6, "eps": 1e-8}
+    with pytest.raises(KeyError):
+        method.settings["lambda"]
+    assert not method.weighs_tasks and calibration_method(_featcal()).weighs_tasks
+
+
+def test_registering_a_name_or_key_the_config_lacks_is_refused():
+    class Fisher(CalibrationMethod):
+        name, keys = "fisher", ("eps",)
+
+    class Typo(CalibrationMethod):
+        name, keys = "regmean", ("eps", "lamda")
+
+    with pytest.raises(ValueError, match=r"^calibration method 'fisher': featcal.method does not accept it"):
+        register(Fisher)
+    with pytest.raises(ValueError, match=r"^calibration method 'regmean' reads \['lamda'\], which are not featcal"):
+        register(Typo)
+    assert METHODS["regmean"].__name__ == "RegMean" and "fisher" not in METHODS
+
+
+# ---- a module solve, called as the solve stage calls it ----------------------------------------------------
+def _sums(xs: torch.Tensor, xe: torch.Tensor, w: torch.Tensor, held: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A linear module's statistics file entries for one task (full form C_se), held-out rows' sums as well."""
+    def of(rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        ww, s, e = w * rows, xs, xe
+        return {"ss": (s * ww[:, None]).T @ s, "se": (s * ww[:, None]).T @ e, "sum_s": (ww[:, None] * s).sum(0),
+                "sum_e": (ww[:, None] * e).sum(0), "sum_w": ww.sum()}
+
+    return {**of(torch.ones(N, dtype=torch.float64)), **{HELD + k: v for k, v in of(held).items()}}
+
+
+@pytest.fixture
+def linear():
+    g = torch.Generator().manual_seed(5)
+    rows = []
+    for _ in range(T):
+        xs = torch.randn(N, D_IN, generator=g, dtype=torch.float64) + 0.2
+        rows.append((xs, xs + 0.3 * torch.randn(N, D_IN, generator=g, dtype=torch.float64),
+                     torch.rand(N, generator=g, dtype=torch.float64)))
+    held = (torch.arange(N) % 4 == 3).double()
+    tensors = {f"{who}.{part}": torch.randn(D_OUT, D_IN, generator=g, dtype=torch.float64) if part == "weight"
+               else torch.randn(D_OUT, generator=g, dtype=torch.float64)
+               for who in ("merged", "base", "e0", "e1") for part in ("weight", "bias")}
+    data = ModuleData(where="layer.0.fc", tasks=("t0", "t1"), task_weights=(1.0, 1.0), has_bias=True,
+                      stats=lambda: iter([_sums(*r, held) for r in rows]),
+                      merged=lambda part: tensors[f"merged.{part}"], base=lambda part: tensors[f"base.{part}"],
+                      expert=lambda t, part: tensors[f"e{t}.{part}"])
+    return data, rows, tensors
+
+
+def test_featcal_module_solve_is_its_least_squares_solution(linear):
+    """W minimises Σ_t (1/n_t)·E_w‖W x_s − W_t x_t‖² + λ‖W − A(W)‖², x_t = α x_e + (1−α) x_s, n_t = ‖C_ss‖_F; the
+    bias is b = [Σ_t (b_t + W_t μ_t − W μ_s)/n_t + λ A(b)] / (Σ_t 1/n_t + λ)."""
+    data, rows, p = linear
+    lam, rho, alpha = 0.3, 2.2, 0.25
+    solved = calibration_method(_featcal(**{"lambda": lam, "rho": rho, "alpha": alpha, "eps": 1e-14})).solve_linear(data)
+    a_w = rho * p["merged.weight"] + (1 - rho) * p["base.weight"]
+    a_b = rho * p["merged.bias"] + (1 - rho) * p["base.bias"]
+    lhs, rhs, num, den = [], [], lam * a_b, lam
+    for t, (xs, xe, w) in enumerate(rows):
+        n_t = float(torch.linalg.matrix_norm((xs * w[:, None]).T @ xs / w.sum()))
+        c = (w / w.sum() / n_t).sqrt()[:, None]
+        lhs.append(c * xs)
+        rhs.append(c * ((alpha * xe + (1 - alpha) * xs) @ p[f"e{t}.weight"].T))
+    lhs.append(lam ** 0.5 * torch.eye(D_IN, dtype=torch.float64))
+    rhs.append(lam ** 0.5 * a_w.T)
+    brute = torch.linalg.lstsq(torch.cat(lhs), torch.cat(rhs)).solution.T
+    torch.testing.assert_close(solved.tensors["weight"], brute, rtol=1e-9, atol=1e-10)
+    for t, (xs, xe, w) in enumerate(rows):
+        n_t = float(torch.linalg.matrix_norm((xs * w[:, None]).T @ xs / w.sum()))
+        mu_s, mu_t = (w[:, None] * xs).sum(0) / w.sum(), (w[:, None] * (alpha * xe + (1 - alpha) * xs)).sum(0) / w.sum()
+        num = num + (p[f"e{t}.bias"] + p[f"e{t}.weight"] @ mu_t - brute @ mu_s) / n_t
+        den += 1 / n_t
+    torch.testing.assert_close(solved.tensors["bias"], num / den, rtol=1e-9, atol=1e-10)
+    assert solved.damping == 1e-14 and solved.eps == 1e-14 and solved.report == {}
+
+
+def test_featcal_choice_on_a_one_point_grid_is_the_fixed_solve_and_is_reported(linear):
+    data = linear[0]
+    fixed = calibration_method(_featcal(**{"lambda": 0.3})).solve_linear(data)
+    chosen = calibration_method(_featcal(**{"lambda": "auto", "lambda_grid": [0.3], "rho": "auto",
+                                            "rho_grid": [2.2]})).solve_linear(data)
+    assert all(torch.equal(fixed.tensors[k], chosen.tensors[k]) for k in ("weight", "bias"))
+    assert chosen.report == {"lambda": 0.3, "rho": 2.2}
+    no_bias = calibration_method(_featcal(calibrate_bias=False)).solve_linear(data)
+    assert set(no_bias.tensors) == {"weight"}  # the merged bias stays
+
+
+@pytest.mark.parametrize("off_diagonal", [1.0, 0.6])
+def test_regmean_module_solve_is_its_least_squares_solution(linear, off_diagonal):
+    """Wᵀ = (Σ_t G̃_t)⁻¹ Σ_t G̃_t W_tᵀ with G_t each task's weighted per-token mean Gram, G̃ = aG + (1−a)diag(G) (at
+    a = 1 the minimiser of Σ_t E_w‖W x − W_t x‖²); the bias and every norm keep the merged values."""
+    data, rows, p = linear
+    method = calibration_method(_featcal(method="regmean", regmean_off_diagonal=off_diagonal, eps=1e-14))
+    solved = method.solve_linear(data)
+    grams = [(xs * w[:, None]).T @ xs / w.sum() for xs, _, w in rows]  # per-token weighted means
+    shrunk = [off_diagonal * g + (1 - off_diagonal) * torch.diag(g.diagonal()) for g in grams]
+    lhs = sum(shrunk)
+    rhs = sum(g @ p[f"e{t}.weight"].T for t, g in enumerate(shrunk))
+    torch.testing.assert_close(solved.tensors["weight"], torch.linalg.solve(lhs, rhs).T, rtol=1e-9, atol=1e-10)
+    assert set(solved.tensors) == {"weight"} and method.solve_norm(data) is None
+    assert calibration_method(_featcal(calibrate_norm=False)).solve_norm(data) is None
