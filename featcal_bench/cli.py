@@ -75,9 +75,9 @@ def bench_list() -> str:
 
     lines = []
     for recipe in recipes().values():
-        for preset, about in recipe.presets.items():
-            lines.append(f"{preset:<26} {recipe.access:<14} {about}; {recipe.cost}")
-    lines.append(f"{'--recipe FILE.yaml':<26} {'local files':<14} your own base, experts and data files "
+        for name, preset in recipe.presets.items():
+            lines.append(f"{name:<24} {recipe.access:<14} {preset.about}; cost: {preset.cost}")
+    lines.append(f"{'--recipe FILE.yaml':<24} {'local files':<14} your own base, experts and data files "
                  "(docs/adding-a-benchmark.md)")
     return "\n".join(lines)
 
@@ -91,7 +91,7 @@ def _build(args: argparse.Namespace) -> int:
 
     options = BuildOptions(**{k: getattr(args, k) for k in FLAGS})
     if (args.name is None) == (args.recipe is None):
-        raise ValueError("bench build: give a benchmark NAME (see `featcal bench list`) or --recipe FILE.yaml, not both")
+        raise ValueError("bench build: give one of a benchmark NAME (see `featcal bench list`) and --recipe FILE.yaml")
     if args.recipe is not None:
         from featcal_bench.user import recipe_spec
 

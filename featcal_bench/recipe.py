@@ -8,12 +8,13 @@ name `bench build` is given, or by the spec file a built directory holds.
 
 A frozen dataclass rather than a YAML file for the built-in recipes: their build graphs and data renderers are code
 (fine-tunes, tokenizer training, prompt templates), and a dataclass of typed fields and functions is checked by the
-type checker and found by `grep`. A user's recipe is data only (local checkpoints and files), so it is YAML validated
-by pydantic (featcal_bench/user.py) and turned into one of these.
+type checker and found by `grep`. A user's recipe is data only (local checkpoints and files), so it is a YAML file
+validated by pydantic (featcal_bench/user.py's UserRecipe), built and run by the `user` recipe like any other.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,12 +36,12 @@ BUILD_OPTIONS = ("models_from", "data_from", "tasks", "test_rows", "spam_assassi
 
 
 class SavedSpec(BaseModel):
-    """A built benchmark's settings, saved in its directory as SPEC_FILE: the file also tells which recipe built it."""
+    """A built benchmark's settings, saved in its directory as SPEC_FILE: the file also tells which recipe built it.
+    Each spec also has `tasks`, which iterates over its task names."""
 
     SPEC_FILE: ClassVar[str]
 
     name: str
-    tasks: list[str]
 
     def save(self, bench_dir: Path) -> None:
         write_json(Path(bench_dir) / self.SPEC_FILE, self.model_dump(mode="json"))
@@ -74,6 +75,14 @@ class BuildOptions:
 
 
 @dataclass(frozen=True)
+class Preset:
+    """A name `bench build` takes, as `featcal bench list` shows it: what it is (its tasks) and what it costs here."""
+
+    about: str
+    cost: str  # measured (with where), or what decides it
+
+
+@dataclass(frozen=True)
 class Report:
     """A recipe's report: its title line, what was built (`about`), and the report stage that writes the files.
 
@@ -92,9 +101,8 @@ class Recipe:
 
     name: str
     spec: type[SavedSpec]
-    presets: Mapping[str, str]  # a name `bench build` takes → one line on what it is
+    presets: Mapping[str, Preset]  # the names `bench build` takes
     access: str  # where its models and data come from: "offline", "hub or mirror", "local files"
-    cost: str  # what `bench run` costs here, measured (or what decides it)
     options: frozenset[str]  # the BuildOptions it reads; any other given is refused in one line
     located: Callable[[str, BuildOptions], Any]  # (preset name, options) → its spec, sources checked before any work
     build: Callable[[Path, Any, Call, str, Path], dict[str, Record]]  # (bench, spec, stage, code digest, memo)
@@ -114,24 +122,26 @@ class Recipe:
     write_configs: bool = False  # write every run's pipeline config under configs/ at build time
 
 
-REGISTRY: dict[str, Recipe] = {}
+def registry(listed: Sequence[Recipe]) -> dict[str, Recipe]:
+    """`listed` by name; two recipes that claim one name, preset or stage kind are refused."""
+    out: dict[str, Recipe] = {}
+    claimed: dict[str, str] = {}
+    for recipe in listed:
+        for claim in [f"recipe {recipe.name}", *(f"preset {p}" for p in recipe.presets),
+                      *(f"stage kind {k}" for k in recipe.stages)]:
+            if claim in claimed:
+                raise ValueError(f"recipe {recipe.name}: {claim} is already {claimed[claim]}'s")
+            claimed[claim] = recipe.name
+        out[recipe.name] = recipe
+    return out
 
 
-def register(recipe: Recipe) -> Recipe:
-    """Adds `recipe`; a preset name already taken by another recipe is refused."""
-    taken = {p: r.name for r in REGISTRY.values() if r.name != recipe.name for p in r.presets}
-    clash = sorted(set(recipe.presets) & set(taken))
-    if clash:
-        raise ValueError(f"recipe {recipe.name}: presets {clash} are already {taken[clash[0]]}'s")
-    REGISTRY[recipe.name] = recipe
-    return recipe
-
-
+@functools.cache
 def recipes() -> dict[str, Recipe]:
-    """Every registered recipe, the built-in ones first (featcal_bench/builtin.py names them)."""
-    import featcal_bench.builtin  # noqa: F401  (registers the built-in recipes)
+    """Every recipe, in the order featcal_bench/builtin.py lists them (the one place a recipe is registered)."""
+    from featcal_bench.builtin import RECIPES
 
-    return REGISTRY
+    return registry(RECIPES)
 
 
 def recipe_for(preset: str) -> Recipe:

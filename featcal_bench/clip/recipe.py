@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from featcal.config import digest_of
-from featcal_bench import mirror, recipe
+from featcal_bench import mirror
 from featcal_bench.clip import build, methods, prompts, report, spec as spec_module
 from featcal_bench.clip.estimate import clip_cost_estimate
 from featcal_bench.clip.spec import BASE_MODEL, CLIP_PRESETS, ClipBenchSpec
 from featcal_bench.estimate import split_sizes, write_estimate
-from featcal_bench.recipe import BuildOptions, Call, Recipe, Report
+from featcal_bench.recipe import BuildOptions, Call, Preset, Recipe, Report
 from featcal_bench.stages import mirrored_task_stages, save_report
 from storage.fingerprint import fingerprint
 from storage.rundir import Record
@@ -47,12 +47,12 @@ def located(name: str, options: BuildOptions) -> ClipBenchSpec:
                               options.test_rows)
 
 
-RECIPE = recipe.register(Recipe(
+RECIPE = Recipe(
     name="clip",
     spec=ClipBenchSpec,
-    presets={"clip-vit-b32-ta8": "the paper's CLIP ViT-B/32, 8 image tasks, zero-shot heads (FusionBench's TA8)"},
+    presets={"clip-vit-b32-ta8": Preset("the paper's CLIP ViT-B/32 on 8 image tasks, zero-shot heads",
+                                        "`bench build` prints it: passes timed here on the base (estimate.md)")},
     access="hub or mirror",
-    cost="`bench build` prints it (estimate.md): forward passes timed here on the base, on the CPU and any GPU",
     options=frozenset({"models_from", "data_from", "tasks", "test_rows"}),
     located=located,
     build=build_graph,
@@ -69,4 +69,4 @@ RECIPE = recipe.register(Recipe(
     estimate=lambda bench, spec: write_estimate(bench, clip_cost_estimate(bench, split_sizes(bench, spec.tasks))),
     cache_surgery_features=True,
     write_configs=True,
-))
+)

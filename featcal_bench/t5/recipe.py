@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from featcal.config import digest_of
-from featcal_bench import mirror, recipe
+from featcal_bench import mirror
 from featcal_bench.estimate import split_sizes, write_estimate
 from featcal_bench.method import paper_method_runs
-from featcal_bench.recipe import BuildOptions, Call, Recipe, Report
+from featcal_bench.recipe import BuildOptions, Call, Preset, Recipe, Report
 from featcal_bench.stages import mirrored_task_stages, save_report
 from featcal_bench.t5 import build, methods, prompts, report, spec as spec_module
 from featcal_bench.t5.estimate import t5_cost_estimate
@@ -50,12 +50,12 @@ def located(name: str, options: BuildOptions) -> T5BenchSpec:
                               options.test_rows)
 
 
-RECIPE = recipe.register(Recipe(
+RECIPE = Recipe(
     name="t5",
     spec=T5BenchSpec,
-    presets={"flan-t5-base-glue8": "the paper's FLAN-T5-base, 8 GLUE tasks, text to text (FusionBench's experts)"},
+    presets={"flan-t5-base-glue8": Preset("the paper's FLAN-T5-base on 8 GLUE tasks, text to text",
+                                          "`bench build` prints it: passes timed here on the base (estimate.md)")},
     access="hub or mirror",
-    cost="`bench build` prints it (estimate.md): forward and generate passes timed here on the base",
     options=frozenset({"models_from", "data_from", "tasks", "test_rows"}),
     located=located,
     build=build_graph,
@@ -70,4 +70,4 @@ RECIPE = recipe.register(Recipe(
         about=about, write=write_report, modules=(report, prompts, spec_module, sys.modules[__name__])),
     estimate=t5_estimate,
     write_configs=True,
-))
+)

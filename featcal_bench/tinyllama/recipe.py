@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from featcal.config import digest_of
-from featcal_bench import recipe, sources
+from featcal_bench import sources
 from featcal_bench.layout import BASE, data_dir
-from featcal_bench.recipe import BuildOptions, Call, Recipe, Report
+from featcal_bench.recipe import BuildOptions, Call, Preset, Recipe, Report
 from featcal_bench.stages import saved_report_files
 from featcal_bench.tinyllama import build, methods, report
 from featcal_bench.tinyllama.build import TOKENIZER, TinyLlamaSpec, located_sources, texts_file
@@ -88,12 +88,12 @@ def write_report(bench: Path, spec: TinyLlamaSpec, results: dict[str, dict[str, 
     return files, {"average_loss": {r["method"]: round(r["average_loss"], 4) for r in made["methods"]}}
 
 
-RECIPE = recipe.register(Recipe(
+RECIPE = Recipe(
     name="tinyllama",
     spec=TinyLlamaSpec,
-    presets={NAME: "a small Llama pretrained here, one expert per text domain (4 offline domains)"},
+    presets={NAME: Preset("a small Llama pretrained here, one expert per text domain (4 offline domains)",
+                          "build 31 min, run 8 min of pipeline stages: benchmarks/results/tinyllama_domains.md")},
     access="offline",
-    cost="build ~31 min, run ~10 min on the shared 2-core machine (benchmarks/results/tinyllama_domains.md)",
     options=frozenset(),
     located=located_spec,
     build=build_graph,
@@ -107,4 +107,4 @@ RECIPE = recipe.register(Recipe(
                   about=lambda bench, spec: report.about(spec), write=write_report,
                   modules=(report, sys.modules[__name__])),
     threads=1,
-))
+)
