@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,6 +50,16 @@ def split_sizes(bench: Path, tasks: list[str]) -> dict[str, dict[str, int]]:
     """Per task, the sizes of its calibration pool and test split, as its data stage recorded them."""
     return {t: {split: RunDir(bench).record(f"data/{t}")["info"][split] for split in ("calibration", "test")}
             for t in tasks}
+
+
+def rows_about(about: Callable[[Any, dict[str, int], dict[str, int]], str]) -> Callable[[Path, Any], str]:
+    """A report's `about` from a recipe's `about(spec, test rows, calibration rows)`, both per task as built."""
+
+    def built(bench: Path, spec: Any) -> str:
+        rows = split_sizes(bench, list(spec.tasks))
+        return about(spec, {t: r["test"] for t, r in rows.items()}, {t: r["calibration"] for t, r in rows.items()})
+
+    return built
 
 
 def calibration_rows(run: MethodRun, rows: dict[str, dict[str, int]]) -> int:

@@ -1,17 +1,22 @@
-"""What the hub benchmarks (CLIP ViT-B/32, FLAN-T5 GLUE, MergeBench) share: a spec that reads models and data from the hub or a
-local mirror laid out under their hub names, the mirror's paths checked before any work, and loads whose failure
-says in one line which source and how to reach it."""
+"""What the hub benchmarks (CLIP ViT-B/32, FLAN-T5 GLUE, MergeBench) share: a spec that reads models and data from
+the hub or a local mirror laid out under their hub names, the mirror's paths checked before any work, loads whose
+failure says in one line which source and how to reach it, and the stage that copies each expert."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import datasets
 from pydantic import ConfigDict, Field, field_validator
 
-from featcal_bench.recipe import SavedSpec
+from featcal_bench.layout import expert_dir
+from featcal_bench.recipe import BuildOptions, SavedSpec, Stage
+from storage.atomic import atomic_path
+
+log = logging.getLogger("featcal")
 
 MODELS_FLAG, DATA_FLAG = "--models-from", "--data-from"
 T = TypeVar("T")
@@ -127,3 +132,24 @@ def dataset_split(source: str, config: str | None, split: str, mirrored: bool, s
             raise ValueError(f"{DATA_FLAG}: {source} has splits {sorted(loaded)}; the benchmark reads {list(splits)}")
         return loaded[split]
     return from_source(lambda: datasets.load_dataset(source, config, split=split), source, mirrored, DATA_FLAG)
+
+
+def located(presets: Mapping[str, S]) -> Callable[[str, BuildOptions], S]:
+    """A hub recipe's `located`: preset `name` with `bench build`'s --models-from, --data-from, --tasks, --test-rows."""
+    return lambda name, o: preset_spec(presets[name], o.models_from, o.data_from, o.tasks, o.test_rows)
+
+
+def expert_stage(spec_type: type[MirroredSpec], load: Callable[[Any, str], Any]) -> Stage:
+    """A hub recipe's expert stage: `load(spec, hub_id)` (its model class, in the dtype the files hold) re-saved by
+    this transformers under experts/TASK."""
+
+    def write_expert(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
+        spec = spec_type.load(bench)
+        source = spec.model_source(spec.expert_id(task))
+        model = load(spec, spec.expert_id(task))
+        with atomic_path(bench / expert_dir(task)) as tmp:
+            model.save_pretrained(tmp)
+        log.info("expert %s: %s", task, source)
+        return [expert_dir(task)], {"source": source, "dtype": str(model.dtype)}
+
+    return write_expert

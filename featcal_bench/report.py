@@ -173,6 +173,14 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
     return out
 
 
+def add_paper_column(report: dict[str, Any], paper: Mapping[str, float]) -> None:
+    """`paper` (a row label → its published figure in %) on every row the paper reports, as a fraction: the markdown
+    then gives those figures a column of their own, after ours."""
+    for row in report["methods"]:
+        if row["method"] in paper:
+            row["paper"] = paper[row["method"]] / 100
+
+
 def language_model_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dict[str, Any],
                           rows: Sequence[tuple[str, str, str, str | None]]) -> dict[str, Any]:
     """`build_report` of causal-LM runs, whose "accuracy" is next-token accuracy: each row also gets its per-task

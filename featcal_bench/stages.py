@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,19 @@ def prepared_bench(bench: Path, spec: SavedSpec) -> Path:
     return bench
 
 
+def mirrored_build(kind: str) -> Callable[[Path, Any, Call, str, Path], dict[str, Record]]:
+    """The build graph of a hub recipe whose base is its hub model as it stands: `{kind}-base`, then
+    `mirrored_task_stages`."""
+
+    def build(bench: Path, spec: Any, stage: Call, code: str, memo: Path) -> dict[str, Record]:
+        records = {"base": stage(bench, f"{kind}-base", "base", digest_of(
+            [code, "base", fingerprint(spec.model_source(spec.BASE_MODEL), memo)]))}
+        records.update(mirrored_task_stages(bench, spec, stage, kind, code, memo))
+        return records
+
+    return build
+
+
 def mirrored_task_stages(bench: Path, spec: Any, stage: Call, kind: str, code: str, memo: Path) -> dict[str, Record]:
     """A hub recipe's `{kind}-data` and `{kind}-expert` stages, one of each per task, each cached on its source's
     fingerprint (a mirror's content, or a hub id's name)."""
@@ -165,6 +178,13 @@ def save_report(bench: Path, stem: str, report: dict[str, Any], results: dict[st
     plots = bench_report.plots(report, bench / "report", stem, curves)
     files = saved_report_files(bench, stem, report, results, out_dir, bench_report.markdown(report, curves), plots)
     return files, {"methods": {r["method"]: round(100 * r["average"], 2) for r in report["methods"]}}
+
+
+def save_loss_report(bench: Path, stem: str, report: dict[str, Any], results: dict[str, dict[str, Any]],
+                     out_dir: str | None, markdown: str) -> tuple[list[str], dict[str, Any]]:
+    """The language-model benchmarks' report stage: its files, and each method's average held-out loss."""
+    files = saved_report_files(bench, stem, report, results, out_dir, markdown)
+    return files, {"average_loss": {r["method"]: round(r["average_loss"], 4) for r in report["methods"]}}
 
 
 def saved_report_files(bench: Path, stem: str, report: dict[str, Any], results: dict[str, dict[str, Any]],

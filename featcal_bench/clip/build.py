@@ -16,10 +16,10 @@ from datasets import ClassLabel, Image
 from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel, CLIPVisionModel
 from transformers.utils import logging as hf_logging
 
-from featcal_bench.layout import BASE, data_dir, expert_dir
+from featcal_bench.layout import BASE, data_dir
 from featcal_bench.clip.prompts import CLASS_NAMES
 from featcal_bench.clip.spec import BASE_MODEL, CLIP_TASKS, ClipBenchSpec
-from featcal_bench.mirror import dataset_split, pretrained
+from featcal_bench.mirror import dataset_split, expert_stage, pretrained
 from featcal.data import pick_examples
 from storage.atomic import atomic_path
 
@@ -84,15 +84,6 @@ def write_data(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
     return [data_dir(task)], {"source": source, **{split: len(rows) for split, rows in out.items()}}
 
 
-def write_expert(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
-    """The task's head-less CLIPVisionModel, re-saved by this transformers."""
-    spec = ClipBenchSpec.load(bench)
-    model = pretrained(CLIPVisionModel, spec, CLIP_TASKS[task].expert)
-    with atomic_path(bench / expert_dir(task)) as tmp:
-        model.save_pretrained(tmp)
-    log.info("expert %s: %s", task, spec.model_source(CLIP_TASKS[task].expert))
-    return [expert_dir(task)], {"source": spec.model_source(CLIP_TASKS[task].expert)}
-
-
 CLIP_BUILD_STAGES = {"clip-clip": write_clip, "clip-base": write_base, "clip-data": write_data,
-                     "clip-expert": write_expert}
+                     "clip-expert": expert_stage(ClipBenchSpec, lambda spec, hub_id: pretrained(CLIPVisionModel, spec,
+                                                                                                 hub_id))}

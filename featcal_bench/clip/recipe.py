@@ -13,8 +13,8 @@ from featcal_bench import mirror
 from featcal_bench.clip import build, methods, prompts, report, spec as spec_module
 from featcal_bench.clip.estimate import clip_cost_estimate
 from featcal_bench.clip.spec import BASE_MODEL, CLIP_PRESETS, ClipBenchSpec
-from featcal_bench.estimate import split_sizes, write_estimate
-from featcal_bench.recipe import BuildOptions, Call, Preset, Recipe, Report
+from featcal_bench.estimate import rows_about, split_sizes, write_estimate
+from featcal_bench.recipe import Call, Preset, Recipe, Report
 from featcal_bench.stages import mirrored_task_stages, save_report
 from storage.fingerprint import fingerprint
 from storage.rundir import Record
@@ -30,21 +30,11 @@ def build_graph(bench: Path, spec: ClipBenchSpec, stage: Call, code: str, memo: 
     return records
 
 
-def about(bench: Path, spec: ClipBenchSpec) -> str:
-    rows = split_sizes(bench, spec.tasks)
-    return report.about(spec, {t: r["test"] for t, r in rows.items()}, {t: r["calibration"] for t, r in rows.items()})
-
-
 def write_report(bench: Path, spec: ClipBenchSpec, results: dict[str, dict[str, Any]], meta: dict[str, Any],
                  out_dir: str | None) -> tuple[list[str], dict[str, Any]]:
     test_rows = {t: r["test"] for t, r in split_sizes(bench, spec.tasks).items()}
     return save_report(bench, spec.name, report.clip_report(results, spec, meta, test_rows), results, out_dir,
                        report.CURVES)
-
-
-def located(name: str, options: BuildOptions) -> ClipBenchSpec:
-    return mirror.preset_spec(CLIP_PRESETS[name], options.models_from, options.data_from, options.tasks,
-                              options.test_rows)
 
 
 RECIPE = Recipe(
@@ -54,7 +44,7 @@ RECIPE = Recipe(
                                         "`bench build` prints it: passes timed here on the base (estimate.md)")},
     access="hub or mirror",
     options=frozenset({"models_from", "data_from", "tasks", "test_rows"}),
-    located=located,
+    located=mirror.located(CLIP_PRESETS),
     build=build_graph,
     # Not the MiniLM build: edits to its fine-tuning must not copy every model and dataset again.
     build_modules=(build, prompts, spec_module, mirror),
@@ -64,7 +54,7 @@ RECIPE = Recipe(
     method_modules=(methods, prompts, spec_module),
     report=Report(
         title=lambda spec: f"FeatCal benchmark `{spec.name}`: CLIP ViT-B/32, {len(spec.tasks)} tasks, zero-shot heads",
-        about=about, write=write_report, modules=(report, prompts, spec_module, sys.modules[__name__])),
+        about=rows_about(report.about), write=write_report, modules=(report, prompts, spec_module, sys.modules[__name__])),
     run_inputs=lambda spec: ["clip", "base", *(f"{k}/{t}" for t in spec.tasks for k in ("data", "expert"))],
     estimate=lambda bench, spec: write_estimate(bench, clip_cost_estimate(bench, split_sizes(bench, spec.tasks))),
     cache_surgery_features=True,

@@ -7,7 +7,7 @@ from typing import Any
 
 from featcal_bench.clip.prompts import CLASS_NAMES, TEMPLATES
 from featcal_bench.clip.spec import BASE_MODEL, CLIP_TASKS, ClipBenchSpec
-from featcal_bench.report import build_report
+from featcal_bench.report import add_paper_column, build_report
 
 # (row label, run, evaluated model, what its cost is), as featcal_bench.report.METHOD_ROWS
 ROWS = (
@@ -50,9 +50,7 @@ def clip_report(results: dict[str, dict[str, Any]], spec: ClipBenchSpec, meta: d
     """The report of the runs in `results` (run name → its results JSON), with the paper's figures: `paper` on every
     row the paper reports, and its sample-efficiency points."""
     report = build_report(results, spec.tasks, {**meta, "test_rows": test_rows}, rows=ROWS, curves=CURVES)
-    for row in report["methods"]:
-        if row["method"] in PAPER:
-            row["paper"] = PAPER[row["method"]] / 100
+    add_paper_column(report, PAPER)
     report["paper_sample_efficiency"] = {"curve": "featcal", "points": {n: v / 100 for n, v in PAPER_SAMPLE_EFFICIENCY.items()}}
     subset = sorted(set(CLIP_TASKS) - set(spec.tasks))
     report["notes"] = [

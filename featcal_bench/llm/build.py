@@ -17,9 +17,9 @@ import datasets
 import numpy as np
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from featcal_bench.layout import BASE, data_dir, expert_dir
+from featcal_bench.layout import BASE, data_dir
 from featcal_bench.llm.spec import BASE_MODEL, DOMAINS, PROMPT, PROMPT_WITH_INPUT, SOURCE_SPLIT, LlmBenchSpec
-from featcal_bench.mirror import MODELS_FLAG, dataset_split, from_source, pretrained
+from featcal_bench.mirror import MODELS_FLAG, dataset_split, expert_stage, from_source, pretrained
 from storage.atomic import atomic_path
 
 log = logging.getLogger("featcal")
@@ -105,15 +105,4 @@ def write_data(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
     return [data_dir(task)], {"source": source, "source_rows": len(rows), **{s: len(r) for s, r in out.items()}}
 
 
-def write_expert(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
-    """The fine-tuned causal LM of domain `task`, re-saved by this transformers in its own dtype."""
-    spec = LlmBenchSpec.load(bench)
-    hub_id = DOMAINS[task].expert(task)
-    model = _causal_lm(spec, hub_id)
-    with atomic_path(bench / expert_dir(task)) as tmp:
-        model.save_pretrained(tmp)
-    log.info("expert %s: %s", task, spec.model_source(hub_id))
-    return [expert_dir(task)], {"source": spec.model_source(hub_id), "dtype": str(model.dtype)}
-
-
-LLM_BUILD_STAGES = {"llm-base": write_base, "llm-data": write_data, "llm-expert": write_expert}
+LLM_BUILD_STAGES = {"llm-base": write_base, "llm-data": write_data, "llm-expert": expert_stage(LlmBenchSpec, _causal_lm)}

@@ -8,53 +8,31 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from featcal.config import digest_of
 from featcal_bench import mirror
-from featcal_bench.estimate import split_sizes
+from featcal_bench.estimate import rows_about
 from featcal_bench.llm import build, methods, report, spec as spec_module
 from featcal_bench.llm.spec import BASE_MODEL, LLM_PRESETS, LlmBenchSpec
-from featcal_bench.recipe import BuildOptions, Call, Preset, Recipe, Report
-from featcal_bench.stages import mirrored_task_stages, saved_report_files
-from storage.fingerprint import fingerprint
-from storage.rundir import Record
-
-
-def build_graph(bench: Path, spec: LlmBenchSpec, stage: Call, code: str, memo: Path) -> dict[str, Record]:
-    """The base, then one dataset and one expert per domain, each cached on its source's fingerprint (a mirror's
-    content, or a hub id's name)."""
-    records = {"base": stage(bench, "llm-base", "base", digest_of(
-        [code, "base", fingerprint(spec.model_source(BASE_MODEL), memo)]))}
-    records.update(mirrored_task_stages(bench, spec, stage, "llm", code, memo))
-    return records
-
-
-def about(bench: Path, spec: LlmBenchSpec) -> str:
-    rows = split_sizes(bench, spec.tasks)
-    return report.about(spec, {d: r["test"] for d, r in rows.items()}, {d: r["calibration"] for d, r in rows.items()})
+from featcal_bench.recipe import Preset, Recipe, Report
+from featcal_bench.stages import mirrored_build, save_loss_report
 
 
 def write_report(bench: Path, spec: LlmBenchSpec, results: dict[str, dict[str, Any]], meta: dict[str, Any],
                  out_dir: str | None) -> tuple[list[str], dict[str, Any]]:
     """`report/{name}.json` and `.md` (also copied to `out_dir` where given): the report stage's outputs."""
     made = report.llm_report(results, spec, meta)
-    files = saved_report_files(bench, spec.name, made, results, out_dir, report.markdown(made))
-    return files, {"average_loss": {r["method"]: round(r["average_loss"], 4) for r in made["methods"]}}
-
-
-def located(name: str, options: BuildOptions) -> LlmBenchSpec:
-    return mirror.preset_spec(LLM_PRESETS[name], options.models_from, options.data_from, options.tasks,
-                              options.test_rows)
+    return save_loss_report(bench, spec.name, made, results, out_dir, report.markdown(made))
 
 
 RECIPE = Recipe(
     name="mergebench",
     spec=LlmBenchSpec,
-    presets={"mergebench-llama-3.2-3b": Preset("the paper's MergeBench on Llama-3.2-3B, 5 domains, held-out token loss",
-                                               "not run here: ~45 PFLOP a FeatCal run, minutes on a GPU, days on a CPU (llm/spec.py)")},
+    presets={"mergebench-llama-3.2-3b": Preset(
+        "the paper's MergeBench on Llama-3.2-3B, 5 domains, held-out token loss",
+        "not run here: ~45 PFLOP a FeatCal run, minutes on a GPU, days on a CPU (llm/spec.py)")},
     access="hub or mirror",
     options=frozenset({"models_from", "data_from", "tasks", "test_rows"}),
-    located=located,
-    build=build_graph,
+    located=mirror.located(LLM_PRESETS),
+    build=mirrored_build("llm"),
     build_modules=(mirror, build, spec_module),
     stages=build.LLM_BUILD_STAGES,
     runs=lambda spec: methods.llm_method_runs(),
@@ -63,6 +41,6 @@ RECIPE = Recipe(
     report=Report(
         title=lambda spec: (f"FeatCal benchmark `{spec.name}`: {BASE_MODEL}, {len(spec.tasks)} MergeBench domains, "
                             "held-out token loss"),
-        about=about, write=write_report, modules=(report, spec_module, sys.modules[__name__])),
+        about=rows_about(report.about), write=write_report, modules=(report, spec_module, sys.modules[__name__])),
     write_configs=True,
 )

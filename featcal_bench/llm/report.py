@@ -12,7 +12,7 @@ from typing import Any
 
 from featcal_bench.llm.spec import (BASE_MODEL, DOMAINS, MAX_LENGTH, PAPER, REGMEAN_OFF_DIAGONAL,
                                     REGMEAN_PP_OFF_DIAGONAL, TA_SCALING, TIES_TOP_K, LlmBenchSpec)
-from featcal_bench.report import language_model_report
+from featcal_bench.report import add_paper_column, language_model_report
 
 # (row label, run, evaluated model, what its cost is), as featcal_bench.report.METHOD_ROWS
 ROWS = (
@@ -48,9 +48,7 @@ def llm_report(results: dict[str, dict[str, Any]], spec: LlmBenchSpec, meta: dic
     """`language_model_report` of the runs in `results` (run name → its results JSON), with, where the paper reports
     the row, `paper` (their harness average, a different metric)."""
     report = language_model_report(results, spec.tasks, meta, ROWS)
-    for row in report["methods"]:
-        if row["method"] in PAPER:
-            row["paper"] = PAPER[row["method"]] / 100
+    add_paper_column(report, PAPER)
     report["harness_tasks"] = {d: {"lm_eval": list(DOMAINS[d].harness_tasks), "other": DOMAINS[d].other_harness}
                                for d in spec.tasks}
     report["notes"] = notes(spec)

@@ -17,8 +17,8 @@ import datasets
 from datasets import ClassLabel, Value
 from transformers import AutoTokenizer, T5ForConditionalGeneration
 
-from featcal_bench.layout import BASE, data_dir, expert_dir
-from featcal_bench.mirror import dataset_split, pretrained
+from featcal_bench.layout import BASE, data_dir
+from featcal_bench.mirror import dataset_split, expert_stage, pretrained
 from featcal_bench.t5.prompts import LABEL_WORDS, SCORE_FORMAT, TEMPLATES
 from featcal_bench.t5.spec import BASE_MODEL, GLUE, GLUE_TASKS, T5BenchSpec
 from featcal.data import pick_examples
@@ -91,15 +91,5 @@ def write_data(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
     return [data_dir(task)], {"source": where, "test_split": validation, **{s: len(rows) for s, rows in out.items()}}
 
 
-def write_expert(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
-    """The task's fine-tuned T5ForConditionalGeneration, re-saved by this transformers."""
-    spec = T5BenchSpec.load(bench)
-    hub_id = GLUE_TASKS[task].expert(task)
-    model = pretrained(T5ForConditionalGeneration, spec, hub_id)
-    with atomic_path(bench / expert_dir(task)) as tmp:
-        model.save_pretrained(tmp)
-    log.info("expert %s: %s", task, spec.model_source(hub_id))
-    return [expert_dir(task)], {"source": spec.model_source(hub_id)}
-
-
-T5_BUILD_STAGES = {"t5-base": write_base, "t5-data": write_data, "t5-expert": write_expert}
+T5_BUILD_STAGES = {"t5-base": write_base, "t5-data": write_data, "t5-expert": expert_stage(
+    T5BenchSpec, lambda spec, hub_id: pretrained(T5ForConditionalGeneration, spec, hub_id))}

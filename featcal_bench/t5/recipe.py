@@ -8,31 +8,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from featcal.config import digest_of
 from featcal_bench import mirror
-from featcal_bench.estimate import split_sizes, write_estimate
+from featcal_bench.estimate import rows_about, split_sizes, write_estimate
 from featcal_bench.method import paper_method_runs
-from featcal_bench.recipe import BuildOptions, Call, Preset, Recipe, Report
-from featcal_bench.stages import mirrored_task_stages, save_report
+from featcal_bench.recipe import Preset, Recipe, Report
+from featcal_bench.stages import mirrored_build, save_report
 from featcal_bench.t5 import build, methods, prompts, report, spec as spec_module
 from featcal_bench.t5.estimate import t5_cost_estimate
-from featcal_bench.t5.spec import BASE_MODEL, T5_PRESETS, T5BenchSpec
-from storage.fingerprint import fingerprint
-from storage.rundir import Record
-
-
-def build_graph(bench: Path, spec: T5BenchSpec, stage: Call, code: str, memo: Path) -> dict[str, Record]:
-    """The base, then one dataset and one expert per task, each cached on its source's fingerprint (a mirror's
-    content, or a hub id's name)."""
-    records = {"base": stage(bench, "t5-base", "base", digest_of(
-        [code, "base", fingerprint(spec.model_source(BASE_MODEL), memo)]))}
-    records.update(mirrored_task_stages(bench, spec, stage, "t5", code, memo))
-    return records
-
-
-def about(bench: Path, spec: T5BenchSpec) -> str:
-    rows = split_sizes(bench, spec.tasks)
-    return report.about(spec, {t: r["test"] for t, r in rows.items()}, {t: r["calibration"] for t, r in rows.items()})
+from featcal_bench.t5.spec import T5_PRESETS, T5BenchSpec
 
 
 def write_report(bench: Path, spec: T5BenchSpec, results: dict[str, dict[str, Any]], meta: dict[str, Any],
@@ -45,11 +28,6 @@ def t5_estimate(bench: Path, spec: T5BenchSpec) -> str:
     return write_estimate(bench, t5_cost_estimate(bench, split_sizes(bench, spec.tasks)))
 
 
-def located(name: str, options: BuildOptions) -> T5BenchSpec:
-    return mirror.preset_spec(T5_PRESETS[name], options.models_from, options.data_from, options.tasks,
-                              options.test_rows)
-
-
 RECIPE = Recipe(
     name="t5",
     spec=T5BenchSpec,
@@ -57,8 +35,8 @@ RECIPE = Recipe(
                                           "`bench build` prints it: passes timed here on the base (estimate.md)")},
     access="hub or mirror",
     options=frozenset({"models_from", "data_from", "tasks", "test_rows"}),
-    located=located,
-    build=build_graph,
+    located=mirror.located(T5_PRESETS),
+    build=mirrored_build("t5"),
     # Not the MiniLM build: edits to its fine-tuning must not copy every model and dataset again.
     build_modules=(mirror, build, prompts, spec_module),
     stages=build.T5_BUILD_STAGES,
@@ -67,7 +45,7 @@ RECIPE = Recipe(
     method_modules=(build, methods, prompts, spec_module),
     report=Report(
         title=lambda spec: f"FeatCal benchmark `{spec.name}`: FLAN-T5-base, {len(spec.tasks)} GLUE tasks, text to text",
-        about=about, write=write_report, modules=(report, prompts, spec_module, sys.modules[__name__])),
+        about=rows_about(report.about), write=write_report, modules=(report, prompts, spec_module, sys.modules[__name__])),
     estimate=t5_estimate,
     write_configs=True,
 )

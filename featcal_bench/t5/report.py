@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from featcal_bench.report import build_report
+from featcal_bench.report import add_paper_column, build_report
 from featcal_bench.t5.prompts import LABEL_WORDS
 from featcal_bench.t5.spec import BASE_MODEL, GLUE, GLUE_TASKS, T5BenchSpec
 
@@ -53,9 +53,7 @@ def t5_report(results: dict[str, dict[str, Any]], spec: T5BenchSpec, meta: dict[
     rows answered right."""
     report = build_report(results, spec.tasks, meta, rows=ROWS, curves=CURVES)
     report.pop("paired", None)
-    for row in report["methods"]:
-        if row["method"] in PAPER:
-            row["paper"] = PAPER[row["method"]] / 100
+    add_paper_column(report, PAPER)
     subset = sorted(set(GLUE_TASKS) - set(spec.tasks))
     surgery = ", ".join(f"{k} {v}" for k, v in PAPER_SURGERY.items())
     report["notes"] = [

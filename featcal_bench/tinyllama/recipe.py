@@ -17,7 +17,7 @@ from featcal.config import digest_of
 from featcal_bench import sources
 from featcal_bench.layout import BASE, data_dir
 from featcal_bench.recipe import BuildOptions, Call, Preset, Recipe, Report
-from featcal_bench.stages import saved_report_files
+from featcal_bench.stages import save_loss_report
 from featcal_bench.tinyllama import build, methods, report
 from featcal_bench.tinyllama.build import TOKENIZER, TinyLlamaSpec, located_sources, texts_file
 from storage.fingerprint import fingerprint
@@ -84,8 +84,7 @@ def write_report(bench: Path, spec: TinyLlamaSpec, results: dict[str, dict[str, 
             # The pipeline stages' own seconds, as recorded when each ran (a rerun resumed from cache takes far less).
             "run_seconds": sum(sum(res["cost"]["stage_seconds"].values()) for res in results.values())}
     made = report.tinyllama_report(results, spec, meta)
-    files = saved_report_files(bench, STEM, made, results, out_dir, report.markdown(made, spec))
-    return files, {"average_loss": {r["method"]: round(r["average_loss"], 4) for r in made["methods"]}}
+    return save_loss_report(bench, STEM, made, results, out_dir, report.markdown(made, spec))
 
 
 RECIPE = Recipe(
