@@ -16,11 +16,12 @@ import sys
 import time
 from pathlib import Path
 
-from featcal.bench.competence import failures, figures, mix_table
-from featcal.bench.finetune import FineTune
-from featcal.bench.presets import PRESETS
-from featcal.bench.tasks import RECIPES
-from flows.bench import build_stages, direct_call, located_spec
+from featcal_bench.minilm.competence import failures, figures, mix_table
+from featcal_bench.finetune import FineTune
+from featcal_bench.minilm.presets import PRESETS
+from featcal_bench.minilm.task_data import RECIPES
+from featcal_bench.minilm.recipe import located_spec
+from featcal_bench.stages import build_stages, direct_call
 from flows.cli import setup_logging
 from flows.pipeline import machine
 
@@ -147,7 +148,7 @@ def report(rule, sections, chosen, seconds: float) -> str:
         ft = RECIPES_TRIED[recipe]
         lines += ["", "## Chosen", "",
                   f"`{'`, `'.join(tasks)}` with {recipe} ({ft.epochs:g} epochs): `PRESETS[\"demo\"]` in "
-                  "featcal/bench/presets.py. `featcal bench build demo` (and `featcal demo`) re-check the rule after the "
+                  "featcal_bench/minilm/presets.py. `featcal bench build demo` (and `featcal demo`) re-check the rule after the "
                   "experts and stop with the failing figures if an expert misses it (checks/competence.json)."]
     lines += ["", NOT_TRIED, ""]
     return "\n".join(lines)

@@ -20,13 +20,13 @@ from typing import Any
 
 from minilm8_tuning import EXAMPLES, validation_config
 
-from featcal.bench.methods import chosen_hyper
+from featcal_bench.method import chosen_hyper
 from featcal.config import config_from_dict
 from flows.cli import setup_logging
 from flows.pipeline import machine, run_pipeline
 
 OUT = Path(__file__).resolve().parent / "results" / "minilm8_quality.md"
-TUNED = {"lambda": 0.5, "rho": 3.0}  # featcal.bench.methods.FEATCAL: the benchmark's validation-tuned setting
+TUNED = {"lambda": 0.5, "rho": 3.0}  # featcal_bench.method.FEATCAL: the benchmark's validation-tuned setting
 VARIANTS: dict[str, dict[str, Any]] = {
     "tuned": TUNED,
     "paper": {},  # the published λ 0.05, ρ 2.2

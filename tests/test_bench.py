@@ -13,17 +13,18 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer, BertForSequenceClassification
 
-from featcal.bench.finetune import FineTune, Selection, _train, accuracy
-from featcal.bench.probe import L2_GRID, fitted_probe
-from featcal.bench import competence
-from featcal.bench.competence import IncompetentExperts, failures, figures, mix_table
-from featcal.bench.methods import MethodRun, pipeline_config
-from featcal.bench.sources import SourceMissing, Sources, general_inquirer, moral_foundations, roget, spam_mails, synsets
-from featcal.bench.presets import PRESETS
-from featcal.bench.spec import BenchSpec, Competence
-from featcal.bench.tasks import RECIPES, SplitSizes, split_examples
+from featcal_bench.finetune import FineTune, Selection, _train, accuracy
+from featcal_bench.minilm.probe import L2_GRID, fitted_probe
+from featcal_bench.minilm import competence
+from featcal_bench.minilm.competence import IncompetentExperts, failures, figures, mix_table
+from featcal_bench.method import MethodRun
+from featcal_bench.minilm.recipe import pipeline_config
+from featcal_bench.sources import SourceMissing, Sources, general_inquirer, moral_foundations, roget, spam_mails, synsets
+from featcal_bench.minilm.presets import PRESETS
+from featcal_bench.minilm.spec import BenchSpec, Competence
+from featcal_bench.minilm.task_data import RECIPES, SplitSizes, split_examples
 from featcal.config import config_from_dict
-from flows.bench import build_stages, direct_call, run_stages
+from featcal_bench.stages import build_stages, direct_call, run_stages
 from storage.rundir import RunDir
 from tests.bench_fixture import bench_sources
 
@@ -168,7 +169,7 @@ def test_demo_preset_uses_pypi_data_only_and_its_config_validates(tmp_path) -> N
 def test_minilm8_tasks_and_expert_seeds() -> None:
     minilm8 = ["gloss_match", "gloss_pos", "noun_category", "sentiment", "spam", "word_moral", "word_polarity"]
     assert PRESETS["minilm8"].tasks == minilm8  # chosen by benchmarks/minilm8_tasks.py
-    # An expert's seed is its task's index in sorted(RECIPES) (featcal/bench/build.py): new tasks sort after the
+    # An expert's seed is its task's index in sorted(RECIPES) (featcal_bench/minilm/build.py): new tasks sort after the
     # first eight, so the seeds of the experts built before them stay what they were.
     assert [sorted(RECIPES).index(t) for t in minilm8] == [0, 1, 2, 4, 5, 8, 9]
 

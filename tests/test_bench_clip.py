@@ -13,18 +13,18 @@ from datasets import ClassLabel, Dataset, DatasetDict, Features, Image
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from featcal.bench.clip_estimate import clip_cost_estimate
-from featcal.bench.clip_prompts import CLASS_NAMES, TEMPLATES
-from featcal.bench.clip_report import PAPER
-from featcal.bench.clip_spec import BASE_MODEL, CLIP_TASKS, preset_spec
-from featcal.bench.estimate import split_sizes
-from featcal.bench.surgery import SurgeryAdapter, SurgeryClassifier, features
+from featcal_bench.clip.estimate import clip_cost_estimate
+from featcal_bench.clip.prompts import CLASS_NAMES, TEMPLATES
+from featcal_bench.clip.report import PAPER
+from featcal_bench.clip.spec import BASE_MODEL, CLIP_PRESETS, CLIP_TASKS
+from featcal_bench.estimate import split_sizes
+from featcal_bench.surgery import SurgeryAdapter, SurgeryClassifier, features
 from featcal.config import load_config
 from featcal.modeling import task_model
 from featcal.zeroshot import ZeroShotClassifier
-from flows.bench import direct_call
-from flows.bench_clip import clip_build_stages, clip_run_stages
-from flows.cli import main
+from featcal_bench.cli import main
+from featcal_bench.mirror import preset_spec
+from featcal_bench.stages import build_stages, direct_call, run_stages
 from flows.plan import plan
 from storage.checkpoint import read_metadata
 from storage.rundir import RunDir
@@ -52,15 +52,15 @@ def _mirror(root):
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     models, data = _mirror(tmp_path_factory.mktemp("mirror"))
-    spec = preset_spec("clip-vit-b32-ta8", str(models), str(data), tasks=TASKS)
+    spec = preset_spec(CLIP_PRESETS["clip-vit-b32-ta8"], str(models), str(data), tasks=TASKS)
     bench = tmp_path_factory.mktemp("bench")
-    return bench, spec, clip_build_stages(bench, spec, direct_call)
+    return bench, spec, build_stages(bench, spec, direct_call)
 
 
 @pytest.fixture(scope="module")
 def ran(built):
     bench, spec, _ = built
-    return clip_run_stages(bench, RUNS, None, direct_call)
+    return run_stages(bench, RUNS, None, direct_call)
 
 
 def test_build_reads_the_mirror_and_writes_every_run_config(built):
@@ -81,7 +81,7 @@ def test_build_reads_the_mirror_and_writes_every_run_config(built):
     assert load_config(bench / "configs" / "regmean_pp.yaml").merge.method == "average"
     # A second build finds every stage cached.
     starts = len(RunDir(bench).events())
-    assert clip_build_stages(bench, spec, direct_call) == records and len(RunDir(bench).events()) == starts
+    assert build_stages(bench, spec, direct_call) == records and len(RunDir(bench).events()) == starts
 
 
 def test_cost_estimate_counts_every_run(built):

@@ -10,16 +10,16 @@ import json
 import datasets
 import pytest
 
-from featcal.bench.build import one_thread
-from featcal.bench.llm_build import held_out_splits, rendered
-from featcal.bench.llm_methods import llm_method_runs, run_llm_method
-from featcal.bench.llm_report import PAPER_COLUMN
-from featcal.bench.llm_spec import BASE_MODEL, DOMAINS, HEADER, LlmBenchSpec, preset_spec
-from featcal.bench.mirror import MirrorMissing
+from featcal.devices import one_thread
+from featcal_bench.llm.build import held_out_splits, rendered
+from featcal_bench.llm.methods import llm_method_runs
+from featcal_bench.method import run_method
+from featcal_bench.llm.report import PAPER_COLUMN
+from featcal_bench.llm.spec import BASE_MODEL, DOMAINS, HEADER, LLM_PRESETS, LlmBenchSpec
+from featcal_bench.mirror import MirrorMissing, preset_spec
 from featcal.config import load_config
-from flows.bench import direct_call
-from flows.bench_llm import llm_build_stages, llm_run_stages
-from flows.cli import main
+from featcal_bench.cli import main
+from featcal_bench.stages import build_stages, direct_call, run_stages
 from storage.rundir import Record, RunDir
 from tasks.record import recorded
 from tests.llm_fixture import domain_rows, llm_mirror
@@ -35,23 +35,23 @@ def in_process(bench, kind: str, name: str, key: str, **params) -> Record:
     if kind != "method":
         return direct_call(bench, kind, name, key, **params)
     run = params["run"]
-    return recorded(RunDir(bench), name, key, lambda: ([f"results/{run}.json"], run_llm_method(bench, run)["cost"]))
+    return recorded(RunDir(bench), name, key, lambda: ([f"results/{run}.json"], run_method(bench, run)["cost"]))
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     with one_thread():  # tiny models: a second thread only adds contention
         models, data = llm_mirror(tmp_path_factory.mktemp("mirror"), DOMAINS_RUN, ROWS)
-    spec = preset_spec(PRESET, str(models), str(data), tasks=DOMAINS_RUN).model_copy(update={"calibration": CALIBRATION})
+    spec = preset_spec(LLM_PRESETS[PRESET], str(models), str(data), tasks=DOMAINS_RUN).model_copy(update={"calibration": CALIBRATION})
     bench = tmp_path_factory.mktemp("bench")
-    return bench, spec, llm_build_stages(bench, spec, direct_call)
+    return bench, spec, build_stages(bench, spec, direct_call)
 
 
 @pytest.fixture(scope="module")
 def ran(built):
     bench, _, _ = built
     with one_thread():
-        return llm_run_stages(bench, None, None, in_process)
+        return run_stages(bench, None, None, in_process)
 
 
 def test_every_domain_renders_its_mergebench_fields_as_alpaca_text():
@@ -102,7 +102,7 @@ def test_build_writes_text_a_held_out_split_and_every_run_config(built):
     assert evaluated == dict.fromkeys(DOMAINS_RUN, ("test", "text"))
     assert (ta.calibration.max_length, ta.calibration.examples_per_task) == (512, CALIBRATION)
     starts = len(RunDir(bench).events())  # a second build finds every stage cached
-    assert llm_build_stages(bench, spec, direct_call) == records and len(RunDir(bench).events()) == starts
+    assert build_stages(bench, spec, direct_call) == records and len(RunDir(bench).events()) == starts
 
 
 def test_run_reports_every_methods_losses_beside_the_papers_figures(built, ran):
@@ -140,7 +140,7 @@ def test_run_reports_every_methods_losses_beside_the_papers_figures(built, ran):
     assert "theirs, and a different metric" in md and "leaves out coding, multilingual, safety" in md
     assert BASE_MODEL in md and "ifeval" in md and "bigcode" not in md
     starts = len(RunDir(bench).events())  # a rerun finds every method run and the report cached
-    assert llm_run_stages(bench, None, None, in_process) == ran and len(RunDir(bench).events()) == starts
+    assert run_stages(bench, None, None, in_process) == ran and len(RunDir(bench).events()) == starts
 
 
 def test_missing_mirror_path_is_named_with_its_flag(built, tmp_path, capsys):
@@ -156,6 +156,6 @@ def test_missing_mirror_path_is_named_with_its_flag(built, tmp_path, capsys):
         capsys.readouterr().err)
     assert not (tmp_path / "b").exists()
     with pytest.raises(MirrorMissing, match=f"--data-from {tmp_path}: {tmp_path}/MergeBench/instruction_val does not"):
-        preset_spec(PRESET, spec.models_from, str(tmp_path), tasks=DOMAINS_RUN)
+        preset_spec(LLM_PRESETS[PRESET], spec.models_from, str(tmp_path), tasks=DOMAINS_RUN)
     with pytest.raises(ValueError, match="--tasks: \\['vision'\\] are not tasks of mergebench-llama-3.2-3b"):
-        preset_spec(PRESET, tasks=["vision"])
+        preset_spec(LLM_PRESETS[PRESET], tasks=["vision"])

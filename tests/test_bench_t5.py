@@ -14,14 +14,15 @@ from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 from tokenizers import pre_tokenizers
 from transformers import T5ForConditionalGeneration
 
-from featcal.bench.t5_prompts import LABEL_WORDS, SCORE_FORMAT, TEMPLATES
-from featcal.bench.methods import paper_method_runs
-from featcal.bench.t5_report import PAPER
-from featcal.bench.t5_spec import BASE_MODEL, GLUE, GLUE_TASKS, T5BenchSpec, preset_spec
+from featcal_bench.t5.prompts import LABEL_WORDS, SCORE_FORMAT, TEMPLATES
+from featcal_bench.method import paper_method_runs
+from featcal_bench.t5.report import PAPER
+from featcal_bench.t5.spec import BASE_MODEL, GLUE, GLUE_TASKS, T5_PRESETS, T5BenchSpec
 from featcal.config import load_config
-from flows.bench import direct_call
-from flows.bench_t5 import t5_build_stages, t5_estimate, t5_run_stages
-from flows.cli import main
+from featcal_bench.cli import main
+from featcal_bench.mirror import preset_spec
+from featcal_bench.stages import build_stages, direct_call, run_stages
+from featcal_bench.t5.recipe import t5_estimate
 from flows.pipeline import machine
 from storage.rundir import RunDir
 from tests.t5_fixture import t5_config, t5_tokenizer
@@ -96,9 +97,9 @@ def _mirror(root):
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     models, data = _mirror(tmp_path_factory.mktemp("mirror"))
-    spec = preset_spec("flan-t5-base-glue8", str(models), str(data), tasks=TASKS)
+    spec = preset_spec(T5_PRESETS["flan-t5-base-glue8"], str(models), str(data), tasks=TASKS)
     bench = tmp_path_factory.mktemp("bench")
-    records = t5_build_stages(bench, spec, direct_call)
+    records = build_stages(bench, spec, direct_call)
     t5_estimate(bench, spec)  # as `bench build` does after the flow
     return bench, spec, records
 
@@ -106,7 +107,7 @@ def built(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ran(built):
     bench, _, _ = built
-    return t5_run_stages(bench, RUNS, None, direct_call)
+    return run_stages(bench, RUNS, None, direct_call)
 
 
 def test_build_renders_the_benchmarks_prompts_and_writes_every_run_config(built):
@@ -134,7 +135,7 @@ def test_build_renders_the_benchmarks_prompts_and_writes_every_run_config(built)
     assert load_config(bench / "configs" / "regmean_pp.yaml").merge.method == "average"
     assert not (bench / "configs" / "ta_surgery.yaml").exists()
     starts = len(RunDir(bench).events())  # a second build finds every stage cached
-    assert t5_build_stages(bench, spec, direct_call) == records and len(RunDir(bench).events()) == starts
+    assert build_stages(bench, spec, direct_call) == records and len(RunDir(bench).events()) == starts
 
 
 def test_build_estimates_every_runs_passes_and_says_where_it_timed_them(built):
@@ -188,7 +189,7 @@ def test_bench_run_dispatches_on_the_spec_file(built, ran, monkeypatch, capsys):
     and prints its report."""
     bench, _, _ = built
     calls = []
-    monkeypatch.setattr("flows.bench_t5.t5_run_flow", lambda *args: calls.append(args) or ran)
+    monkeypatch.setattr("featcal_bench.stages.run_flow", lambda *args: calls.append(args) or ran)
     assert main(["bench", "run", str(bench), "--runs", *RUNS]) == 0
     assert calls == [(str(bench), RUNS, None)]
     assert capsys.readouterr().out.strip() == (bench / "report" / "flan-t5-base-glue8.md").read_text().strip()

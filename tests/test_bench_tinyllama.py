@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from featcal.bench.tinyllama import (SPLITS, Shape, TinyLlamaSpec, Training, debian, docstrings, movie_reviews, speeches,
+from featcal_bench.tinyllama.build import (SPLITS, Shape, TinyLlamaSpec, Training, debian, docstrings, movie_reviews, speeches,
                                      split_groups)
-from flows.bench import direct_call
-from flows.bench_tinyllama import tinyllama_build_stages, tinyllama_run_stages
+from featcal_bench.stages import build_stages, direct_call, run_stages
 from storage.rundir import RunDir
 
 WORDS = {
@@ -85,7 +84,7 @@ def built(tmp_path_factory: pytest.TempPathFactory):
     sources = _sources(tmp_path_factory.mktemp("tl-sources"))
     spec = _spec(sources)
     bench = tmp_path_factory.mktemp("tl-bench")
-    return bench, spec, tinyllama_build_stages(bench, spec, direct_call)
+    return bench, spec, build_stages(bench, spec, direct_call)
 
 
 def test_readers_and_splits(tmp_path: Path) -> None:
@@ -113,8 +112,8 @@ def test_build_is_cached_and_deterministic(built, tmp_path: Path) -> None:
         assert all(data[s] >= 1 for s in SPLITS) and data["test"] <= spec.test_rows
         loss = records[f"expert/{d}"]["info"]["test_loss"]
         assert set(loss) == {"base", "expert"}
-    assert tinyllama_build_stages(bench, spec, direct_call) == records  # a finished build does nothing
-    again = tinyllama_build_stages(tmp_path / "again", spec, direct_call)
+    assert build_stages(bench, spec, direct_call) == records  # a finished build does nothing
+    again = build_stages(tmp_path / "again", spec, direct_call)
     for name in ("base", *(f"expert/{d}" for d in spec.tasks)):
         rel = next(iter(records[name]["outputs"]))
         a, b = load_file(bench / rel / "model.safetensors"), load_file(tmp_path / "again" / rel / "model.safetensors")
@@ -125,7 +124,7 @@ def test_run_reports_per_domain_losses(built, tmp_path: Path) -> None:
     """TA + FeatCal in its own process; the report has each domain's loss for base, experts, TA and TA + FeatCal, the
     gap closed in loss, and the build's sizes and times; a rerun of the finished run does nothing."""
     bench, spec, _ = built
-    records = tinyllama_run_stages(bench, ["ta_featcal"], str(tmp_path / "out"), direct_call)
+    records = run_stages(bench, ["ta_featcal"], str(tmp_path / "out"), direct_call)
     report = json.loads((tmp_path / "out" / "tinyllama_domains.json").read_text())
     rows = {r["method"]: r for r in report["methods"]}
     assert {"experts (each on its own domain)", "base (pretrained on the mix)", "task arithmetic",
@@ -138,5 +137,5 @@ def test_run_reports_per_domain_losses(built, tmp_path: Path) -> None:
     text = (tmp_path / "out" / "tinyllama_domains.md").read_text()
     assert "| TA + FeatCal |" in text and "Build wall time" in text
     finished = RunDir(bench).record("method/ta_featcal")["finished_at"]
-    assert tinyllama_run_stages(bench, ["ta_featcal"], str(tmp_path / "out"), direct_call) == records
+    assert run_stages(bench, ["ta_featcal"], str(tmp_path / "out"), direct_call) == records
     assert RunDir(bench).record("method/ta_featcal")["finished_at"] == finished

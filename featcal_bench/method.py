@@ -1,0 +1,174 @@
+"""A benchmark's method runs: each is a pipeline run (or Surgery) in its own process, so its peak RSS is its own;
+each writes `results/{run}.json` with accuracies and the cost of its stages. One entry point serves every recipe
+(the built directory's spec file names the recipe, featcal_bench/recipe.py):
+
+    python -m featcal_bench.method BENCH_DIR RUN
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from featcal.config import config_from_dict
+from featcal_bench.layout import BASE, expert_dir
+from storage.atomic import read_json, write_json
+
+log = logging.getLogger("featcal")
+
+SAMPLE_SIZES = (8, 16, 32, 64, 128, 256)
+FULL = 256
+
+
+@dataclass(frozen=True)
+class MethodRun:
+    """One process: a merge, optionally a calibration method, and which of its models to evaluate."""
+
+    merge: str  # task_arithmetic | ties | average
+    method: str | None  # featcal | regmean | regmean_plus_plus | surgery | None (merge only)
+    examples: int = FULL
+    models: tuple[str, ...] = ("calibrated",)
+    featcal: dict[str, Any] = field(default_factory=dict)
+    scaling: float = 0.3  # task arithmetic's (and TIES') scale s; 0.3 is the published default
+
+
+# The paper's setting for its CLIP ViT-B/32 and FLAN-T5 benchmarks (the pipeline's defaults, docs/design.md §2.8).
+PAPER_FEATCAL = {"lambda": 0.05, "rho": 2.2, "alpha": 0.25}
+# What a user without labelled validation data runs: λ chosen per module on held-out calibration rows
+# (featcal.lambda: auto) at the published ρ; it beat λ and ρ both auto on the validation split
+# (benchmarks/results/minilm8_quality.md).
+AUTO = {"lambda": "auto", "rho": 2.2, "alpha": 0.25}
+
+
+def paper_method_runs() -> dict[str, MethodRun]:
+    """The rows the paper reports on its hub benchmarks, as FusionBench runs them: TA and TIES at 0.3 (TIES keeps the
+    top 20 % of each task vector and sums the agreeing entries: the pipeline's defaults), each with FeatCal at 256
+    examples per task; RegMean and RegMean++ from the average (non-linear parameters averaged), the Grams'
+    off-diagonal scaled by 0.95; TA + FeatCal at 8–128 examples per task."""
+    runs = {
+        # One run yields experts, base, TA and TA + FeatCal, and the per-block drift plot.
+        "ta_featcal": MethodRun("task_arithmetic", "featcal", models=("base", "merged", "calibrated", "expert"),
+                                featcal=PAPER_FEATCAL),
+        "ties_featcal": MethodRun("ties", "featcal", models=("merged", "calibrated"), featcal=PAPER_FEATCAL),
+        "regmean": MethodRun("average", "regmean"),
+        "regmean_pp": MethodRun("average", "regmean_plus_plus"),
+    }
+    for n in SAMPLE_SIZES[:-1]:
+        runs[f"ta_featcal_n{n:03d}"] = MethodRun("task_arithmetic", "featcal", examples=n, featcal=PAPER_FEATCAL)
+    return runs
+
+
+def model_sections(bench: Path, tasks: list[str], run: MethodRun) -> dict[str, Any]:
+    """The pipeline config's base, experts, merge and calibration method of a run on a built benchmark."""
+    return {
+        "base": str(bench / BASE),
+        "experts": {t: str(bench / expert_dir(t)) for t in tasks},
+        "merge": {"method": run.merge, "scaling": run.scaling},
+        "featcal": {"method": run.method if run.method in ("regmean", "regmean_plus_plus") else "featcal", **run.featcal},
+    }
+
+
+def _stage_cost(run_dir: Path) -> dict[str, Any]:
+    """Seconds per stage kind, and the peak RSS before evaluation (records carry the process peak so far)."""
+    seconds: dict[str, float] = {}
+    peak = merge_peak = 0.0
+    for path in (run_dir / "records").glob("*.json"):
+        rec = read_json(path)
+        if "key" not in rec:
+            continue
+        kind = rec["stage"].split("/")[0]
+        seconds[kind] = seconds.get(kind, 0.0) + rec["seconds"]
+        if kind != "evaluate":
+            peak = max(peak, rec["peak_rss_mib"])
+        if kind == "merge":
+            merge_peak = rec["peak_rss_mib"]
+    calibration = sum(v for k, v in seconds.items() if k not in ("merge", "evaluate"))
+    return {"stage_seconds": {k: round(v, 2) for k, v in sorted(seconds.items())}, "merge_seconds": round(seconds.get("merge", 0.0), 2),
+            "calibration_seconds": round(calibration, 2), "peak_rss_mib": peak, "merge_peak_rss_mib": merge_peak}
+
+
+def chosen_hyper(run_dir: Path) -> dict[str, dict[str, float]]:
+    """Per solve stage, the median over its modules of the λ and ρ that `auto` chose (empty for fixed values)."""
+    out = {}
+    for path in sorted((run_dir / "records").glob("solve__*.json")):
+        info = read_json(path).get("info", {})
+        if "lambda" in info:
+            out[path.stem.split("__", 1)[1]] = {"lambda": statistics.median(info["lambda"].values()),
+                                                "rho": statistics.median(info["rho"].values())}
+    return out
+
+
+def pipeline_result(bench: Path, name: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """Pipeline config `raw` run in `bench/runs/{name}`: its accuracies, per-example predictions, drift and costs."""
+    from flows.pipeline import run_pipeline
+
+    cfg = config_from_dict(raw, root=bench, source=f"bench run {name}")
+    run_dir = bench / "runs" / name
+    run_pipeline(cfg, run_dir)
+    report = read_json(run_dir / "report.json")
+    tasks, summary = report["tasks"], report["summary"]
+    result = {"run_dir": str(run_dir), "cost": _stage_cost(run_dir), "chosen": chosen_hyper(run_dir),
+              "accuracy": {t: s["accuracy"] for t, s in tasks.items()},
+              "predictions": {t: s["predictions"] for t, s in tasks.items() if "predictions" in s},
+              "labels": {t: s["labels"] for t, s in tasks.items() if "labels" in s},
+              "drift": summary.get("average_drift", {})}
+    if all("language_model" in s for s in tasks.values()):  # a causal LM: its losses per task and model too
+        result["language_model"] = {t: s["language_model"] for t, s in tasks.items()}
+        result["loss_summary"] = {k: summary[k] for k in ("average_loss", "gap_closed_loss") if k in summary}
+    return result
+
+
+def run_method(bench: Path, name: str) -> dict[str, Any]:
+    """Method run `name` of the benchmark built in `bench`, by the recipe that built it: a pipeline run (or its Surgery
+    row), its result written to `bench/results/{name}.json`."""
+    from featcal_bench.recipe import recipe_of
+
+    recipe = recipe_of(bench)
+    spec = recipe.spec.load(bench)
+    runs = recipe.runs(spec)
+    if name not in runs:
+        raise ValueError(f"unknown {spec.name} run {name!r}; known: {sorted(runs)}")
+    run = runs[name]
+    if recipe.threads:
+        torch.set_num_threads(recipe.threads)
+    raw = recipe.run_config(bench, spec, run)
+    if run.method == "surgery":
+        from featcal_bench.surgery_run import surgery_result
+
+        cfg = config_from_dict(raw, root=bench, source=f"bench run {name}")
+        return timed_result(bench, name, run, lambda: surgery_result(bench, cfg, recipe.cache_surgery_features))
+    return timed_result(bench, name, run, lambda: pipeline_result(bench, name, raw))
+
+
+def timed_result(bench: Path, name: str, run: MethodRun, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`compute()`'s result with what the run was, its wall time and this process's peak RSS, written to
+    `bench/results/{name}.json` (the file `bench run` caches)."""
+    started = time.perf_counter()
+    result = compute()
+    result.update(run=name, merge=run.merge, scaling=run.scaling, method=run.method, examples=run.examples,
+                  process_seconds=round(time.perf_counter() - started, 2),
+                  process_peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
+    write_json(bench / "results" / f"{name}.json", result)
+    return result
+
+
+def main(argv: list[str]) -> int:
+    """`python -m featcal_bench.method BENCH_DIR RUN`: the process `bench run` starts per method run."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    bench, name = Path(argv[0]).resolve(), argv[1]
+    print(json.dumps(run_method(bench, name)["cost"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

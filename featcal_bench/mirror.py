@@ -1,0 +1,155 @@
+"""What the hub benchmarks (CLIP ViT-B/32, FLAN-T5 GLUE, MergeBench) share: a spec that reads models and data from
+the hub or a local mirror laid out under their hub names, the mirror's paths checked before any work, loads whose
+failure says in one line which source and how to reach it, and the stage that copies each expert."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import datasets
+from pydantic import ConfigDict, Field, field_validator
+
+from featcal_bench.layout import expert_dir
+from featcal_bench.recipe import BuildOptions, SavedSpec, Stage
+from storage.atomic import atomic_path
+
+log = logging.getLogger("featcal")
+
+MODELS_FLAG, DATA_FLAG = "--models-from", "--data-from"
+T = TypeVar("T")
+S = TypeVar("S", bound="MirroredSpec")
+
+
+class MirrorMissing(FileNotFoundError):
+    """A path the benchmark expects in a local mirror is not there."""
+
+
+class MirroredSpec(SavedSpec):
+    """A build of a hub benchmark: its tasks, split sizes, seed, and where models and data come from (the hub when
+    `models_from` / `data_from` are None, else a local mirror). Subclasses name their spec file, known tasks, base
+    model, each task's expert and dataset, and how to fill a mirror's dataset directory."""
+
+    model_config = ConfigDict(extra="forbid")
+    KNOWN_TASKS: ClassVar[Sequence[str]]
+    BASE_MODEL: ClassVar[str]
+
+    name: str
+    tasks: list[str]
+    calibration: int = Field(256, ge=1, description="calibration pool per task: a seeded subset of its train split")
+    test_rows: int | None = Field(None, ge=1, description="a seeded subset of each test split; None: all of it")
+    seed: int = 0
+    models_from: str | None = None
+    data_from: str | None = None
+
+    @field_validator("tasks")
+    @classmethod
+    def _known_tasks(cls, tasks: list[str]) -> list[str]:
+        unknown = sorted(set(tasks) - set(cls.KNOWN_TASKS))
+        if unknown or not tasks:
+            raise ValueError(f"unknown or no tasks {unknown}; known: {sorted(cls.KNOWN_TASKS)}")
+        return sorted(set(tasks))
+
+    def model_source(self, hub_id: str) -> str:
+        """Where `from_pretrained` reads hub model `hub_id`: its mirror directory, or the hub id itself."""
+        return str(Path(self.models_from) / hub_id) if self.models_from else hub_id
+
+    def expert_id(self, task: str) -> str:
+        """The hub id of the task's expert."""
+        raise NotImplementedError
+
+    def data_source(self, task: str) -> str:
+        """Where the build reads the task's data: a mirror directory, or a hub dataset id."""
+        raise NotImplementedError
+
+    def data_fill(self, task: str) -> str:
+        """How to fill the task's dataset directory in a mirror."""
+        raise NotImplementedError
+
+    def check_mirror(self) -> None:
+        """Every path the build will read from a mirror exists: checked before any work, the first missing one named
+        with its flag and how to fill it."""
+        wanted = [(self.models_from, MODELS_FLAG, self.model_source(h), f"`huggingface-cli download {h} --local-dir DIR`")
+                  for h in [self.BASE_MODEL, *(self.expert_id(t) for t in self.tasks)]]
+        wanted += [(self.data_from, DATA_FLAG, self.data_source(t), self.data_fill(t)) for t in self.tasks]
+        check_paths(wanted)
+
+
+def check_paths(wanted: Sequence[tuple[str | None, str, str, str]]) -> None:
+    """Each (mirror root, its flag, path, how to fill it) whose root is given exists; else the first missing one is
+    named, in one line, with its flag and how to fill it."""
+    missing = [(root, flag, path, fill) for root, flag, path, fill in wanted if root and not Path(path).is_dir()]
+    if missing:
+        root, flag, path, fill = missing[0]
+        more = f" ({len(missing) - 1} more path(s) missing)" if len(missing) > 1 else ""
+        raise MirrorMissing(f"{flag} {root}: {path} does not exist; expected the hub's {Path(path).relative_to(root)} "
+                            f"there ({fill}){more}")
+
+
+def preset_spec(preset: S, models_from: str | None = None, data_from: str | None = None,
+                tasks: list[str] | None = None, test_rows: int | None = None) -> S:
+    """`preset` with the command line's choices; a bad choice, or a mirror path that is missing, is named now, in one
+    line, before any work."""
+    known = preset.KNOWN_TASKS
+    unknown = sorted(set(tasks or []) - set(known))
+    if unknown:
+        raise ValueError(f"--tasks: {unknown} are not tasks of {preset.name}; its tasks are {sorted(known)}")
+    if test_rows is not None and test_rows < 1:
+        raise ValueError(f"--test-rows: expected at least 1 row per task, got {test_rows}")
+    roots = {"models_from": models_from, "data_from": data_from}
+    spec = preset.model_copy(update={
+        **{k: str(Path(v).resolve()) if v else None for k, v in roots.items()}, "test_rows": test_rows,
+        **({"tasks": sorted(set(tasks))} if tasks else {})})
+    spec.check_mirror()
+    return spec
+
+
+def from_source(load: Callable[[], T], source: str, mirrored: bool, flag: str) -> T:
+    """`load()`, with a failure turned into one line naming the source and how to reach it."""
+    try:
+        return load()
+    except Exception as exc:
+        reach = (f"a {flag} mirror path" if mirrored else
+                 f"the hub (run with HF_HUB_OFFLINE=0), or give {flag} DIR holding a copy at DIR/{source}")
+        raise ValueError(f"{source}: cannot load it from {reach}: {str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
+
+
+def pretrained(cls: Any, spec: MirroredSpec, hub_id: str) -> Any:
+    """`cls.from_pretrained` of hub model `hub_id`, from the mirror when the spec has one."""
+    source = spec.model_source(hub_id)
+    return from_source(lambda: cls.from_pretrained(source, local_files_only=bool(spec.models_from)), source,
+                       bool(spec.models_from), MODELS_FLAG)
+
+
+def dataset_split(source: str, config: str | None, split: str, mirrored: bool, splits: Sequence[str]) -> datasets.Dataset:
+    """Split `split` of dataset `source`: a `save_to_disk` directory, or a hub dataset (or its snapshot) by
+    `load_dataset`; `splits` are the ones the benchmark reads, named when the split is not there."""
+    if mirrored and (Path(source) / "dataset_dict.json").is_file():  # written by save_to_disk
+        loaded = from_source(lambda: datasets.load_from_disk(source), source, True, DATA_FLAG)
+        if split not in loaded:
+            raise ValueError(f"{DATA_FLAG}: {source} has splits {sorted(loaded)}; the benchmark reads {list(splits)}")
+        return loaded[split]
+    return from_source(lambda: datasets.load_dataset(source, config, split=split), source, mirrored, DATA_FLAG)
+
+
+def located(presets: Mapping[str, S]) -> Callable[[str, BuildOptions], S]:
+    """A hub recipe's `located`: preset `name` with `bench build`'s --models-from, --data-from, --tasks, --test-rows."""
+    return lambda name, o: preset_spec(presets[name], o.models_from, o.data_from, o.tasks, o.test_rows)
+
+
+def expert_stage(spec_type: type[MirroredSpec], load: Callable[[Any, str], Any]) -> Stage:
+    """A hub recipe's expert stage: `load(spec, hub_id)` (its model class, in the dtype the files hold) re-saved by
+    this transformers under experts/TASK."""
+
+    def write_expert(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
+        spec = spec_type.load(bench)
+        source = spec.model_source(spec.expert_id(task))
+        model = load(spec, spec.expert_id(task))
+        with atomic_path(bench / expert_dir(task)) as tmp:
+            model.save_pretrained(tmp)
+        log.info("expert %s: %s", task, source)
+        return [expert_dir(task)], {"source": source, "dtype": str(model.dtype)}
+
+    return write_expert

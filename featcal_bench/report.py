@@ -1,0 +1,354 @@
+"""The benchmark report: one table of methods, the sample-efficiency curve, costs, and plots.
+
+Gap closed = (method − TA) / (experts − TA), on the task-averaged accuracy. Where the runs kept their per-example
+predictions, TA + FeatCal is compared with every other method on the same test rows (featcal_bench.paired).
+The rows and curves are the MiniLM benchmark's unless a caller (featcal_bench/clip/report.py) names its own; rows
+carrying a published figure (`paper`) get a column of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from featcal_bench.method import FULL, SAMPLE_SIZES  # noqa: E402
+from featcal_bench.paired import RESAMPLES, SEED, mcnemar, paired_bootstrap  # noqa: E402
+
+# (row label, run, evaluated model, what its cost is)
+METHOD_ROWS = (
+    ("experts (individual)", "ta_featcal", "expert", None),
+    ("base + task head", "ta_featcal", "base", None),
+    ("task arithmetic", "ta_featcal", "merged", "merge"),
+    ("TIES", "ties_featcal", "merged", "merge"),
+    ("average", "regmean", "merged", "merge"),
+    ("RegMean", "regmean", "calibrated", "total"),
+    ("RegMean++", "regmean_pp", "calibrated", "total"),
+    ("TA + Surgery", "ta_surgery", "calibrated", "total"),
+    ("TA + FeatCal", "ta_featcal", "calibrated", "total"),
+    ("TIES + FeatCal", "ties_featcal", "calibrated", "total"),
+    ("TA + FeatCal (λ 0.05, ρ 2.2: the paper's)", "ta_featcal_paper", "calibrated", "total"),
+    ("TA + FeatCal (λ auto, ρ 2.2: no labels)", "ta_featcal_auto", "calibrated", "total"),
+    ("TA + FeatCal + head side", "ta_featcal_head", "calibrated", "total"),
+    ("TA + FeatCal + trust 0.5", "ta_featcal_trust", "calibrated", "total"),
+    ("task arithmetic 0.9", "ta09_featcal", "merged", "merge"),
+    ("TA 0.9 + FeatCal (λ 0.05, ρ 2.2)", "ta09_featcal", "calibrated", "total"),
+)
+PAIRED_REFERENCE = "TA + FeatCal"  # the method row every other row is compared with, row by row
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _standard_error(accuracies: dict[str, float], rows: int | Mapping[str, int]) -> float:
+    """Binomial standard error of a task average, each task scored on `rows` (or its own `rows[task]`) test rows:
+    how far apart two methods must be before the benchmark can tell them apart."""
+    count = rows if isinstance(rows, Mapping) else dict.fromkeys(accuracies, rows)
+    return sum(a * (1 - a) / count[t] for t, a in accuracies.items()) ** 0.5 / len(accuracies)
+
+
+def _correct(result: dict[str, Any], model: str, tasks: list[str]) -> dict[str, list[bool]] | None:
+    """Per task, whether `model` got each test row right, in row order; None when the run kept no per-example
+    predictions for it (results written before they were kept, or a task missing)."""
+    predictions, labels = result.get("predictions", {}), result.get("labels", {})
+    if any(model not in predictions.get(t, {}) or t not in labels for t in tasks):
+        return None
+    return {t: [p == y for p, y in zip(predictions[t][model], labels[t], strict=True)] for t in tasks}
+
+
+def _paired(results: dict[str, dict[str, Any]], tasks: list[str], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """TA + FeatCal against every other method row on the same test rows: the task-averaged accuracy difference
+    with its paired-bootstrap interval, and McNemar's test on the rows of all tasks pooled. Rows without
+    per-example predictions (TA + FeatCal's own included) are listed under `without_predictions`."""
+    correct = {r["method"]: _correct(results[r["run"]], r["model"], tasks) for r in rows}
+    reference = correct.get(PAIRED_REFERENCE)
+    comparisons = []
+    for row in rows:
+        other = correct[row["method"]]
+        if row["method"] == PAIRED_REFERENCE or reference is None or other is None:
+            continue
+        boot = paired_bootstrap(reference, other, RESAMPLES, SEED)
+        test = mcnemar([c for t in tasks for c in reference[t]], [c for t in tasks for c in other[t]])
+        comparisons.append({"method": row["method"], "run": row["run"], "model": row["model"], **boot,
+                            "p_value": test["p_value"], "featcal_only_right": test["only_a_right"],
+                            "other_only_right": test["only_b_right"]})
+    return {"reference": PAIRED_REFERENCE, "resamples": RESAMPLES, "seed": SEED, "comparisons": comparisons,
+            "without_predictions": [m for m, c in correct.items() if c is None]}
+
+
+# sample-efficiency curve → (its 256-example run, its label); run `{run}_n{n:03d}` has n examples per task
+Curves = Mapping[str, tuple[str, str]]
+CURVES: Curves = {"featcal": ("ta_featcal", "TA + FeatCal"), "regmean_pp": ("regmean_pp", "RegMean++"),
+                  "featcal_ta09": ("ta09_featcal", "TA 0.9 + FeatCal"),
+                  "featcal_auto": ("ta_featcal_auto", "TA + FeatCal (λ auto)")}
+
+
+def _add_changes_against_merge(methods: list[dict[str, Any]], results: dict[str, dict[str, Any]]) -> None:
+    """Each calibrated row's per-task change against the merge it started from (the row of the merged model with the
+    same merge method and scale), and its worst task: a task below 0 is one the calibration left behind."""
+    def merge_of(run: str) -> tuple[Any, Any]:
+        return results[run].get("merge"), results[run].get("scaling")
+
+    merges = {merge_of(r["run"]): r for r in methods if r["model"] == "merged"}
+    for row in methods:
+        merge = merges.get(merge_of(row["run"])) if row["model"] == "calibrated" else None
+        if merge is None:
+            continue
+        change = {t: row["accuracy"][t] - merge["accuracy"][t] for t in row["accuracy"]}
+        worst = min(change, key=change.get)
+        row.update(change_vs_merge=change, merge_row=merge["method"], worst_task={"task": worst, "change": change[worst]})
+
+
+def _sample_run(run: str, n: int) -> str:
+    return run if n == FULL else f"{run}_n{n:03d}"
+
+
+def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dict[str, Any],
+                 rows: Sequence[tuple[str, str, str, str | None]] = METHOD_ROWS, curves: Curves = CURVES) -> dict[str, Any]:
+    """`results`: run name → the JSON a method run wrote. `meta` is copied into the report; its `test_rows` (per
+    task) or `spec.test` (one count for every task) sizes the standard errors."""
+
+    def acc(run: str, model: str) -> dict[str, float] | None:
+        if run not in results:
+            return None
+        per_task = {t: results[run]["accuracy"][t].get(model) for t in tasks}
+        return None if any(v is None for v in per_task.values()) else per_task
+
+    test_rows = meta.get("test_rows") or meta.get("spec", {}).get("test")
+    experts, ta = acc("ta_featcal", "expert"), acc("ta_featcal", "merged")
+    expert_avg = _mean(list(experts.values())) if experts else None
+    ta_avg = _mean(list(ta.values())) if ta else None
+    methods = []
+    for label, run, model, cost_kind in rows:
+        per_task = acc(run, model)
+        if per_task is None:
+            continue
+        avg = _mean(list(per_task.values()))
+        row: dict[str, Any] = {"method": label, "run": run, "model": model, "accuracy": per_task, "average": avg}
+        if test_rows:
+            row["standard_error"] = _standard_error(per_task, test_rows)
+        if expert_avg:
+            row["normalized"] = avg / expert_avg
+        if expert_avg is not None and ta_avg is not None and expert_avg != ta_avg:
+            row["gap_closed"] = (avg - ta_avg) / (expert_avg - ta_avg)
+        if cost_kind is not None:
+            cost = results[run]["cost"]
+            row["seconds"] = cost["merge_seconds"] if cost_kind == "merge" else cost["merge_seconds"] + cost["calibration_seconds"]
+            row["calibration_seconds"] = 0.0 if cost_kind == "merge" else cost["calibration_seconds"]
+            row["peak_rss_mib"] = cost["merge_peak_rss_mib"] if cost_kind == "merge" else cost["peak_rss_mib"]
+        methods.append(row)
+    _add_changes_against_merge(methods, results)
+    curve = {}
+    for name, (run, _) in curves.items():
+        points = {}
+        for n in SAMPLE_SIZES:
+            per_task = acc(_sample_run(run, n), "calibrated")
+            if per_task is not None:
+                points[n] = _mean(list(per_task.values()))
+        if points:
+            curve[name] = points
+    out: dict[str, Any] = {**meta, "tasks": tasks, "methods": methods, "sample_efficiency": curve}
+    if experts and ta:
+        out["gaps"] = {t: experts[t] - ta[t] for t in tasks}
+    if any(row["method"] == PAIRED_REFERENCE for row in methods):
+        out["paired"] = _paired(results, tasks, methods)
+    kept = {name: (points[8] - ta_avg) / (points[FULL] - ta_avg) for name, points in curve.items()
+            if name != "regmean_pp" and ta_avg is not None and 8 in points and FULL in points and points[FULL] != ta_avg}
+    if "featcal" in kept:
+        out["featcal_8_of_256_gain"] = kept["featcal"]
+    if "featcal_ta09" in kept:
+        out["featcal_ta09_8_of_256_gain"] = kept["featcal_ta09"]
+    if "featcal_auto" in kept:
+        out["featcal_auto_8_of_256_gain"] = kept["featcal_auto"]
+    if "ta_featcal" in results:
+        out["drift"] = results["ta_featcal"].get("drift", {})
+    if results.get("ta_featcal_auto", {}).get("chosen"):
+        out["auto_choices"] = results["ta_featcal_auto"]["chosen"]
+    return out
+
+
+def add_paper_column(report: dict[str, Any], paper: Mapping[str, float]) -> None:
+    """`paper` (a row label → its published figure in %) on every row the paper reports, as a fraction: the markdown
+    then gives those figures a column of their own, after ours."""
+    for row in report["methods"]:
+        if row["method"] in paper:
+            row["paper"] = paper[row["method"]] / 100
+
+
+def language_model_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dict[str, Any],
+                          rows: Sequence[tuple[str, str, str, str | None]]) -> dict[str, Any]:
+    """`build_report` of causal-LM runs, whose "accuracy" is next-token accuracy: each row also gets its per-task
+    next-token `loss`, `average_loss` and `gap_closed_loss`, (TA − row) / (TA − experts) on the average loss. A loss
+    has no right or wrong rows to pair, and these benchmarks have no sample curves."""
+    report = build_report(results, tasks, meta, rows=rows, curves={})
+    report.pop("paired", None)
+    report.pop("sample_efficiency")
+    for row in report["methods"]:
+        lm = results[row["run"]]["language_model"]
+        row["loss"] = {t: lm[t][row["model"]]["loss"] for t in tasks}
+        row["average_loss"] = _mean(list(row["loss"].values()))
+    average = {(r["run"], r["model"]): r["average_loss"] for r in report["methods"]}
+    ta, experts = average.get(("ta_featcal", "merged")), average.get(("ta_featcal", "expert"))
+    if ta is not None and experts is not None and ta != experts:
+        for row in report["methods"]:
+            row["gap_closed_loss"] = (ta - row["average_loss"]) / (ta - experts)
+    return report
+
+
+def markdown(report: dict[str, Any], curves: Curves = CURVES) -> str:
+    tasks = report["tasks"]
+    paper = any("paper" in row for row in report["methods"])  # a column of published figures, after ours
+    lines = [f"# {report.get('title', 'Benchmark')}", ""]
+    lines += [str(report[k]) for k in ("about",) if k in report] + [""]
+    lines.append("| method | " + " | ".join(tasks) + " | average |" + (" paper |" if paper else "")
+                 + " normalized | gap closed | worst task vs its merge | time (s) | peak RSS (MiB) |")
+    lines.append("|---|" + "---:|" * (len(tasks) + 6 + paper))
+    if "gaps" in report:
+        gaps = [report["gaps"][t] for t in tasks]  # then their average, under "average"; the other columns empty
+        lines.append("| *gap (expert − TA)* | " + " | ".join(f"*{100 * g:+.1f}*" for g in [*gaps, _mean(gaps)])
+                     + " |" * (6 + paper))
+    for row in report["methods"]:
+        cells = [f"{100 * row['accuracy'][t]:.1f}" for t in tasks]
+        extra = [f"{100 * row['average']:.1f}" + (f" ± {100 * row['standard_error']:.1f}" if "standard_error" in row else ""),
+                 *([f"{100 * row['paper']:.1f}" if "paper" in row else ""] if paper else []),
+                 f"{100 * row['normalized']:.1f}" if "normalized" in row else "",
+                 f"{100 * row['gap_closed']:.1f} %" if "gap_closed" in row else "",
+                 _worst(row),
+                 f"{row['seconds']:.1f}" if "seconds" in row else "", f"{row['peak_rss_mib']:.0f}" if "peak_rss_mib" in row else ""]
+        lines.append(f"| {row['method']} | " + " | ".join(cells + extra) + " |")
+    if "gaps" in report:
+        lines += ["", "*gap (expert − TA)*: the experts' accuracy minus task arithmetic's, in points, per task and "
+                      "on average: what calibration can win back."]
+    if any("standard_error" in row for row in report["methods"]):
+        compared = bool(report.get("paired", {}).get("comparisons"))
+        lines += ["", "± is one binomial standard error of the task average over the test rows; two methods scored "
+                      "on the same rows differ less by chance than two independent samples would (√2 × that)"
+                  + ("; the paired comparisons below test the differences themselves." if compared else ".")]
+    lines += changes_markdown(report)
+    lines += paired_markdown(report)
+    lines += ["", "## Sample efficiency (average accuracy, %)", "", "| examples/task | " + " | ".join(str(n) for n in SAMPLE_SIZES) + " |",
+              "|---|" + "---:|" * len(SAMPLE_SIZES)]
+    curve_rows = [(curves[name][1], points) for name, points in report["sample_efficiency"].items()]
+    published = report.get("paper_sample_efficiency")  # {"curve": name, "points": {n: accuracy}}
+    if published:
+        curve_rows.append((f"paper ({curves[published['curve']][1]})", published["points"]))
+    for label, points in curve_rows:
+        lines.append(f"| {label} | " + " | ".join(f"{100 * points[n]:.1f}" if n in points else "" for n in SAMPLE_SIZES) + " |")
+    if "featcal_8_of_256_gain" in report:
+        lines += ["", f"FeatCal with 8 examples/task keeps {100 * report['featcal_8_of_256_gain']:.1f} % of its 256-example gain over TA."]
+    if "featcal_auto_8_of_256_gain" in report:
+        lines += ["", f"With λ auto, 8 examples/task keep {100 * report['featcal_auto_8_of_256_gain']:.1f} % of "
+                      "the 256-example gain over TA."]
+    if "featcal_ta09_8_of_256_gain" in report:
+        lines += ["", f"From TA at 0.9 it keeps {100 * report['featcal_ta09_8_of_256_gain']:.1f} % (gains over TA at 0.3)."]
+    if "auto_choices" in report:
+        lines += ["", "## λ (and ρ) chosen without labels (TA + FeatCal, auto, 256 examples/task)", "",
+                  "Median over each block's modules of the values chosen on held-out calibration rows.", "",
+                  "| solve | λ | ρ |", "|---|---:|---:|"]
+        lines += [f"| {stage} | {v['lambda']:g} | {v['rho']:g} |" for stage, v in report["auto_choices"].items()]
+    for note in report.get("notes", []):
+        lines += ["", note]
+    return "\n".join(lines) + "\n"
+
+
+def _worst(row: dict[str, Any]) -> str:
+    if "worst_task" not in row:
+        return ""
+    worst = row["worst_task"]
+    return f"{worst['task']} {100 * worst['change']:+.1f}" + (" ⚠" if worst["change"] < 0 else "")
+
+
+def changes_markdown(report: dict[str, Any]) -> list[str]:
+    """Per task, each calibrated row's change against its merge: which tasks a calibration serves and which it
+    leaves behind (below its merge, marked ⚠ in the table above)."""
+    rows = [r for r in report["methods"] if "change_vs_merge" in r]
+    if not rows:
+        return []
+    tasks = report["tasks"]
+    lines = ["", "## Change against the merge, per task (points)", "",
+             "| method | from | " + " | ".join(tasks) + " | tasks below their merge |", "|---|---|" + "---:|" * (len(tasks) + 1)]
+    for r in rows:
+        below = [t for t in tasks if r["change_vs_merge"][t] < 0]
+        lines.append(f"| {r['method']} | {r['merge_row']} | " + " | ".join(f"{100 * r['change_vs_merge'][t]:+.1f}" for t in tasks)
+                     + f" | {', '.join(below) or '—'} |")
+    return lines
+
+
+def _p_value(p: float) -> str:
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def paired_markdown(report: dict[str, Any]) -> list[str]:
+    """The paired-comparison section: one row per method, Δ = TA + FeatCal − that method."""
+    paired = report.get("paired")
+    if not paired:
+        return []
+    lines = ["", f"## Paired comparisons: {paired['reference']} against each method", ""]
+    if paired["comparisons"]:
+        lines += ["| method | Δ accuracy (points) | 95 % CI (paired bootstrap over test rows) | McNemar p | "
+                  "FeatCal right, other wrong | FeatCal wrong, other right |", "|---|" + "---:|" * 5]
+        for c in paired["comparisons"]:
+            low, high = c["ci"]
+            lines.append(f"| {c['method']} | {100 * c['difference']:+.1f} | [{100 * low:+.1f}, {100 * high:+.1f}] | "
+                         f"{_p_value(c['p_value'])} | {c['featcal_only_right']} | {c['other_only_right']} |")
+        lines += ["", f"Δ is {paired['reference']}'s task-averaged accuracy minus the method's. The CI is the 2.5–97.5 "
+                      "percentile range of a paired bootstrap: each task's test rows resampled with replacement within "
+                      f"that task, the same rows for both methods, {paired['resamples']:,} resamples, seed "
+                      f"{paired['seed']}. McNemar's test is exact (binomial on the rows where the two disagree), on the "
+                      "test rows of all tasks pooled."]
+    if paired["without_predictions"]:
+        lines += ["", "No per-example predictions for: " + ", ".join(paired["without_predictions"]) + "."]
+    return lines
+
+
+def _saved(fig: plt.Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # tight_layout cannot fit long method names in small figures
+    plt.close(fig)
+    return path
+
+
+def plots(report: dict[str, Any], out_dir: Path, stem: str, curves: Curves = CURVES) -> list[Path]:
+    paths = []
+    rows = report["methods"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.barh([r["method"] for r in rows][::-1], [100 * r["average"] for r in rows][::-1], color="tab:blue")
+    for y, r in enumerate(rows[::-1]):
+        ax.text(100 * r["average"] + 0.3, y, f"{100 * r['average']:.1f}", va="center", fontsize=8)
+    ax.set_xlabel("average accuracy over tasks (%)")
+    lo = min(100 * r["average"] for r in rows)
+    ax.set_xlim(max(0, lo - 10), 100)
+    paths.append(_saved(fig, out_dir / f"{stem}_accuracy.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, points in report["sample_efficiency"].items():
+        ns = sorted(points)
+        dotted = len(ns) < len(SAMPLE_SIZES)  # sizes between its points were not run: no line through them
+        ax.plot(ns, [100 * points[n] for n in ns], ":" if dotted else "-", marker="o", label=curves[name][1])
+    for r in rows:
+        if r["method"] in ("task arithmetic", "experts (individual)"):
+            ax.axhline(100 * r["average"], ls="--", color="grey")
+            ax.text(8, 100 * r["average"] + 0.3, r["method"], fontsize=8, color="grey")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("calibration examples per task")
+    ax.set_ylabel("average accuracy (%)")
+    ax.legend()
+    paths.append(_saved(fig, out_dir / f"{stem}_sample_efficiency.png"))
+
+    drift = report.get("drift") or {}
+    if drift:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for model, style in (("merged", "--"), ("calibrated", "-")):
+            if model in drift:
+                ax.plot(range(len(drift[model])), drift[model], style, marker="o",
+                        label="TA" if model == "merged" else "TA + FeatCal")
+        ax.set_xlabel("block boundary")
+        ax.set_ylabel("relative drift from the expert, task average")
+        ax.legend()
+        paths.append(_saved(fig, out_dir / f"{stem}_drift.png"))
+    return paths

@@ -1,0 +1,51 @@
+"""The tinyllama-domains benchmark's method runs: TA, TIES, RegMean, RegMean++ and TA + FeatCal on the built experts,
+each a pipeline run in its own process (single-threaded, on the CPU), every model scored by its next-token loss on
+each domain's held-out rows; each writes `results/{run}.json` like the other benchmarks' runs, with the per-domain
+losses beside the next-token accuracies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from featcal_bench.layout import data_dir
+from featcal_bench.method import AUTO, PAPER_FEATCAL, MethodRun, model_sections
+from featcal_bench.tinyllama.build import TinyLlamaSpec
+
+EXAMPLES = 128  # calibration rows per domain (of seq_len tokens each); a smaller pool gives all it has
+
+
+def tinyllama_method_runs() -> dict[str, MethodRun]:
+    """FeatCal at the paper's λ 0.05, ρ 2.2, α 0.25 on the TA and TIES merges (scale 0.3), and at λ auto (chosen per
+    module on held-out calibration rows, no labels); RegMean and RegMean++ from the average; and FeatCal from the plain
+    sum of the task vectors (TA at 1.0), a stronger merge than 0.3 where fine-tunes move the weights little. A merge's
+    own model is scored in the run that calibrates it (TA in `ta_featcal`, TIES in `ties_featcal`, the average in
+    `regmean`)."""
+    return {
+        "ta_featcal": MethodRun("task_arithmetic", "featcal", EXAMPLES, ("base", "merged", "calibrated", "expert"),
+                                PAPER_FEATCAL),
+        "ties_featcal": MethodRun("ties", "featcal", EXAMPLES, ("merged", "calibrated"), PAPER_FEATCAL),
+        "regmean": MethodRun("average", "regmean", EXAMPLES, ("merged", "calibrated")),
+        "regmean_pp": MethodRun("average", "regmean_plus_plus", EXAMPLES),
+        "ta_featcal_auto": MethodRun("task_arithmetic", "featcal", EXAMPLES, featcal=AUTO),
+        "ta10_featcal": MethodRun("task_arithmetic", "featcal", EXAMPLES, ("merged", "calibrated"), PAPER_FEATCAL,
+                                  scaling=1.0),
+    }
+
+
+def pipeline_config(bench: Path, spec: TinyLlamaSpec, run: MethodRun) -> dict[str, Any]:
+    """Calibration on each domain's pool, evaluation on its held-out rows (ready token ids); one CPU thread, as the
+    build; every path absolute so the run directory can live anywhere."""
+
+    def source(domain: str, split: str) -> dict[str, Any]:
+        return {"path": str(bench / data_dir(domain)), "split": split}
+
+    return {
+        **model_sections(bench, spec.tasks, run),
+        "calibration": {"data": {d: source(d, "calibration") for d in spec.tasks}, "examples_per_task": run.examples,
+                        "batch_size": 16, "max_length": spec.seq_len, "seed": 42},
+        "evaluation": {"enabled": True, "batch_size": 32, "models": list(run.models),
+                       "data": {d: source(d, "test") for d in spec.tasks}},
+        "runtime": {"threads": 1, "device": "cpu"},
+    }
