@@ -14,12 +14,12 @@ import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from featcal.adapters import Adapter
 from storage.atomic import atomic_path
 
 WEIGHTS_NAME = "model.safetensors"
@@ -113,10 +113,27 @@ class TensorFiles:
         return DTYPES[self._entries[name][1]["dtype"]]
 
 
+class TensorNaming(Protocol):
+    """What a checkpoint reader needs of an architecture adapter (featcal.adapters.Adapter has it): stated here so
+    that storage, below featcal, does not import the adapters."""
+
+    @property
+    def file_prefixes(self) -> tuple[str, ...]:
+        """Prefixes a file may put before body tensor names, in the order to try them."""
+
+    @property
+    def probe_key(self) -> str:
+        """A canonical tensor name every checkpoint of the family has."""
+
+    @property
+    def file_renames(self) -> tuple[tuple[str, str], ...]:
+        """(pattern, replacement) regexes from names on disk to canonical names, applied in order."""
+
+
 class CanonicalCheckpoint:
     """One checkpoint seen through an adapter: tensors by canonical name."""
 
-    def __init__(self, directory: str | Path, adapter: Adapter):
+    def __init__(self, directory: str | Path, adapter: TensorNaming):
         self.files = TensorFiles(directory)
         self.directory = self.files.directory
         names = set(self.files.names())
