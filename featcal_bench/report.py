@@ -20,6 +20,22 @@ import matplotlib.pyplot as plt  # noqa: E402
 from featcal_bench.method import FULL, SAMPLE_SIZES  # noqa: E402
 from featcal_bench.paired import RESAMPLES, SEED, mcnemar, paired_bootstrap  # noqa: E402
 
+def paper_rows(base_label: str, *, surgery: bool = False) -> tuple[tuple[str, str, str, str | None], ...]:
+    """The rows of the paper's hub benchmarks (its Table 1 methods), in METHOD_ROWS' form; `base_label` names the
+    unmerged base, and TA + Surgery is a row only where the recipe runs it."""
+    return (
+        ("experts (individual)", "ta_featcal", "expert", None),
+        (base_label, "ta_featcal", "base", None),
+        ("task arithmetic", "ta_featcal", "merged", "merge"),
+        ("TIES", "ties_featcal", "merged", "merge"),
+        ("RegMean", "regmean", "calibrated", "total"),
+        ("RegMean++", "regmean_pp", "calibrated", "total"),
+        *((("TA + Surgery", "ta_surgery", "calibrated", "total"),) if surgery else ()),
+        ("TA + FeatCal", "ta_featcal", "calibrated", "total"),
+        ("TIES + FeatCal", "ties_featcal", "calibrated", "total"),
+    )
+
+
 # (row label, run, evaluated model, what its cost is)
 METHOD_ROWS = (
     ("experts (individual)", "ta_featcal", "expert", None),

@@ -7,20 +7,9 @@ from typing import Any
 
 from featcal_bench.clip.prompts import CLASS_NAMES, TEMPLATES
 from featcal_bench.clip.spec import BASE_MODEL, CLIP_TASKS, ClipBenchSpec
-from featcal_bench.report import add_paper_column, build_report
+from featcal_bench.report import add_paper_column, build_report, paper_rows
 
-# (row label, run, evaluated model, what its cost is), as featcal_bench.report.METHOD_ROWS
-ROWS = (
-    ("experts (individual)", "ta_featcal", "expert", None),
-    ("zero-shot", "ta_featcal", "base", None),
-    ("task arithmetic", "ta_featcal", "merged", "merge"),
-    ("TIES", "ties_featcal", "merged", "merge"),
-    ("RegMean", "regmean", "calibrated", "total"),
-    ("RegMean++", "regmean_pp", "calibrated", "total"),
-    ("TA + Surgery", "ta_surgery", "calibrated", "total"),
-    ("TA + FeatCal", "ta_featcal", "calibrated", "total"),
-    ("TIES + FeatCal", "ties_featcal", "calibrated", "total"),
-)
+ROWS = paper_rows("zero-shot", surgery=True)
 CURVES = {"featcal": ("ta_featcal", "TA + FeatCal")}
 
 # The paper's averages over the eight tasks (FeatCal, arXiv 2605.13030; CLIP ViT-B/32, 256 examples per task unless

@@ -12,19 +12,9 @@ from typing import Any
 
 from featcal_bench.llm.spec import (BASE_MODEL, DOMAINS, MAX_LENGTH, PAPER, REGMEAN_OFF_DIAGONAL,
                                     REGMEAN_PP_OFF_DIAGONAL, TA_SCALING, TIES_TOP_K, LlmBenchSpec)
-from featcal_bench.report import add_paper_column, language_model_report
+from featcal_bench.report import add_paper_column, language_model_report, paper_rows
 
-# (row label, run, evaluated model, what its cost is), as featcal_bench.report.METHOD_ROWS
-ROWS = (
-    ("experts (individual)", "ta_featcal", "expert", None),
-    ("Llama-3.2-3B (base)", "ta_featcal", "base", None),
-    ("task arithmetic", "ta_featcal", "merged", "merge"),
-    ("TIES", "ties_featcal", "merged", "merge"),
-    ("RegMean", "regmean", "calibrated", "total"),
-    ("RegMean++", "regmean_pp", "calibrated", "total"),
-    ("TA + FeatCal", "ta_featcal", "calibrated", "total"),
-    ("TIES + FeatCal", "ties_featcal", "calibrated", "total"),
-)
+ROWS = paper_rows("Llama-3.2-3B (base)")
 PAPER_COLUMN = "paper: harness average, theirs (%)"
 
 

@@ -5,21 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from featcal_bench.report import add_paper_column, build_report
+from featcal_bench.report import add_paper_column, build_report, paper_rows
 from featcal_bench.t5.prompts import LABEL_WORDS
 from featcal_bench.t5.spec import BASE_MODEL, GLUE, GLUE_TASKS, T5BenchSpec
 
-# (row label, run, evaluated model, what its cost is), as featcal_bench.report.METHOD_ROWS
-ROWS = (
-    ("experts (individual)", "ta_featcal", "expert", None),
-    ("FLAN-T5-base", "ta_featcal", "base", None),
-    ("task arithmetic", "ta_featcal", "merged", "merge"),
-    ("TIES", "ties_featcal", "merged", "merge"),
-    ("RegMean", "regmean", "calibrated", "total"),
-    ("RegMean++", "regmean_pp", "calibrated", "total"),
-    ("TA + FeatCal", "ta_featcal", "calibrated", "total"),
-    ("TIES + FeatCal", "ties_featcal", "calibrated", "total"),
-)
+ROWS = paper_rows("FLAN-T5-base")
 CURVES = {"featcal": ("ta_featcal", "TA + FeatCal")}
 
 # The paper's averages over the eight tasks (FeatCal, arXiv 2605.13030; FLAN-T5-base, 256 examples per task), in %.
