@@ -44,7 +44,7 @@ def _settings(section: dict[str, Any]) -> list[str]:
 
 
 def evaluation_rows(report: dict[str, Any]) -> list[tuple[str, dict[str, float], float | None]]:
-    """Per task: its accuracy per evaluated model and the gap it closed, (calibrated − merged) / (expert − merged)."""
+    """Per task: its accuracy per evaluated model and the gap closed, (calibrated − merged) / (expert − merged)."""
     rows = []
     for task, scores in report["tasks"].items():
         acc = scores["accuracy"]

@@ -144,3 +144,14 @@ def test_push_refuses_a_tampered_an_unfinished_or_an_empty_run(evaluated_run, tm
     (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "status": "complete"}))
     with pytest.raises(PushRefused, match="calibrated: missing"):
         checkpoint_to_push(tmp_path)
+
+
+def test_a_checkpoint_digest_skips_only_the_top_level_card(tmp_path):
+    run = RunDir(tmp_path)
+    (tmp_path / "calibrated" / "sub").mkdir(parents=True)
+    (tmp_path / "calibrated" / "model.safetensors").write_bytes(b"weights")
+    bare = run.digest("calibrated")
+    (tmp_path / "calibrated" / "README.md").write_text("a card")
+    assert run.digest("calibrated") == bare
+    (tmp_path / "calibrated" / "sub" / "README.md").write_text("not the card")
+    assert run.digest("calibrated") != bare
