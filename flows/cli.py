@@ -83,6 +83,15 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     _add_flow_options(r)
 
 
+def _add_push(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("push", help="upload a finished run's calibrated checkpoint and its model card to the "
+                                    "Hugging Face hub")
+    p.add_argument("run_dir", help="the run directory of a finished `featcal run`")
+    p.add_argument("repo_id", help="the hub repository to create or update, e.g. you/my-calibrated-model")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.add_argument("--merged", action="store_true", help="upload merged/ (before calibration) instead")
+
+
 def _add_example(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("example", help="the tiny offline example (models + data) used by the demo and tests")
     e.add_argument("action", choices=["build"], help="build: write the models and data")
@@ -144,7 +153,7 @@ class Command:
 def _parser(extra: Sequence[Command] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="featcal", description="Post-merging feature calibration (FeatCal).")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_plan, _add_run, _add_example, _add_server, _add_serve, _add_deployments,
+    for add in (_add_plan, _add_run, _add_push, _add_example, _add_server, _add_serve, _add_deployments,
                 *(command.add for command in extra), _add_eval_harness):
         add(sub)
     _add_debug(parser)
@@ -295,6 +304,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_push(args: argparse.Namespace) -> int:
+    from flows.push import push
+
+    print(push(args.run_dir, args.repo_id, args.private, "merged" if args.merged else "calibrated"))
+    return 0
+
+
 def _cmd_server(args: argparse.Namespace) -> int:
     from flows import server
 
@@ -372,6 +388,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "example": _cmd_example,
     "plan": _cmd_plan,
     "run": _cmd_run,
+    "push": _cmd_push,
     "server": _cmd_server,
     "serve": _cmd_serve,
     "deployments": _cmd_deployments,

@@ -23,14 +23,18 @@ import yaml
 from featcal.calibration_methods import calibration_method
 from featcal.config import RunConfig, digest_of
 from featcal.evaluation import hms
+from featcal.model_card import model_card
 from featcal.modeling import calibrated_modules
 from featcal.zeroshot import class_names
 from flows import signals
-from storage.atomic import write_bytes, write_json
+from storage.atomic import read_json, write_bytes, write_json
+from storage.checkpoint import MODEL_CARD
 from storage.fingerprint import fingerprint
 from storage.rundir import MissingOutput, Record, RunDir
 from tasks import assemble, calibration, evaluate, merge
+from tasks.assemble import CALIBRATED
 from tasks.context import CONFIG_NAME, context
+from tasks.merge import MERGED
 from tasks.preflight import preflight
 from tasks.record import execute
 
@@ -321,6 +325,20 @@ def versions() -> dict[str, str]:
     return out
 
 
+def write_model_cards(cfg: RunConfig, run: RunDir) -> None:
+    """A README.md in `merged/` and `calibrated/`, from the run's records and report (featcal/model_card.py).
+
+    Not a stage: it costs nothing, reads the evaluation that finishes after both checkpoints, and is rewritten
+    by every run, cached or not; no output digest covers it (storage/rundir.py), so writing it changes no cache
+    key and a rerun stays a cache hit."""
+    examples = {t: rec["info"]["examples"] for t in cfg.tasks if (rec := run.record(f"prepare/{t}"))}
+    report = read_json(run / "report.json") if cfg.evaluation.enabled and (run / "report.json").is_file() else None
+    for checkpoint in (MERGED, CALIBRATED):
+        architecture = (read_json(run / checkpoint / "config.json").get("architectures") or [None])[0]
+        text = model_card(cfg.redacted(), checkpoint, architecture, examples, report)
+        write_bytes(run / checkpoint / MODEL_CARD, text.encode())
+
+
 def run_pipeline(cfg: RunConfig, run_dir: str | Path, runner: Runner = direct_runner,
                  on_stage: Callable[[StageCall, Record], None] | None = None,
                  submit: Submitter | None = None) -> dict[str, Record]:
@@ -340,6 +358,7 @@ def run_pipeline(cfg: RunConfig, run_dir: str | Path, runner: Runner = direct_ru
                     "inputs": pipeline.inputs, "status": "running", "started_at": time.time()}
         write_json(run / "manifest.json", manifest)
         records = pipeline.run_all()
+        write_model_cards(cfg, run)
         stages, targets = {}, {}
         for path in sorted((run / "records").glob("*.json")):
             rec = run.record(path.stem.replace("__", "/"))

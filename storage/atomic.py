@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -66,12 +66,13 @@ def content_hash(data: bytes = b"") -> xxhash.xxh3_128:
     return xxhash.xxh3_128(data)
 
 
-def digest(path: Path) -> str:
-    """Content digest of a file, or of a directory tree (relative names and bytes, in sorted order)."""
+def digest(path: Path, skip: Container[str] = ()) -> str:
+    """Content digest of a file, or of a directory tree (relative names and bytes, in sorted order) without the
+    top-level files named in `skip`."""
     path = Path(path)
     h = content_hash()
     if path.is_dir():
-        for child in sorted(p for p in path.rglob("*") if p.is_file()):
+        for child in sorted(p for p in path.rglob("*") if p.is_file() and str(p.relative_to(path)) not in skip):
             h.update(str(child.relative_to(path)).encode() + b"\0")
             with open(child, "rb") as fh:
                 h.update(hashlib.file_digest(fh, content_hash).digest())

@@ -24,6 +24,9 @@ from storage.atomic import atomic_path
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+# A checkpoint's model card (featcal/model_card.py): documentation of the weights, written after the run and
+# rewritten when its evaluation changes, so no output digest covers it (storage/rundir.py).
+MODEL_CARD = "README.md"
 # Files copied next to written weights so the result loads with from_pretrained like its base.
 SIDE_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt",

@@ -19,6 +19,7 @@ from typing import Any
 
 from storage.activations import ROOT as ACTS, ActivationStore
 from storage.atomic import digest, read_json, remove, write_json
+from storage.checkpoint import MODEL_CARD
 
 Record = dict[str, Any]
 
@@ -158,7 +159,9 @@ class RunDir:
         return self.store.exists(self.store.location(rel)) if _in_store(rel) else (self.root / rel).exists()
 
     def digest(self, rel: str) -> str:
-        return self.store.digest(self.store.location(rel)) if _in_store(rel) else digest(self.root / rel)
+        if _in_store(rel):
+            return self.store.digest(self.store.location(rel))
+        return digest(self.root / rel, skip=(MODEL_CARD,))  # the card is rewritten after the run: no digest covers it
 
     def verified(self, stage: str, key: str) -> Record | None:
         """The stage's record if it was made under `key` and every output is intact (or released)."""
