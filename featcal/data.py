@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,20 +43,7 @@ def load_split(source: DataSource, where: str) -> datasets.Dataset:
     except DataError:
         raise
     except Exception as exc:  # datasets raises many types; name the field and the path either way
-        if _has_no_rows(path, source.split):  # datasets fails on these with messages that name nothing of ours
-            raise DataError(f"{where}: {source.path} (split {source.split!r}) has no rows") from exc
         raise DataError(f"{where}.path: cannot load {source.path!r} split {source.split!r}: {exc}") from exc
-
-
-def _has_no_rows(path: Path, split: str) -> bool:
-    """A data file with nothing past a CSV header, or a saved split with no data files."""
-    if path.is_file():
-        lines = [line for line in path.read_text(errors="replace").splitlines()[:2] if line.strip()]
-        return len(lines) <= (1 if path.suffix == ".csv" else 0)
-    for state in (path / split / "state.json", path / "state.json"):
-        if state.is_file():
-            return not json.loads(state.read_text()).get("_data_files")
-    return False
 
 
 def pick_examples(ds: datasets.Dataset, n: int, seed: int, where: str) -> datasets.Dataset:
@@ -78,8 +64,7 @@ class InputBuilder:
                  columns: list[str], where: str):
         self.where = where
         self.is_text = "input_ids" in input_names
-        limit = token_limit(base_dir) if self.is_text else None
-        self.max_length = max_length if limit is None else min(max_length, limit)
+        self.max_length = max_length
         self.pair_column = source.text_pair_column
         if source.column is not None and source.column not in columns:
             raise DataError(f"{where}.column: {source.column!r} is not a column of the data (it has {columns})")
@@ -139,43 +124,10 @@ class InputBuilder:
 
 
 def _pad_token_id(base_dir: str) -> int:
+    import json
+
     config = json.loads((Path(base_dir) / "config.json").read_text())
     return int(config.get("pad_token_id") or 0)
-
-
-# Models whose learned positions start after the padding index: RoBERTa and its kin accept
-# max_position_embeddings - pad_token_id - 1 tokens.
-_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer")
-# T5's config names n_positions, but its relative position buckets take any length.
-_RELATIVE_POSITIONS = ("t5", "mt5", "umt5", "longt5")
-
-
-def token_limit(base_dir: str | Path) -> int | None:
-    """The most tokens the base's position embeddings take (None: relative positions, as in T5, have no limit).
-    Texts are cut to this, whatever `calibration.max_length` says: a longer input would not run at all."""
-    config = json.loads((Path(base_dir) / "config.json").read_text())
-    config = config.get("text_config") or config
-    limit = config.get("max_position_embeddings") or config.get("n_positions")
-    if limit is None or config.get("model_type") in _RELATIVE_POSITIONS:
-        return None
-    if config.get("model_type") in _OFFSET_POSITIONS:
-        limit -= int(config.get("pad_token_id") or 0) + 1
-    return int(limit)
-
-
-def label_range_error(values: list, num_labels: int, where: str) -> str | None:
-    """Why evaluation labels cannot be scored against a head of `num_labels` classes, or None: a label the head cannot
-    predict would be counted wrong for every model, and the report would be quietly wrong."""
-    kinds = sorted({type(v).__name__ for v in values if not isinstance(v, (int, np.integer)) or isinstance(v, bool)})
-    if kinds:
-        return f"{where}: labels must be integer class ids for a {num_labels}-class head; found values of type {kinds}"
-    outside = sorted({int(v) for v in values if not 0 <= v < num_labels})
-    if not outside:
-        return None
-    count = sum(1 for v in values if not 0 <= v < num_labels)
-    hint = " (-1 usually marks an unlabelled row, as in GLUE's test splits: evaluate on a labelled split)" if -1 in outside else ""
-    return (f"{where}: {count} of {len(values)} labels are outside the head's classes 0..{num_labels - 1}: "
-            f"{outside[:5]}{' ...' if len(outside) > 5 else ''}{hint}")
 
 
 def pad_to(inputs: dict[str, torch.Tensor], width: int, pad_id: int) -> dict[str, torch.Tensor]:

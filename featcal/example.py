@@ -565,7 +565,6 @@ def _example_config(tasks: tuple[str, ...]) -> dict[str, Any]:
             "examples_per_task": SPLIT_SIZES["calibration"],
             "batch_size": 16,
             "seed": 42,
-            "max_length": 2 * MAX_WORDS,  # all the tiny BERT's positions (CLIP's images have no tokens)
         },
         "featcal": {"lambda": 0.05, "rho": 2.2, "alpha": 0.25},
         "evaluation": {

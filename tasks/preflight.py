@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoTokenizer
 from featcal.adapters import Adapter, adapter_for
 from featcal.calibration_methods import calibration_method
 from featcal.config import ConfigError, RunConfig
-from featcal.data import DataError, InputBuilder, label_range_error, load_split, token_limit
+from featcal.data import DataError, InputBuilder, load_split
 from featcal.devices import bf16_warning, cpu_has_native_bf16, resolve_device
 from featcal.t5 import answer_kind
 from featcal.zeroshot import class_names
@@ -104,25 +104,6 @@ def check_zero_shot(cfg: RunConfig) -> None:
         class_names(cfg, task)
 
 
-def head_classes(cfg: RunConfig, task: str) -> int | None:
-    """How many classes the task's predictions range over (its head's, or its zero-shot class names'); None where
-    labels are not class ids of a head (a regression head, no classification head)."""
-    if cfg.zero_shot is not None:
-        return len(class_names(cfg, task))
-    config = _config(cfg.experts[task], f"experts.{task}")
-    heads = [a for a in config.architectures or [] if a.endswith(("ForSequenceClassification", "ForImageClassification"))]
-    return config.num_labels if heads and config.num_labels > 1 else None
-
-
-def max_length_notice(cfg: RunConfig, adapter: Adapter) -> str | None:
-    """Said when texts will be cut shorter than `calibration.max_length` asks, to what the base's positions take."""
-    limit = token_limit(cfg.base) if "input_ids" in adapter.model_input_names() else None
-    if limit is None or cfg.calibration.max_length <= limit:
-        return None
-    return (f"calibration.max_length {cfg.calibration.max_length}: the base ({cfg.base}) takes at most {limit} "
-            f"tokens, so texts are cut to {limit}")
-
-
 def check_data(cfg: RunConfig, adapter: Adapter) -> None:
     sections = [("calibration.data", cfg.calibration.data)]
     if cfg.evaluation.enabled:
@@ -131,17 +112,9 @@ def check_data(cfg: RunConfig, adapter: Adapter) -> None:
         for task, source in sources.items():
             where = f"{section}.{task}"
             ds = load_split(source, where)
-            if len(ds) == 0:
-                raise DataError(f"{where}: {source.path} (split {source.split!r}) has no rows")
             InputBuilder(cfg.base, adapter.model_input_names(), source, cfg.calibration.max_length, ds.column_names, where)
             if section == "evaluation.data" and source.label_column and source.label_column not in ds.column_names:
                 raise ValueError(f"{where}.label_column: {source.label_column!r} is not a column ({ds.column_names})")
-            if section == "evaluation.data" and source.label_column and not adapter.has_decoder:
-                classes = head_classes(cfg, task)
-                problem = classes and label_range_error(ds[source.label_column], classes,
-                                                        f"{where}.label_column {source.label_column!r}")
-                if problem:
-                    raise DataError(problem)
             if source.target_column is not None and source.target_column not in ds.column_names:
                 raise DataError(f"{where}.target_column: {source.target_column!r} is not a column ({ds.column_names})")
             if section == "evaluation.data" and source.label_column and adapter.has_decoder:
@@ -178,22 +151,12 @@ def preflight(cfg: RunConfig, quiet: bool = False) -> Adapter:
         log.warning(slow)
     key = cfg.fingerprint()
     if key in _just_checked:
-        adapter = _just_checked.pop(key)
-    else:
-        adapter = _checked(cfg)
-        _just_checked.clear()
-        _just_checked[key] = adapter
-    cut = max_length_notice(cfg, adapter)
-    if cut and not quiet:
-        log.warning(cut)
-    return adapter
-
-
-def _checked(cfg: RunConfig) -> Adapter:
-    """Every input read and checked; each failure raises one line."""
+        return _just_checked.pop(key)
     check_zero_shot(cfg)
     adapter = check_checkpoints(cfg)
     check_head_side(cfg, adapter)
     check_data(cfg, adapter)
     check_activation_store(cfg)
+    _just_checked.clear()
+    _just_checked[key] = adapter
     return adapter
