@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal.config import RunConfig
+from featcal.input_checks import usable_positions
 from featcal.devices import activation_dtype, bf16_warning, cpu_has_native_bf16, resolve_device
 from featcal.modeling import Skeleton, calibrated_modules, is_norm, linear_dims
 from featcal.statistics import expert_side_form
@@ -24,7 +25,8 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
     vision = adapter.text_or_vision_config()
     hidden = vision.hidden_size
     if "input_ids" in adapter.model_input_names():
-        tokens = cfg.calibration.max_length
+        positions = usable_positions(adapter.config)
+        tokens = cfg.calibration.max_length if positions is None else min(cfg.calibration.max_length, positions)
     else:
         tokens = (vision.image_size // vision.patch_size) ** 2 + 1
     modules = calibrated_modules(skeleton.block_template(0))
