@@ -14,7 +14,7 @@ from featcal.modeling import Skeleton, calibrated_modules, is_norm, linear_dims
 from featcal.statistics import expert_side_form
 from flows.pipeline import stage_count
 from storage.checkpoint import CanonicalCheckpoint
-from tasks.preflight import preflight
+from tasks.preflight import max_length_notice, preflight
 
 GIB = 1024**3
 
@@ -75,6 +75,7 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
         "precision": cfg.runtime.precision,
         "estimated_peak_device_gib": None if device.type == "cpu" else round(on_device / GIB, 3),
         "warning": bf16_warning(device, cfg.runtime.precision, cpu_has_native_bf16()),
+        "notice": max_length_notice(cfg, adapter),
     }
 
 
@@ -117,5 +118,6 @@ def render(p: dict[str, Any]) -> str:
             "" if p["estimated_peak_device_gib"] is None
             else f"  (peak device memory estimate {p['estimated_peak_device_gib']} GiB: 2 blocks, Grams, 2 chunks)"),
         *([f"warning           {p['warning']}"] if p["warning"] else []),
+        *([f"notice            {p['notice']}"] if p["notice"] else []),
     ]
     return "\n".join(lines)

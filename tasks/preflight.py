@@ -108,12 +108,13 @@ def check_zero_shot(cfg: RunConfig) -> None:
         class_names(cfg, task)
 
 
-def check_max_length(cfg: RunConfig, adapter: Adapter) -> None:
-    """A `max_length` beyond the base's positions is clamped where inputs are built (featcal/data.py); said once."""
+def max_length_notice(cfg: RunConfig, adapter: Adapter) -> str | None:
+    """A `max_length` beyond the base's positions is clamped where inputs are built (featcal/data.py); this says so."""
     positions = usable_positions(adapter.config) if "input_ids" in adapter.model_input_names() else None
-    if positions is not None and cfg.calibration.max_length > positions:
-        log.warning("calibration.max_length %d exceeds the %d positions the base accepts; texts are truncated to %d "
-                    "tokens (calibration and evaluation)", cfg.calibration.max_length, positions, positions)
+    if positions is None or cfg.calibration.max_length <= positions:
+        return None
+    return (f"calibration.max_length {cfg.calibration.max_length} exceeds the {positions} positions the base accepts; "
+            f"texts are truncated to {positions} tokens (calibration and evaluation)")
 
 
 def _head_labels(cfg: RunConfig, adapter: Adapter, task: str) -> int | None:
@@ -182,7 +183,8 @@ _just_checked: dict[str, Adapter] = {}
 
 
 def preflight(cfg: RunConfig, quiet: bool = False) -> Adapter:
-    """Every input checked (each failure one line); what would make the run slow is logged unless `quiet`
+    """Every input checked (each failure one line); what would make the run slow or cut its texts is logged unless
+    `quiet`
     (`featcal plan` prints it in its own text; `featcal run` plans quietly, then its pipeline says it once)."""
     device = resolve_device(cfg.runtime.device)  # a device torch cannot reach fails here, not at the first Gram
     slow = bf16_warning(device, cfg.runtime.precision, cpu_has_native_bf16())
@@ -190,13 +192,16 @@ def preflight(cfg: RunConfig, quiet: bool = False) -> Adapter:
         log.warning(slow)
     key = cfg.fingerprint()
     if key in _just_checked:
-        return _just_checked.pop(key)
-    check_zero_shot(cfg)
-    adapter = check_checkpoints(cfg)
-    check_head_side(cfg, adapter)
-    check_max_length(cfg, adapter)
-    check_data(cfg, adapter)
-    check_activation_store(cfg)
-    _just_checked.clear()
-    _just_checked[key] = adapter
+        adapter = _just_checked.pop(key)
+    else:
+        check_zero_shot(cfg)
+        adapter = check_checkpoints(cfg)
+        check_head_side(cfg, adapter)
+        check_data(cfg, adapter)
+        check_activation_store(cfg)
+        _just_checked.clear()
+        _just_checked[key] = adapter
+    notice = max_length_notice(cfg, adapter)
+    if notice and not quiet:
+        log.warning(notice)
     return adapter

@@ -151,18 +151,20 @@ def test_max_length_beyond_positions_is_clamped_with_one_notice(tiny_example, tm
     ('The size of tensor a (128) must match the size of tensor b (32)') after merged/ was written."""
     from featcal.config import load_config
     from featcal.data import InputBuilder
-    from flows.plan import plan
+    from flows.plan import plan, render
+    from tasks.preflight import preflight
 
     root = _copy(tiny_example, tmp_path)
     _edit_split(root, "topic", "calibration", lambda ds: ds.map(lambda r: {"text": " ".join([r["text"]] * 12)}))
-    cfg = load_config(root / "example.yaml", [])
-    assert cfg.calibration.max_length == 128
+    cfg = load_config(root / "example.yaml", ["calibration.max_length=128"])
+    notice = ("calibration.max_length 128 exceeds the 32 positions the base accepts; texts are truncated to 32 "
+              "tokens (calibration and evaluation)")
     with caplog.at_level(logging.WARNING, logger="featcal"):
-        p = plan(cfg)
-    notices = [r.getMessage() for r in caplog.records if "max_length" in r.getMessage()]
-    assert notices == ["calibration.max_length 128 exceeds the 32 positions the base accepts; texts are truncated "
-                       "to 32 tokens (calibration and evaluation)"]
-    assert p["tokens_per_example_max"] == 32
+        p = plan(cfg)  # quiet: the notice is a line of the plan
+        assert caplog.records == []
+        preflight(cfg)  # `featcal run`'s pipeline, after its quiet plan: said once in the log
+    assert [r.getMessage() for r in caplog.records] == [notice]
+    assert p["tokens_per_example_max"] == 32 and f"notice            {notice}" in render(p)
     source = cfg.calibration.data["topic"]
     ds = datasets.load_from_disk(str(root / "data/topic"))["calibration"]
     builder = InputBuilder(cfg.base, ("input_ids", "attention_mask", "token_type_ids"), source, 128, ds.column_names, "w")
