@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from featcal.config import DataSource
+from featcal.input_checks import usable_positions
 
 log = logging.getLogger("featcal")
 
@@ -28,6 +29,9 @@ def load_split(source: DataSource, where: str) -> datasets.Dataset:
     path = Path(source.path)
     try:
         if path.is_dir():
+            empty = _empty_saved_splits(path)
+            if empty:
+                raise DataError(f"{where}.path: {path} split {empty[0]!r} has no rows (saved without data files)")
             loaded = datasets.load_from_disk(str(path))
             if isinstance(loaded, datasets.DatasetDict):
                 if source.split not in loaded:
@@ -44,6 +48,15 @@ def load_split(source: DataSource, where: str) -> datasets.Dataset:
         raise
     except Exception as exc:  # datasets raises many types; name the field and the path either way
         raise DataError(f"{where}.path: cannot load {source.path!r} split {source.split!r}: {exc}") from exc
+
+
+def _empty_saved_splits(path: Path) -> list[str]:
+    """Splits saved with no rows: `datasets` writes them without data files, then fails to load the whole directory
+    with an IndexError that names nothing."""
+    import json
+
+    states = [path / "state.json"] if (path / "state.json").is_file() else sorted(path.glob("*/state.json"))
+    return [state.parent.name for state in states if not json.loads(state.read_text()).get("_data_files")]
 
 
 def pick_examples(ds: datasets.Dataset, n: int, seed: int, where: str) -> datasets.Dataset:
@@ -64,7 +77,7 @@ class InputBuilder:
                  columns: list[str], where: str):
         self.where = where
         self.is_text = "input_ids" in input_names
-        self.max_length = max_length
+        self.max_length = clamped_max_length(base_dir, max_length) if self.is_text else max_length
         self.pair_column = source.text_pair_column
         if source.column is not None and source.column not in columns:
             raise DataError(f"{where}.column: {source.column!r} is not a column of the data (it has {columns})")
@@ -121,6 +134,15 @@ class InputBuilder:
 
     def __call__(self, rows: dict[str, list]) -> dict[str, torch.Tensor]:
         return self.text_inputs(rows) if self.is_text else self.image_inputs(rows)
+
+
+def clamped_max_length(base_dir: str, max_length: int) -> int:
+    """`max_length`, or fewer where the base has fewer positions (longer inputs would crash its embeddings);
+    preflight logs the notice once."""
+    from transformers import AutoConfig
+
+    positions = usable_positions(AutoConfig.from_pretrained(base_dir, local_files_only=True))
+    return max_length if positions is None else min(max_length, positions)
 
 
 def _pad_token_id(base_dir: str) -> int:

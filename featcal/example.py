@@ -555,7 +555,8 @@ def _write_expert(out: Path, arch: str, root: Path, task: str, seed: int) -> Non
     preprocessor.save_pretrained(out)
 
 
-def _example_config(tasks: tuple[str, ...]) -> dict[str, Any]:
+def _example_config(tasks: tuple[str, ...], max_length: int | None) -> dict[str, Any]:
+    """`max_length`: the text model's positions (the default 128 would be cut to them with a notice)."""
     return {
         "base": "base",
         "experts": {t: f"experts/{t}" for t in tasks},
@@ -565,6 +566,7 @@ def _example_config(tasks: tuple[str, ...]) -> dict[str, Any]:
             "examples_per_task": SPLIT_SIZES["calibration"],
             "batch_size": 16,
             "seed": 42,
+            **({"max_length": max_length} if max_length else {}),
         },
         "featcal": {"lambda": 0.05, "rho": 2.2, "alpha": 0.25},
         "evaluation": {
@@ -639,7 +641,8 @@ def _build_arch(root: Path, arch: str, seed: int) -> None:
             root / "experts" / task,
             lambda out: _write_expert(out, arch, root, task, _piece_seed(seed, f"{arch}/experts/{task}")),
         )
-    _ensure_file(root / "example.yaml", yaml.safe_dump(_example_config(tasks), sort_keys=False))
+    _ensure_file(root / "example.yaml", yaml.safe_dump(_example_config(tasks, 2 * MAX_WORDS if arch == "bert" else None),
+                                                       sort_keys=False))
 
 
 def build_tiny_example(out: Path, archs: tuple[str, ...] = ("bert", "clip"), seed: int = 0) -> Path:

@@ -9,12 +9,13 @@ from typing import Any
 
 from featcal.calibration_methods import calibration_method
 from featcal.config import RunConfig
+from featcal.input_checks import usable_positions
 from featcal.devices import activation_dtype, bf16_warning, cpu_has_native_bf16, resolve_device
 from featcal.modeling import Skeleton, calibrated_modules, is_norm, linear_dims
 from featcal.statistics import expert_side_form
 from flows.pipeline import stage_count
 from storage.checkpoint import CanonicalCheckpoint
-from tasks.preflight import preflight
+from tasks.preflight import max_length_notice, preflight
 
 GIB = 1024**3
 
@@ -25,7 +26,8 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
     vision = adapter.text_or_vision_config()
     hidden = vision.hidden_size
     if "input_ids" in adapter.model_input_names():
-        tokens = cfg.calibration.max_length
+        positions = usable_positions(adapter.config)
+        tokens = cfg.calibration.max_length if positions is None else min(cfg.calibration.max_length, positions)
     else:
         tokens = (vision.image_size // vision.patch_size) ** 2 + 1
     modules = calibrated_modules(skeleton.block_template(0))
@@ -74,6 +76,7 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
         "precision": cfg.runtime.precision,
         "estimated_peak_device_gib": None if device.type == "cpu" else round(on_device / GIB, 3),
         "warning": bf16_warning(device, cfg.runtime.precision, cpu_has_native_bf16()),
+        "notice": max_length_notice(cfg, adapter),
     }
 
 
@@ -116,5 +119,6 @@ def render(p: dict[str, Any]) -> str:
             "" if p["estimated_peak_device_gib"] is None
             else f"  (peak device memory estimate {p['estimated_peak_device_gib']} GiB: 2 blocks, Grams, 2 chunks)"),
         *([f"warning           {p['warning']}"] if p["warning"] else []),
+        *([f"notice            {p['notice']}"] if p["notice"] else []),
     ]
     return "\n".join(lines)

@@ -12,6 +12,7 @@ from featcal.adapters import Adapter, adapter_for
 from featcal.calibration_methods import calibration_method
 from featcal.config import ConfigError, RunConfig
 from featcal.data import DataError, InputBuilder, load_split
+from featcal.input_checks import label_range_error, safetensors_header_error, text_type_error, usable_positions
 from featcal.devices import bf16_warning, cpu_has_native_bf16, resolve_device
 from featcal.t5 import answer_kind
 from featcal.zeroshot import class_names
@@ -23,7 +24,11 @@ log = logging.getLogger("featcal")
 
 def _config(path: str, field: str):
     if not Path(path).is_dir():
-        raise CheckpointError(f"{field}: checkpoint directory {path} does not exist (hub ids are not reachable offline)")
+        what = "is a file, not a checkpoint directory" if Path(path).exists() else "does not exist"
+        raise CheckpointError(f"{field}: checkpoint directory {path} {what} (hub ids are not reachable offline)")
+    broken = safetensors_header_error(path)
+    if broken:
+        raise CheckpointError(f"{field}: {broken}")
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as exc:
@@ -104,6 +109,29 @@ def check_zero_shot(cfg: RunConfig) -> None:
         class_names(cfg, task)
 
 
+def max_length_notice(cfg: RunConfig, adapter: Adapter) -> str | None:
+    """A `max_length` beyond the base's positions is clamped where inputs are built (featcal/data.py); this says so."""
+    positions = usable_positions(adapter.config) if "input_ids" in adapter.model_input_names() else None
+    if positions is None or cfg.calibration.max_length <= positions:
+        return None
+    return (f"calibration.max_length {cfg.calibration.max_length} exceeds the {positions} positions the base accepts; "
+            f"texts are truncated to {positions} tokens (calibration and evaluation)")
+
+
+def _head_labels(cfg: RunConfig, adapter: Adapter, task: str) -> int | None:
+    """How many classes the task's scores range over: its class names with zero_shot, else the expert's head
+    (None where the expert has no classification head, or a regression head of one output)."""
+    if cfg.zero_shot is not None:
+        return len(class_names(cfg, task))
+    if adapter.language_model or adapter.has_decoder:
+        return None
+    expert = CanonicalCheckpoint(cfg.experts[task], adapter)
+    if not any(adapter.is_head(n) for n in expert.names()):
+        return None
+    num_labels = _config(cfg.experts[task], f"experts.{task}").num_labels
+    return num_labels if num_labels > 1 else None
+
+
 def check_data(cfg: RunConfig, adapter: Adapter) -> None:
     sections = [("calibration.data", cfg.calibration.data)]
     if cfg.evaluation.enabled:
@@ -112,9 +140,22 @@ def check_data(cfg: RunConfig, adapter: Adapter) -> None:
         for task, source in sources.items():
             where = f"{section}.{task}"
             ds = load_split(source, where)
-            InputBuilder(cfg.base, adapter.model_input_names(), source, cfg.calibration.max_length, ds.column_names, where)
+            if len(ds) == 0:
+                raise DataError(f"{where}.path: {source.path} split {source.split!r} has no rows")
+            builder = InputBuilder(cfg.base, adapter.model_input_names(), source, cfg.calibration.max_length,
+                                   ds.column_names, where)
+            if builder.is_text and builder.column is not None:
+                for column in filter(None, (builder.column, builder.pair_column)):
+                    wrong = text_type_error(ds, column, where)
+                    if wrong:
+                        raise DataError(wrong)
             if section == "evaluation.data" and source.label_column and source.label_column not in ds.column_names:
                 raise ValueError(f"{where}.label_column: {source.label_column!r} is not a column ({ds.column_names})")
+            num_labels = _head_labels(cfg, adapter, task) if section == "evaluation.data" and source.label_column else None
+            if num_labels is not None:
+                wrong = label_range_error(ds, source.label_column, num_labels, where)
+                if wrong:
+                    raise DataError(wrong)
             if source.target_column is not None and source.target_column not in ds.column_names:
                 raise DataError(f"{where}.target_column: {source.target_column!r} is not a column ({ds.column_names})")
             if section == "evaluation.data" and source.label_column and adapter.has_decoder:
@@ -143,7 +184,8 @@ _just_checked: dict[str, Adapter] = {}
 
 
 def preflight(cfg: RunConfig, quiet: bool = False) -> Adapter:
-    """Every input checked (each failure one line); what would make the run slow is logged unless `quiet`
+    """Every input checked (each failure one line); what would make the run slow or cut its texts is logged unless
+    `quiet`
     (`featcal plan` prints it in its own text; `featcal run` plans quietly, then its pipeline says it once)."""
     device = resolve_device(cfg.runtime.device)  # a device torch cannot reach fails here, not at the first Gram
     slow = bf16_warning(device, cfg.runtime.precision, cpu_has_native_bf16())
@@ -151,12 +193,16 @@ def preflight(cfg: RunConfig, quiet: bool = False) -> Adapter:
         log.warning(slow)
     key = cfg.fingerprint()
     if key in _just_checked:
-        return _just_checked.pop(key)
-    check_zero_shot(cfg)
-    adapter = check_checkpoints(cfg)
-    check_head_side(cfg, adapter)
-    check_data(cfg, adapter)
-    check_activation_store(cfg)
-    _just_checked.clear()
-    _just_checked[key] = adapter
+        adapter = _just_checked.pop(key)
+    else:
+        check_zero_shot(cfg)
+        adapter = check_checkpoints(cfg)
+        check_head_side(cfg, adapter)
+        check_data(cfg, adapter)
+        check_activation_store(cfg)
+        _just_checked.clear()
+        _just_checked[key] = adapter
+    notice = max_length_notice(cfg, adapter)
+    if notice and not quiet:
+        log.warning(notice)
     return adapter

@@ -23,7 +23,8 @@ def _config(root, dtype: torch.dtype, vocab: int = 64):
     _rows(0).save_to_disk(str(root / "d0"))
     return config_from_dict({
         "base": str(root / "base"), "experts": {"task0": str(root / "e0")},
-        "calibration": {"data": {"task0": {"path": str(root / "d0")}}, "examples_per_task": 16, "batch_size": 4},
+        "calibration": {"data": {"task0": {"path": str(root / "d0")}}, "examples_per_task": 16, "batch_size": 4,
+                        "max_length": SHAPE["max_position_embeddings"]},
         "evaluation": {"enabled": False},
     }, root)
 
