@@ -42,12 +42,24 @@ def load_split(source: DataSource, where: str) -> datasets.Dataset:
             builder = FILE_BUILDERS.get(path.suffix)
             if builder is None:
                 raise DataError(f"{where}.path: {path} has suffix {path.suffix!r}; expected one of {sorted(FILE_BUILDERS)}")
+            if _file_has_no_rows(path):
+                raise DataError(f"{where}.path: {path} has no rows")
             return datasets.load_dataset(builder, data_files=str(path), split="train")
         return datasets.load_dataset(source.path, split=source.split)
     except DataError:
         raise
     except Exception as exc:  # datasets raises many types; name the field and the path either way
         raise DataError(f"{where}.path: cannot load {source.path!r} split {source.split!r}: {exc}") from exc
+
+
+def _file_has_no_rows(path: Path) -> bool:
+    """A text data file with nothing past a CSV header (datasets then fails with "Instruction "train" corresponds to
+    no data!" or a bare StopIteration); parquet files are left to their own reader."""
+    if path.suffix not in (".csv", ".json", ".jsonl"):
+        return False
+    with path.open(errors="replace") as f:
+        lines = [line for _, line in zip(range(2), (line for line in f if line.strip()))]
+    return len(lines) <= (1 if path.suffix == ".csv" else 0)
 
 
 def _empty_saved_splits(path: Path) -> list[str]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import datasets
 import pytest
 import yaml
+from safetensors.torch import load_file
 
 from flows.cli import main
 
@@ -92,6 +93,11 @@ def _empty_evaluation_file(root: Path) -> None:
     _edit_yaml(root, lambda raw: raw["evaluation"]["data"]["topic"].update(path="empty.csv", split="train"))
 
 
+def _empty_calibration_jsonl(root: Path) -> None:
+    (root / "empty.jsonl").write_text("\n")
+    _edit_yaml(root, lambda raw: raw["calibration"]["data"]["negation"].update(path="empty.jsonl", split="train"))
+
+
 def _checkpoint_is_file(root: Path) -> None:
     (root / "a_file").write_text("x")
     _edit_yaml(root, lambda raw: raw["experts"].__setitem__("count", "a_file"))
@@ -119,7 +125,8 @@ CASES = [
      ["calibration.data.topic.path", "split 'calibration' has no rows"]),
     ("evaluation-empty", lambda r: _edit_split(r, "negation", "test", lambda ds: ds.select([])),
      ["calibration.data.negation.path", "split 'test' has no rows"]),  # the directory holds both splits
-    ("evaluation-empty-file", _empty_evaluation_file, ["evaluation.data.topic.path", "empty.csv", "corresponds to no data"]),
+    ("evaluation-empty-file", _empty_evaluation_file, ["evaluation.data.topic.path", "empty.csv has no rows"]),
+    ("calibration-empty-jsonl", _empty_calibration_jsonl, ["calibration.data.negation.path", "empty.jsonl has no rows"]),
     ("expert-header-truncated", lambda r: _truncate_header(r, "experts/topic"),
      ["experts.topic", "model.safetensors", "unreadable safetensors header"]),
     ("base-header-garbage", lambda r: _garbage_header(r, "base"),
@@ -170,3 +177,16 @@ def test_max_length_beyond_positions_is_clamped_with_one_notice(tiny_example, tm
     builder = InputBuilder(cfg.base, ("input_ids", "attention_mask", "token_type_ids"), source, 128, ds.column_names, "w")
     assert builder(ds[:4])["input_ids"].shape == (4, 32)
     assert json.loads((Path(cfg.base) / "config.json").read_text())["max_position_embeddings"] == 32
+
+
+def test_a_run_on_texts_longer_than_the_model_takes_completes(tiny_example, tmp_path):
+    """End to end, the crash the clamp replaces: the whole run on those texts, evaluation included."""
+    root = _copy(tiny_example, tmp_path)
+    _edit_split(root, "negation", "calibration", lambda ds: ds.map(lambda r: {"text": " ".join([r["text"]] * 12)}))
+    _edit_split(root, "negation", "test", lambda ds: ds.map(lambda r: {"text": " ".join([r["text"]] * 12)}))
+    run_dir = tmp_path / "run"
+    assert main(["run", "--no-prefect", str(root / "example.yaml"), "--run-dir", str(run_dir),
+                 "--set", "calibration.max_length=128"]) == 0
+    report = json.loads((run_dir / "report.json").read_text())
+    assert set(report["tasks"]) == {"topic", "negation", "count"}
+    assert all(t.isfinite().all() for t in load_file(run_dir / "calibrated" / "model.safetensors").values())
