@@ -71,7 +71,7 @@ def main() -> None:
     fc = FeatCalConfig.model_validate({"lambda": args.lam})
     methods = {p: calibration_method(fc, p) for p in ("float64", "mixed")}
     rows = args.examples * TOKENS
-    lines = [f"# Solve stage: float64 vs mixed precision (runtime.solve_precision)", "",
+    lines = ["# Solve stage: float64 vs mixed precision (runtime.solve_precision)", "",
              f"`python benchmarks/solve_precision.py --experts {args.experts} --examples {args.examples} "
              f"--blocks {args.blocks} --threads {args.threads} --lambda {args.lam:g}`", "",
              f"- CPU: {cpu_line()}", f"- torch {torch.__version__}, Python {platform.python_version()}, "
