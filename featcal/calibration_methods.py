@@ -83,8 +83,9 @@ class CalibrationMethod(ABC):
     name: ClassVar[str]
     keys: ClassVar[tuple[str, ...]]
 
-    def __init__(self, settings: Mapping[str, Any]) -> None:
+    def __init__(self, settings: Mapping[str, Any], solve_precision: str = "float64") -> None:
         self.settings = settings
+        self.mixed = solve_precision == "mixed"  # runtime.solve_precision: fp32 factor + float64 refinement
 
     @property
     @abstractmethod
@@ -122,14 +123,14 @@ def register(cls: type[CalibrationMethod]) -> type[CalibrationMethod]:
     return cls
 
 
-def calibration_method(fc: FeatCalConfig) -> CalibrationMethod:
-    """The method `fc.method` names, handed the values of the keys it declares."""
+def calibration_method(fc: FeatCalConfig, solve_precision: str = "float64") -> CalibrationMethod:
+    """The method `fc.method` names, handed the values of the keys it declares (and runtime.solve_precision)."""
     cls = METHODS.get(fc.method)
     if cls is None:
         known = ", ".join(sorted(METHODS))
         raise ValueError(f"featcal.method: unknown calibration method {fc.method!r}; known: {known}")
     values = fc.model_dump(by_alias=True)
-    return cls(MappingProxyType({key: values[key] for key in cls.keys}))
+    return cls(MappingProxyType({key: values[key] for key in cls.keys}), solve_precision)
 
 
 def _fit_and_held(stats: dict[str, torch.Tensor], task: str, where: str,
@@ -152,8 +153,8 @@ class FeatCal(CalibrationMethod):
     keys = ("lambda", "rho", "lambda_grid", "rho_grid", "holdout_every", "alpha", "eps", "calibrate_bias",
             "calibrate_norm", "pooled_token_weight", "task_weight_power", "trust", "calibrate_head_side")
 
-    def __init__(self, settings: Mapping[str, Any]) -> None:
-        super().__init__(settings)
+    def __init__(self, settings: Mapping[str, Any], solve_precision: str = "float64") -> None:
+        super().__init__(settings, solve_precision)
         s = settings
         self.lams: list[float] = s["lambda_grid"] if s["lambda"] == "auto" else [s["lambda"]]
         self.rhos: list[float] = s["rho_grid"] if s["rho"] == "auto" else [s["rho"]]
@@ -199,7 +200,9 @@ class FeatCal(CalibrationMethod):
                     bias_terms.append(BiasTerm.of(mom, w_t, module.expert(t, "bias"), hp.alpha))
                 yield mom, w_t
 
-        sol = solve_linear_weight(per_task(), w_merged, module.base("weight"), hp)
+        sol = solve_linear_weight(per_task(), w_merged, module.base("weight"), hp, self.mixed)
+        if sol.path is not None:
+            report["solve_path"] = sol.path
         solved = {"weight": sol.weight}
         if module.has_bias and self.settings["calibrate_bias"]:
             solved["bias"] = solve_linear_bias(bias_terms, sol.weight, module.merged("bias"), module.base("bias"), hp,
@@ -244,8 +247,9 @@ class RegMean(CalibrationMethod):
         grams = ((linear_moments(stats, module.where).c_ss, module.expert(t, "weight"))
                  for t, stats in enumerate(module.stats()))
         eps = self.settings["eps"]
-        sol = solve_regmean_weight(grams, self.settings["regmean_off_diagonal"], eps)
-        return Solved({"weight": sol.weight}, damping=sol.damping, eps=eps)
+        sol = solve_regmean_weight(grams, self.settings["regmean_off_diagonal"], eps, self.mixed)
+        return Solved({"weight": sol.weight}, damping=sol.damping, eps=eps,
+                      report={} if sol.path is None else {"solve_path": sol.path})
 
     def solve_norm(self, module: ModuleData) -> Solved | None:
         return None

@@ -73,10 +73,22 @@ def anchor(merged: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor
 class LinearSolution:
     weight: torch.Tensor
     damping: float
+    path: str | None = None  # with a mixed solve: "mixed, N steps" or "float64: <why it fell back>"
+
+
+def _ridge(a: torch.Tensor, b: torch.Tensor, eps: float, mixed: bool) -> LinearSolution:
+    """Wᵀ from (a + εI) Wᵀ = b: float64 Cholesky, or fp32 with float64-residual refinement when `mixed`."""
+    if not mixed:
+        sol = featcal_kernels.ridge_solve(a, b, damping=eps)
+        return LinearSolution(weight=sol.x.T.contiguous(), damping=sol.damping)
+    sol = featcal_kernels.ridge_solve_mixed(a, b, damping=eps)
+    path = f"mixed, {sol.steps} steps" if sol.path == "mixed" else f"float64: {sol.fallback}"
+    return LinearSolution(weight=sol.x.T.contiguous(), damping=sol.damping, path=path)
 
 
 def solve_linear_weight(
     tasks: Iterable[tuple[LinearMoments, torch.Tensor]], merged: torch.Tensor, base: torch.Tensor, hp: Hyper,
+    mixed: bool = False,
 ) -> LinearSolution:
     """Wᵀ = (Σ_t C_ss/n_t + (λ+ε)I)⁻¹ (Σ_t (C_st/n_t) W_tᵀ + λ A(W)ᵀ); weights are [out, in].
 
@@ -92,8 +104,7 @@ def solve_linear_weight(
         b += hp.trust * a @ merged.double().T
         a *= 1.0 + hp.trust
     a += hp.lam * torch.eye(d, dtype=torch.float64, device=merged.device)
-    sol = featcal_kernels.ridge_solve(a, b, damping=hp.eps)
-    return LinearSolution(weight=sol.x.T.contiguous(), damping=sol.damping)
+    return _ridge(a, b, hp.eps, mixed)
 
 
 @dataclass(frozen=True)
@@ -233,7 +244,7 @@ def solve_norm_affine(
 
 
 def solve_regmean_weight(
-    tasks: Iterable[tuple[torch.Tensor, torch.Tensor]], off_diagonal: float, eps: float,
+    tasks: Iterable[tuple[torch.Tensor, torch.Tensor]], off_diagonal: float, eps: float, mixed: bool = False,
 ) -> LinearSolution:
     """RegMean (Jin et al., 2023): Wᵀ = (Σ_t G̃_t)⁻¹ Σ_t G̃_t W_tᵀ with G̃_t = a·G_t + (1−a)·diag(G_t).
 
@@ -253,5 +264,4 @@ def solve_regmean_weight(
         b = rhs if b is None else b + rhs
     if a is None or b is None:
         raise ValueError("solve_regmean_weight needs at least one task")
-    sol = featcal_kernels.ridge_solve(a, b, damping=eps)
-    return LinearSolution(weight=sol.x.T.contiguous(), damping=sol.damping)
+    return _ridge(a, b, eps, mixed)

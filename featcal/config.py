@@ -205,6 +205,9 @@ class RuntimeConfig(_Strict):
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="bf16: activations stored as bf16 (half the disk and I/O) and block forwards in bf16; "
                             "Grams still sum in fp32 within a chunk and float64 across chunks, solves in float64")
+    solve_precision: Literal["float64", "mixed"] = Field(
+        "float64", description="mixed: each linear solve factors in fp32 and refines against a float64 residual, "
+                               "falling back to float64 when refinement stalls (the solve record says which per module)")
 
     @field_validator("device")
     @classmethod

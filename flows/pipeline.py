@@ -243,7 +243,8 @@ class Pipeline:
                 f"block {layer:02d} · solve" + (f" · {g + 1}/{len(groups)}" if len(groups) > 1 else ""), self.key(
                     "solve", layer, [grams[t]["outputs"][run.stats(t, layer)] for t in tasks], solve_cfg,
                     merged_digest, self.inputs["base"], [self.inputs[f"expert/{t}"] for t in tasks],
-                    *([modules] if len(groups) > 1 else [])),
+                    *([modules] if len(groups) > 1 else []),
+                    *(["mixed"] if cfg.runtime.solve_precision == "mixed" else [])),  # float64 keys stay as they were
                 needs={**{run.stats(t, layer): grams[t]["stage"] for t in tasks}, "merged": "merge"},
                 params={"layer": layer, "group": g, "groups": len(groups)}) for g, modules in enumerate(groups)])
             parts = {run.block(layer, g, len(groups)): rec for g, rec in enumerate(solved)}

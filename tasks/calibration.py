@@ -354,7 +354,7 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
     (featcal/calibration_methods.py) from the tasks' statistics summed in task order; the group's file holds every
     parameter of its modules, solved or kept (a part the method leaves keeps the merged value)."""
     fc = ctx.cfg.featcal
-    method = calibration_method(fc)
+    method = calibration_method(fc, ctx.cfg.runtime.solve_precision)
     weights = _task_weights(ctx, layer, fc.task_weight_power) if method.weighs_tasks else [1.0] * len(ctx.tasks)
     merged = ctx.checkpoint(MERGED).with_prefix(ctx.adapter.block_prefix(layer))
     modules = calibrated_modules(ctx.skeleton.block_template(layer))

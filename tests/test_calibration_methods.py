@@ -163,3 +163,45 @@ def test_regmean_module_solve_is_its_least_squares_solution(linear, off_diagonal
     torch.testing.assert_close(solved.tensors["weight"], torch.linalg.solve(lhs, rhs).T, rtol=1e-9, atol=1e-10)
     assert set(solved.tensors) == {"weight"} and method.solve_norm(data) is None
     assert calibration_method(_featcal(calibrate_norm=False)).solve_norm(data) is None
+
+
+# ---- runtime.solve_precision: mixed ---------------------------------------------------------------------------
+def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x - ref).norm() / ref.norm())
+
+
+def test_featcal_mixed_solve_refines_to_the_float64_weights_and_says_so(linear):
+    """λ = 0.01 relative to the normalised Gram: well conditioned, so fp32 + refinement reaches float64."""
+    data = linear[0]
+    fc = _featcal(**{"lambda": 0.01, "rho": 2.2, "eps": 1e-14})
+    exact = calibration_method(fc).solve_linear(data)
+    mixed = calibration_method(fc, "mixed").solve_linear(data)
+    assert _relative(mixed.tensors["weight"], exact.tensors["weight"]) < 1e-9
+    assert _relative(mixed.tensors["bias"], exact.tensors["bias"]) < 1e-9
+    assert mixed.report["solve_path"] in {f"mixed, {n} steps" for n in range(1, 5)} and "solve_path" not in exact.report
+
+
+def test_regmean_mixed_solve_falls_back_to_float64_on_a_nearly_singular_gram():
+    """ε-only regularisation and two inputs that are almost the same feature: fp32 cannot solve it, float64 does."""
+    g = torch.Generator().manual_seed(9)
+    xs = torch.randn(N, D_IN, generator=g, dtype=torch.float64)
+    xs[:, 4] = xs[:, 3] + 1e-6 * torch.randn(N, generator=g, dtype=torch.float64)
+    w = torch.ones(N, dtype=torch.float64)
+    experts = [torch.randn(D_OUT, D_IN, generator=g, dtype=torch.float64) for _ in range(T)]
+    data = ModuleData(where="layer.0.fc", tasks=("t0", "t1"), task_weights=(1.0, 1.0), has_bias=False,
+                      stats=lambda: iter([_sums(xs, xs, w, w) for _ in range(T)]),
+                      merged=lambda part: experts[0], base=lambda part: experts[0],
+                      expert=lambda t, part: experts[t])
+    fc = _featcal(method="regmean", regmean_off_diagonal=1.0, eps=1e-14)  # a < 1 would add a diagonal
+    exact = calibration_method(fc).solve_linear(data)
+    mixed = calibration_method(fc, "mixed").solve_linear(data)
+    assert mixed.report["solve_path"].startswith("float64: ")
+    assert torch.equal(mixed.tensors["weight"], exact.tensors["weight"]) and mixed.damping == exact.damping
+
+
+def test_solve_precision_is_checked_with_a_one_line_error(tmp_path):
+    assert config_from_dict({**RAW, "runtime": {"solve_precision": "mixed"}}, tmp_path).runtime.solve_precision == "mixed"
+    assert config_from_dict(RAW, tmp_path).runtime.solve_precision == "float64"
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({**RAW, "runtime": {"solve_precision": "fp16"}}, tmp_path)
+    assert str(err.value) == "runtime.solve_precision: Input should be 'float64' or 'mixed' (got 'fp16', from config)"

@@ -204,6 +204,57 @@ def test_ridge_solve_rejects_bad_input(mutate, kwargs: dict, name: str) -> None:
         ridge_solve(a, b, **kwargs)
 
 
+def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x - ref).norm() / ref.norm())
+
+
+def test_ridge_solve_mixed_refines_a_well_conditioned_system_to_float64() -> None:
+    # FeatCal's system: a normalised Gram (eigenvalues up to 1, some near 0) plus λ = 0.01·I.
+    d = 120
+    a = spd_matrix(d, torch.cat([torch.logspace(-8, 0, d - 2), torch.zeros(2)]), seed=3) + 0.01 * torch.eye(
+        d, dtype=torch.float64)
+    b = randn64(d, 7, seed=14)
+    reference = ridge_solve(a, b, damping=1e-8)
+    sol = featcal_kernels.ridge_solve_mixed(a, b, damping=1e-8)
+    assert (sol.path, sol.fallback, sol.damping) == ("mixed", None, 1e-8)
+    assert 1 <= sol.steps <= 4
+    assert _relative(sol.x, reference.x) < 1e-9
+    # the fp32 solve alone, without refinement, is far from that: the refinement is doing the work
+    unrefined = torch.cholesky_solve(b.float(), torch.linalg.cholesky((a + 1e-8 * torch.eye(d, dtype=torch.float64))
+                                                                      .float())).double()
+    assert _relative(unrefined, reference.x) > 1e-7
+
+
+def test_ridge_solve_mixed_falls_back_on_regmean_eps_only_system() -> None:
+    # RegMean: a Gram with eigenvalues down to 1e-9 and only ε = 1e-8 on the diagonal, κ ≈ 1e8 > 1/u_fp32.
+    d = 80
+    a = spd_matrix(d, torch.logspace(-9, 0, d), seed=4)
+    b = randn64(d, 3, seed=15)
+    reference = ridge_solve(a, b, damping=1e-8)
+    sol = featcal_kernels.ridge_solve_mixed(a, b, damping=1e-8)
+    assert sol.path == "float64" and sol.steps == 0
+    assert sol.fallback is not None and ("stalled" in sol.fallback or "fp32 Cholesky failed" in sol.fallback)
+    assert torch.equal(sol.x, reference.x) and sol.damping == reference.damping
+
+
+def test_ridge_solve_mixed_falls_back_when_fp32_factorisation_fails() -> None:
+    # Nearly singular: PSD only up to rounding, so the fp32 factor fails and float64 grows the damping.
+    d = 30
+    a = spd_matrix(d, torch.cat([torch.linspace(1, 10, d - 3), torch.tensor([0.0, 0.0, -1e-7])]), seed=1)
+    b = randn64(d, 2, seed=11)
+    sol = featcal_kernels.ridge_solve_mixed(a, b, damping=1e-8)
+    reference = ridge_solve(a, b, damping=1e-8)
+    assert sol.path == "float64" and sol.fallback == "fp32 Cholesky failed at damping 1e-08"
+    assert torch.equal(sol.x, reference.x) and sol.damping == reference.damping > 1e-8
+
+
+@pytest.mark.parametrize("mutate,kwargs,name", BAD_RIDGE_INPUTS.values(), ids=BAD_RIDGE_INPUTS.keys())
+def test_ridge_solve_mixed_rejects_bad_input(mutate, kwargs: dict, name: str) -> None:
+    a, b = mutate(torch.eye(4, dtype=torch.float64), torch.ones(4, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        featcal_kernels.ridge_solve_mixed(a, b, **kwargs)
+
+
 def test_ridge_sweep_matches_ridge_solve() -> None:
     d = 25
     a = spd_matrix(d, torch.logspace(-4, 1, d), seed=2)

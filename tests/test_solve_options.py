@@ -145,3 +145,24 @@ def test_task_weights_follow_drift_and_trust_moves_the_weights(tiny_example, tmp
     assert sorted(weights, key=weights.get) == sorted(drift, key=drift.get) and len(set(weights.values())) > 1
     rel = "calibrated/model.safetensors"
     assert digest(tmp_path / "plain" / rel) != digest(tmp_path / "weighted" / rel)
+
+
+def test_mixed_precision_solve_keeps_the_weights_and_records_each_modules_path(tiny_example, tmp_path):
+    """runtime.solve_precision: mixed gives the float64 run's weights within 1e-6 relative, and the solve record
+    names each linear module's path; a float64 run's record has no such entry."""
+    from safetensors.torch import load_file
+
+    exact = example_config(tiny_example, "bert", evaluation={"enabled": False})
+    mixed = example_config(tiny_example, "bert", runtime__solve_precision="mixed", evaluation={"enabled": False})
+    run_pipeline(exact, tmp_path / "exact")
+    run_pipeline(mixed, tmp_path / "mixed")
+    rel = "calibrated/model.safetensors"
+    a, b = load_file(tmp_path / "exact" / rel), load_file(tmp_path / "mixed" / rel)
+    assert a.keys() == b.keys()
+    for name in a:
+        gap = float((a[name].double() - b[name].double()).norm() / a[name].double().norm().clamp_min(1e-300))
+        assert gap <= 1e-6, name
+    info = RunDir(tmp_path / "mixed").record("solve/l00")["info"]
+    assert "attention.self.query" in info["solve_path"] and "output.LayerNorm" not in info["solve_path"]
+    assert all(p.startswith(("mixed, ", "float64: ")) for p in info["solve_path"].values())
+    assert "solve_path" not in RunDir(tmp_path / "exact").record("solve/l00")["info"]
