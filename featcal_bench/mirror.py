@@ -123,6 +123,18 @@ def pretrained(cls: Any, spec: MirroredSpec, hub_id: str) -> Any:
                        bool(spec.models_from), MODELS_FLAG)
 
 
+def write_pretrained(bench: Path, name: str, spec: MirroredSpec, hub_id: str, model_cls: Any,
+                     *processor_classes: Any) -> tuple[list[str], dict[str, Any]]:
+    """A build stage: hub model `hub_id` with its tokenizer or processors, re-saved by this transformers as
+    bench/name (outputs, info)."""
+    model = pretrained(model_cls, spec, hub_id)
+    with atomic_path(bench / name) as tmp:
+        model.save_pretrained(tmp)
+        for cls in processor_classes:
+            pretrained(cls, spec, hub_id).save_pretrained(tmp)
+    return [name], {"source": spec.model_source(hub_id), "parameters": sum(p.numel() for p in model.parameters())}
+
+
 def dataset_split(source: str, config: str | None, split: str, mirrored: bool, splits: Sequence[str]) -> datasets.Dataset:
     """Split `split` of dataset `source`: a `save_to_disk` directory, or a hub dataset (or its snapshot) by
     `load_dataset`; `splits` are the ones the benchmark reads, named when the split is not there."""

@@ -19,7 +19,7 @@ from transformers.utils import logging as hf_logging
 from featcal_bench.layout import BASE, data_dir
 from featcal_bench.clip.prompts import CLASS_NAMES
 from featcal_bench.clip.spec import BASE_MODEL, CLIP_TASKS, ClipBenchSpec
-from featcal_bench.mirror import dataset_split, expert_stage, pretrained
+from featcal_bench.mirror import dataset_split, expert_stage, pretrained, write_pretrained
 from featcal.data import pick_examples
 from storage.atomic import atomic_path
 
@@ -31,13 +31,8 @@ SPLITS = ("train", "test")
 
 def write_clip(bench: Path) -> tuple[list[str], dict[str, Any]]:
     """The CLIPModel with its tokenizer and image processor, re-saved by this transformers."""
-    spec = ClipBenchSpec.load(bench)
-    model = pretrained(CLIPModel, spec, BASE_MODEL)
-    with atomic_path(bench / CLIP) as tmp:
-        model.save_pretrained(tmp)
-        pretrained(AutoTokenizer, spec, BASE_MODEL).save_pretrained(tmp)
-        pretrained(AutoImageProcessor, spec, BASE_MODEL).save_pretrained(tmp)
-    return [CLIP], {"source": spec.model_source(BASE_MODEL), "parameters": sum(p.numel() for p in model.parameters())}
+    return write_pretrained(bench, CLIP, ClipBenchSpec.load(bench), BASE_MODEL, CLIPModel, AutoTokenizer,
+                            AutoImageProcessor)
 
 
 def write_base(bench: Path) -> tuple[list[str], dict[str, Any]]:

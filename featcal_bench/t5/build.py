@@ -18,7 +18,7 @@ from datasets import ClassLabel, Value
 from transformers import AutoTokenizer, T5ForConditionalGeneration
 
 from featcal_bench.layout import BASE, data_dir
-from featcal_bench.mirror import dataset_split, expert_stage, pretrained
+from featcal_bench.mirror import dataset_split, expert_stage, pretrained, write_pretrained
 from featcal_bench.t5.prompts import LABEL_WORDS, SCORE_FORMAT, TEMPLATES
 from featcal_bench.t5.spec import BASE_MODEL, GLUE, GLUE_TASKS, T5BenchSpec
 from featcal.data import pick_examples
@@ -31,12 +31,7 @@ TEXT, TARGET, LABEL = "text", "target", "label"
 
 def write_base(bench: Path) -> tuple[list[str], dict[str, Any]]:
     """FLAN-T5-base with its tokenizer (the pipeline tokenizes every prompt with the base's), re-saved here."""
-    spec = T5BenchSpec.load(bench)
-    model = pretrained(T5ForConditionalGeneration, spec, BASE_MODEL)
-    with atomic_path(bench / BASE) as tmp:
-        model.save_pretrained(tmp)
-        pretrained(AutoTokenizer, spec, BASE_MODEL).save_pretrained(tmp)
-    return [BASE], {"source": spec.model_source(BASE_MODEL), "parameters": sum(p.numel() for p in model.parameters())}
+    return write_pretrained(bench, BASE, T5BenchSpec.load(bench), BASE_MODEL, T5ForConditionalGeneration, AutoTokenizer)
 
 
 def _split(spec: T5BenchSpec, task: str, split: str) -> datasets.Dataset:
