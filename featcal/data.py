@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from featcal.config import DataSource
-from featcal.input_checks import usable_positions
+from featcal.input_checks import text_length_limit
 
 log = logging.getLogger("featcal")
 
@@ -89,7 +89,7 @@ class InputBuilder:
                  columns: list[str], where: str):
         self.where = where
         self.is_text = "input_ids" in input_names
-        self.max_length = clamped_max_length(base_dir, max_length) if self.is_text else max_length
+        self.max_length = text_length_limit(_base_config(base_dir), max_length) if self.is_text else max_length
         self.pair_column = source.text_pair_column
         if source.column is not None and source.column not in columns:
             raise DataError(f"{where}.column: {source.column!r} is not a column of the data (it has {columns})")
@@ -148,13 +148,10 @@ class InputBuilder:
         return self.text_inputs(rows) if self.is_text else self.image_inputs(rows)
 
 
-def clamped_max_length(base_dir: str, max_length: int) -> int:
-    """`max_length`, or fewer where the base has fewer positions (longer inputs would crash its embeddings);
-    preflight logs the notice once."""
+def _base_config(base_dir: str):
     from transformers import AutoConfig
 
-    positions = usable_positions(AutoConfig.from_pretrained(base_dir, local_files_only=True))
-    return max_length if positions is None else min(max_length, positions)
+    return AutoConfig.from_pretrained(base_dir, local_files_only=True)
 
 
 def _pad_token_id(base_dir: str) -> int:

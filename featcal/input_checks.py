@@ -22,6 +22,13 @@ def usable_positions(config) -> int | None:
     return int(limit) - _OFFSET_POSITIONS.get(getattr(text, "model_type", ""), 0)
 
 
+def text_length_limit(config, max_length: int) -> int:
+    """`max_length`, or the positions the model accepts where it has fewer: longer inputs would crash its
+    embeddings, so inputs are cut to this (featcal/data.py), plans size by it and preflight says so."""
+    positions = usable_positions(config)
+    return max_length if positions is None else min(max_length, positions)
+
+
 def label_range_error(ds: datasets.Dataset, column: str, num_labels: int, where: str) -> str | None:
     """A label outside [0, num_labels) would be scored as a wrong answer without a word; name the first one seen."""
     labels = ds[column]

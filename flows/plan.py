@@ -9,7 +9,7 @@ from typing import Any
 
 from featcal.calibration_methods import calibration_method
 from featcal.config import RunConfig
-from featcal.input_checks import usable_positions
+from featcal.input_checks import text_length_limit
 from featcal.devices import activation_dtype, bf16_warning, cpu_has_native_bf16, resolve_device
 from featcal.modeling import Skeleton, calibrated_modules, is_norm, linear_dims
 from featcal.statistics import expert_side_form
@@ -26,8 +26,7 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
     vision = adapter.text_or_vision_config()
     hidden = vision.hidden_size
     if "input_ids" in adapter.model_input_names():
-        positions = usable_positions(adapter.config)
-        tokens = cfg.calibration.max_length if positions is None else min(cfg.calibration.max_length, positions)
+        tokens = text_length_limit(adapter.config, cfg.calibration.max_length)
     else:
         tokens = (vision.image_size // vision.patch_size) ** 2 + 1
     modules = calibrated_modules(skeleton.block_template(0))

@@ -12,7 +12,7 @@ from featcal.adapters import Adapter, adapter_for
 from featcal.calibration_methods import calibration_method
 from featcal.config import ConfigError, RunConfig
 from featcal.data import DataError, InputBuilder, load_split
-from featcal.input_checks import label_range_error, safetensors_header_error, text_type_error, usable_positions
+from featcal.input_checks import label_range_error, safetensors_header_error, text_length_limit, text_type_error
 from featcal.devices import bf16_warning, cpu_has_native_bf16, resolve_device
 from featcal.t5 import answer_kind
 from featcal.zeroshot import class_names
@@ -111,8 +111,9 @@ def check_zero_shot(cfg: RunConfig) -> None:
 
 def max_length_notice(cfg: RunConfig, adapter: Adapter) -> str | None:
     """A `max_length` beyond the base's positions is clamped where inputs are built (featcal/data.py); this says so."""
-    positions = usable_positions(adapter.config) if "input_ids" in adapter.model_input_names() else None
-    if positions is None or cfg.calibration.max_length <= positions:
+    asked = cfg.calibration.max_length
+    positions = text_length_limit(adapter.config, asked) if "input_ids" in adapter.model_input_names() else asked
+    if positions == asked:
         return None
     return (f"calibration.max_length {cfg.calibration.max_length} exceeds the {positions} positions the base accepts; "
             f"texts are truncated to {positions} tokens (calibration and evaluation)")
