@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
@@ -11,7 +12,7 @@ import numpy as np
 import torch
 
 from featcal.config import DataSource
-from featcal.input_checks import text_length_limit
+from featcal.input_checks import malformed_file_error, pad_with_eos, text_length_limit
 
 log = logging.getLogger("featcal")
 
@@ -44,12 +45,31 @@ def load_split(source: DataSource, where: str) -> datasets.Dataset:
                 raise DataError(f"{where}.path: {path} has suffix {path.suffix!r}; expected one of {sorted(FILE_BUILDERS)}")
             if _file_has_no_rows(path):
                 raise DataError(f"{where}.path: {path} has no rows")
-            return datasets.load_dataset(builder, data_files=str(path), split="train")
+            try:
+                with _quiet_datasets_errors():
+                    return datasets.load_dataset(builder, data_files=str(path), split="train")
+            except Exception as exc:
+                broken = malformed_file_error(path)
+                if broken is None:
+                    raise
+                raise DataError(f"{where}.path: {path} cannot be read as {builder}: {broken}") from exc
         return datasets.load_dataset(source.path, split=source.split)
     except DataError:
         raise
     except Exception as exc:  # datasets raises many types; name the field and the path either way
         raise DataError(f"{where}.path: cannot load {source.path!r} split {source.split!r}: {exc}") from exc
+
+
+@contextmanager
+def _quiet_datasets_errors() -> Iterator[None]:
+    """`datasets` logs a reader's failure ("Failed to read file ...") before raising it; our one line says it."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _file_has_no_rows(path: Path) -> bool:
@@ -96,6 +116,7 @@ class InputBuilder:
         if self.pair_column is not None and self.pair_column not in columns:
             raise DataError(f"{where}.text_pair_column: {self.pair_column!r} is not a column of the data (it has {columns})")
         self.ready = [c for c in ("input_ids", "pixel_values") if c in columns and c in input_names]
+        self.padding_notice: str | None = None  # set where a tokenizer without a padding token pads with EOS
         if self.ready:
             self.column = None
             self.processor = None
@@ -116,6 +137,8 @@ class InputBuilder:
                 self.processor = AutoTokenizer.from_pretrained(base_dir, local_files_only=True)
         except Exception as exc:
             raise DataError(f"{where}: raw column {self.column!r} needs the base's tokenizer/processor: {exc}") from exc
+        if "pixel_values" not in input_names:
+            self.padding_notice = pad_with_eos(self.processor, base_dir)
         self.pad_id = getattr(self.processor, "pad_token_id", None) or 0
 
     def text_inputs(self, rows: dict[str, list]) -> dict[str, torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -12,7 +13,8 @@ from featcal.adapters import Adapter, adapter_for
 from featcal.calibration_methods import calibration_method
 from featcal.config import ConfigError, RunConfig
 from featcal.data import DataError, InputBuilder, load_split
-from featcal.input_checks import label_range_error, safetensors_header_error, text_length_limit, text_type_error
+from featcal.input_checks import (label_names_check, label_range_error, safetensors_header_error, text_length_limit,
+                                  text_type_error)
 from featcal.devices import bf16_warning, cpu_has_native_bf16, resolve_device
 from featcal.t5 import answer_kind
 from featcal.zeroshot import class_names
@@ -133,7 +135,10 @@ def _head_labels(cfg: RunConfig, adapter: Adapter, task: str) -> int | None:
     return num_labels if num_labels > 1 else None
 
 
-def check_data(cfg: RunConfig, adapter: Adapter) -> None:
+def check_data(cfg: RunConfig, adapter: Adapter) -> list[str]:
+    """Refuses what the data holds that would crash a stage or be scored wrongly; returns the notices of what is
+    taken another way than asked (a tokenizer padding with EOS, class names that differ from the head's)."""
+    notices: list[str] = []
     sections = [("calibration.data", cfg.calibration.data)]
     if cfg.evaluation.enabled:
         sections.append(("evaluation.data", cfg.evaluation.data))
@@ -145,6 +150,8 @@ def check_data(cfg: RunConfig, adapter: Adapter) -> None:
                 raise DataError(f"{where}.path: {source.path} split {source.split!r} has no rows")
             builder = InputBuilder(cfg.base, adapter.model_input_names(), source, cfg.calibration.max_length,
                                    ds.column_names, where)
+            if builder.padding_notice and builder.padding_notice not in notices:
+                notices.append(builder.padding_notice)
             if builder.is_text and builder.column is not None:
                 for column in filter(None, (builder.column, builder.pair_column)):
                     wrong = text_type_error(ds, column, where)
@@ -157,6 +164,13 @@ def check_data(cfg: RunConfig, adapter: Adapter) -> None:
                 wrong = label_range_error(ds, source.label_column, num_labels, where)
                 if wrong:
                     raise DataError(wrong)
+                if cfg.zero_shot is None:  # zero-shot heads are made from the class names themselves
+                    field = f"experts.{task}"
+                    wrong, differ = label_names_check(ds, source.label_column, _config(cfg.experts[task], field).id2label,
+                                                      num_labels, where, field)
+                    if wrong:
+                        raise DataError(wrong)
+                    notices += [differ] if differ else []
             if source.target_column is not None and source.target_column not in ds.column_names:
                 raise DataError(f"{where}.target_column: {source.target_column!r} is not a column ({ds.column_names})")
             if section == "evaluation.data" and source.label_column and adapter.has_decoder:
@@ -165,6 +179,7 @@ def check_data(cfg: RunConfig, adapter: Adapter) -> None:
                     AutoTokenizer.from_pretrained(cfg.base, local_files_only=True)
                 except Exception as exc:
                     raise DataError(f"{where}: scoring generated answers needs the base's tokenizer: {exc}") from exc
+    return notices
 
 
 def check_activation_store(cfg: RunConfig) -> None:
@@ -178,32 +193,40 @@ def check_activation_store(cfg: RunConfig) -> None:
     store.check_writable()
 
 
+class Checked(NamedTuple):
+    """What preflight found: the architecture's adapter, and one line for each input taken another way than asked."""
+
+    adapter: Adapter
+    notices: list[str]
+
+
 # The last config checked in this process: `featcal run` checks before Prefect starts, and the flow's pipeline,
 # seconds later, takes that verdict once instead of reading every input again. Any later check reads them anew
 # (a long-lived process may run the same config after its files changed).
-_just_checked: dict[str, Adapter] = {}
+_just_checked: dict[str, Checked] = {}
 
 
-def preflight(cfg: RunConfig, quiet: bool = False) -> Adapter:
-    """Every input checked (each failure one line); what would make the run slow or cut its texts is logged unless
-    `quiet`
-    (`featcal plan` prints it in its own text; `featcal run` plans quietly, then its pipeline says it once)."""
+def preflight(cfg: RunConfig, quiet: bool = False) -> Checked:
+    """Every input checked (each failure one line); what would make the run slow, cut its texts or pad them with EOS
+    is logged unless `quiet` (`featcal plan` prints it in its own text; `featcal run` plans quietly, then its
+    pipeline says it once)."""
     device = resolve_device(cfg.runtime.device)  # a device torch cannot reach fails here, not at the first Gram
     slow = bf16_warning(device, cfg.runtime.precision, cpu_has_native_bf16())
     if slow and not quiet:
         log.warning(slow)
     key = cfg.fingerprint()
     if key in _just_checked:
-        adapter = _just_checked.pop(key)
+        checked = _just_checked.pop(key)
     else:
         check_zero_shot(cfg)
         adapter = check_checkpoints(cfg)
         check_head_side(cfg, adapter)
-        check_data(cfg, adapter)
+        found = check_data(cfg, adapter)
         check_activation_store(cfg)
+        notice = max_length_notice(cfg, adapter)
+        checked = Checked(adapter, [notice, *found] if notice else found)
         _just_checked.clear()
-        _just_checked[key] = adapter
-    notice = max_length_notice(cfg, adapter)
-    if notice and not quiet:
+        _just_checked[key] = checked
+    for notice in [] if quiet else checked.notices:
         log.warning(notice)
-    return adapter
+    return checked

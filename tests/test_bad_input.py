@@ -10,6 +10,7 @@ from pathlib import Path
 import datasets
 import pytest
 import yaml
+import torch
 from safetensors.torch import load_file
 
 from flows.cli import main
@@ -190,3 +191,79 @@ def test_a_run_on_texts_longer_than_the_model_takes_completes(tiny_example, tmp_
     report = json.loads((run_dir / "report.json").read_text())
     assert set(report["tasks"]) == {"topic", "negation", "count"}
     assert all(t.isfinite().all() for t in load_file(run_dir / "calibrated" / "model.safetensors").values())
+
+
+def _tiny_llama(root: Path, eos: bool = True) -> Path:
+    """A tiny Llama whose tokenizer, like Llama's and GPT-2's, has no padding token (tests/llm_fixture.py), two
+    perturbed copies as experts and raw text to calibrate and evaluate on; `eos=False` drops its EOS token too."""
+    from transformers import LlamaForCausalLM
+
+    from tests.llm_fixture import WORDS, llm_config, llm_tokenizer
+    from tests.test_architectures import perturbed
+
+    texts = [" ".join(words) for words in WORDS.values()]
+    tokenizer = llm_tokenizer(texts)
+    if not eos:
+        tokenizer.eos_token = None
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(llm_config(len(tokenizer))).eval()
+    base.save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+    raw = {"base": "base", "experts": {}, "calibration": {"data": {}, "examples_per_task": 8, "batch_size": 4},
+           "evaluation": {"data": {}}, "featcal": {"lambda": 0.05, "rho": 1.0}}
+    for t, words in enumerate(list(WORDS.values())[:2]):
+        base.load_state_dict(perturbed(base, seed=10 + t))
+        base.save_pretrained(root / f"e{t}")
+        rows = [" ".join(words[(i + k) % len(words)] for k in range(2 + i % 5)) for i in range(8)]  # ragged lengths
+        datasets.Dataset.from_dict({"text": rows}).save_to_disk(str(root / f"d{t}"))
+        raw["experts"][f"task{t}"] = f"e{t}"
+        raw["calibration"]["data"][f"task{t}"] = {"path": f"d{t}"}
+        raw["evaluation"]["data"][f"task{t}"] = {"path": f"d{t}"}
+    (root / "llama.yaml").write_text(yaml.safe_dump(raw))
+    return root / "llama.yaml"
+
+
+def test_a_tokenizer_without_padding_pads_with_eos_after_one_notice(tmp_path, capsys):
+    """Llama's tokenizer has no padding token: `Asking to pad but the tokenizer does not have a padding token` came
+    after merged/ was written. Preflight now says, once, that EOS pads (lm-evaluation-harness's choice); the plan
+    shows it, every builder pads with it (masked out), and the run completes."""
+    from featcal.config import load_config
+    from featcal.data import InputBuilder
+
+    config = _tiny_llama(tmp_path)
+    notice = (f"base: the tokenizer of {tmp_path / 'base'} has no padding token; padding with its EOS token '</s>' "
+              "(id 2), as lm-evaluation-harness does (padding is masked out)")
+    assert main(["plan", str(config)]) == 0
+    assert f"notice            {notice}" in capsys.readouterr().out
+    run_dir = tmp_path / "run"
+    assert main(["run", "--no-prefect", str(config), "--run-dir", str(run_dir)]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "padding token" in line]
+    assert len(said) == 1 and said[0].endswith(f" WARNING {notice}"), said
+    report = json.loads((run_dir / "report.json").read_text())
+    assert set(report["tasks"]) == {"task0", "task1"}
+    assert all(t.isfinite().all() for t in load_file(run_dir / "calibrated" / "model.safetensors").values())
+    cfg = load_config(config)
+    rows = datasets.load_from_disk(str(tmp_path / "d0"))[:4]
+    builder = InputBuilder(cfg.base, ("input_ids", "attention_mask"), cfg.calibration.data["task0"], 32,
+                           list(rows), "w")
+    batch = builder(rows)
+    lengths = [len(builder.processor(text)["input_ids"]) for text in rows["text"]]
+    assert lengths == [3, 4, 5, 6]  # BOS and 2..5 words: rows 0..2 are padded
+    assert builder.pad_id == 2 and batch["input_ids"].shape == (4, 6)
+    for row, n in enumerate(lengths):
+        assert batch["input_ids"][row, n:].tolist() == [2] * (6 - n)
+        assert batch["attention_mask"][row].tolist() == [1] * n + [0] * (6 - n)
+
+
+@pytest.mark.parametrize("command", ["plan", "run"])
+def test_a_tokenizer_without_padding_or_eos_is_refused(tmp_path, capsys, command):
+    config = _tiny_llama(tmp_path, eos=False)
+    run_dir = tmp_path / "run"
+    args = ["plan", str(config)] if command == "plan" else ["run", "--no-prefect", str(config), "--run-dir", str(run_dir)]
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"featcal: error: base: the tokenizer of {tmp_path / 'base'} has no padding token and no "
+                                "EOS token to pad with; expected one (set tokenizer.pad_token and save the tokenizer "
+                                "with the base)"]
+    assert not run_dir.exists()
