@@ -18,6 +18,9 @@ log = logging.getLogger("featcal")
 
 TEXT_COLUMNS = ("text", "sentence", "sentence1", "question", "premise")
 IMAGE_COLUMNS = ("image", "img")
+# What a saved tokenizer writes (one at least): its fast form, its settings, or a slow tokenizer's vocabulary.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
+                   "spiece.model", "sentencepiece.bpe.model")
 FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 
 
@@ -130,6 +133,12 @@ class InputBuilder:
             )
         from transformers import AutoImageProcessor, AutoTokenizer
 
+        if "pixel_values" not in input_names and Path(base_dir).is_dir() and not any(
+                (Path(base_dir) / name).is_file() for name in TOKENIZER_FILES):
+            # transformers then makes an empty tokenizer of the config's class: every word becomes [UNK], silently
+            raise DataError(f"{where}: raw text column {self.column!r} needs the base's tokenizer, but {base_dir} holds "
+                            f"none of {list(TOKENIZER_FILES)}; expected the tokenizer saved with the base "
+                            "(tokenizer.save_pretrained(BASE_DIR))")
         try:
             if "pixel_values" in input_names:
                 self.processor = AutoImageProcessor.from_pretrained(base_dir, local_files_only=True)
