@@ -60,7 +60,15 @@ def load_split(source: DataSource, where: str) -> datasets.Dataset:
     except DataError:
         raise
     except Exception as exc:  # datasets raises many types; name the field and the path either way
-        raise DataError(f"{where}.path: cannot load {source.path!r} split {source.split!r}: {exc}") from exc
+        raise DataError(f"{where}.path: cannot load {source.path!r} split {source.split!r}: {_one_line(exc)}") from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    """The first line of a library's message, with its cause's where it wraps one ("An error occurred while
+    generating the dataset" says nothing by itself)."""
+    said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    cause = exc.__cause__
+    return said if cause is None else f"{said} ({type(cause).__name__}: {_one_line(cause)})"
 
 
 @contextmanager

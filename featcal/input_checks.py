@@ -126,10 +126,14 @@ def malformed_file_error(path: Path) -> str | None:
             reader = csv.reader(f)
             try:
                 header = next(reader, [])
+                start = reader.line_num + 1
                 for fields in reader:
                     if fields and len(fields) != len(header):
-                        return (f"line {reader.line_num} has {len(fields)} fields; expected {len(header)} as in the "
+                        lines = (f"line {start}" if start == reader.line_num else
+                                 f"lines {start}-{reader.line_num} (a quote left open?)")
+                        return (f"the row on {lines} has {len(fields)} fields; expected {len(header)} as in the "
                                 f"header {header}")
+                    start = reader.line_num + 1
             except csv.Error as exc:
                 return f"line {reader.line_num}: {exc}"
     if path.suffix == ".jsonl":

@@ -229,6 +229,13 @@ CASES = [
          ["runtime.activation_store", "'acts' must be a URL"]),
     Case("evaluation-models-repeated", "config", _set("evaluation.models", ["merged", "merged"]),
          ["evaluation.models", "lists ['merged'] more than once"]),
+    Case("label-words-unknown-task", "config", _set("evaluation.label_words", {"extra": ["no", "yes"]}),
+         ["evaluation.label_words names task(s) ['extra']"]),
+    Case("zero-shot-template-without-slot", "config", _set("zero_shot", {"clip_model": "base", "templates": ["a photo"]}),
+         ["zero_shot.templates", "'a photo' must hold exactly one {}"]),
+    Case("zero-shot-class-names-repeated", "config",
+         _set("zero_shot", {"clip_model": "base", "class_names": {"topic": ["cat", "cat", "car"]}}),
+         ["zero_shot.class_names", "task 'topic'", "distinct class names", "['cat', 'cat', 'car']"]),
     Case("head-side-with-regmean", "config", _set("featcal", {"method": "regmean", "calibrate_head_side": True}),
          ["featcal.calibrate_head_side: only with featcal.method featcal, not regmean"]),
     # ---- checkpoints: what the directories hold ----
@@ -265,13 +272,15 @@ CASES = [
     Case("label-column-unknown", "data", _set("evaluation.data.topic.label_column", "gold"),
          ["evaluation.data.topic.label_column: 'gold' is not a column"]),
     Case("csv-ragged-row", "data", _data_file("rows.csv", "text,label\na b,0\nc d,1,2\n"),
-         ["calibration.data.topic.path", "rows.csv cannot be read as csv: line 3 has 3 fields; expected 2"]),
+         ["calibration.data.topic.path", "rows.csv cannot be read as csv: the row on line 3 has 3 fields; expected 2"]),
     Case("csv-open-quote", "data", _data_file("rows.csv", 'text,label\n"a b,0\nc d,1\n'),
-         ["calibration.data.topic.path", "rows.csv cannot be read as csv: line 3 has 1 fields"]),
+         ["calibration.data.topic.path", "rows.csv cannot be read as csv: the row on lines 2-3 (a quote left open?) has 1 fields"]),
     Case("jsonl-broken-line", "data", _data_file("rows.jsonl", '{"text": "a b", "label": 0}\n{"text": "c d", label}\n'),
          ["calibration.data.topic.path", "rows.jsonl cannot be read as json: line 2 is not JSON"]),
     Case("jsonl-not-an-object", "data", _data_file("rows.jsonl", '{"text": "a b", "label": 0}\n[1, 2]\n', task="count"),
          ["calibration.data.count.path", "line 2 is list; expected a JSON object"]),
+    Case("parquet-corrupt", "data", _data_file("rows.parquet", "not parquet at all", "evaluation", "negation"),
+         ["evaluation.data.negation.path: cannot load", "rows.parquet", "Parquet magic bytes not found"]),
     Case("calibration-empty", "data", lambda r: _edit_split(r, "topic", "calibration", lambda ds: ds.select([])),
          ["calibration.data.topic.path", "split 'calibration' has no rows"]),
     Case("evaluation-empty", "data", lambda r: _edit_split(r, "negation", "test", lambda ds: ds.select([])),
@@ -327,7 +336,7 @@ def test_the_table_holds_every_kind_once():
     """The count the issue asks for (40 across config, checkpoint, data, run directory and degenerate set-ups: the
     last two are in tests/test_run_dir_config.py and tests/test_setup_checks.py)."""
     kinds = [c.kind for c in CASES]
-    assert len(set(kinds)) == len(kinds) >= 50
+    assert len(set(kinds)) == len(kinds) == 60
     assert {c.area for c in CASES} == {"config", "checkpoint", "data"}
 
 
