@@ -56,6 +56,9 @@ def load_split(source: DataSource, where: str) -> datasets.Dataset:
                 if broken is None:
                     raise
                 raise DataError(f"{where}.path: {path} cannot be read as {builder}: {broken}") from exc
+        if path.is_absolute():  # paths in the config were made absolute where they exist or start with "."
+            raise DataError(f"{where}.path: {path} does not exist; expected a saved dataset directory, a data file "
+                            f"({', '.join(sorted(FILE_BUILDERS))}) or a hub dataset name")
         return datasets.load_dataset(source.path, split=source.split)
     except DataError:
         raise

@@ -28,6 +28,9 @@ def _config(path: str, field: str):
     if not Path(path).is_dir():
         what = "is a file, not a checkpoint directory" if Path(path).exists() else "does not exist"
         raise CheckpointError(f"{field}: checkpoint directory {path} {what} (hub ids are not reachable offline)")
+    if not (Path(path) / "config.json").is_file():
+        raise CheckpointError(f"{field}: checkpoint directory {path} has no config.json; expected a checkpoint saved "
+                              "with save_pretrained (config.json beside its weights)")
     broken = safetensors_header_error(path)
     if broken:
         raise CheckpointError(f"{field}: {broken}")

@@ -246,7 +246,7 @@ CASES = [
     Case("base-header-garbage", "checkpoint", lambda r: _garbage_header(r, "base"),
          ["base:", "model.safetensors", "unreadable safetensors header"]),
     Case("expert-config-missing", "checkpoint", _remove("experts/topic", "config.json"),
-         ["experts.topic: cannot read the config of", "model_type"]),
+         ["experts.topic: checkpoint directory", "has no config.json"]),
     Case("expert-config-not-json", "checkpoint", _write_in("experts/negation", "config.json", "{not json"),
          ["experts.negation: cannot read the config of", "not a valid JSON file"]),
     Case("expert-other-architecture", "checkpoint", _other_architecture,
@@ -259,7 +259,7 @@ CASES = [
          ["calibration.data.topic: raw text column 'text' needs the base's tokenizer", "holds none of"]),
     # ---- data: files, splits, columns and the values they hold ----
     Case("data-path-missing", "data", _set("calibration.data.topic.path", "./nowhere"),
-         ["calibration.data.topic.path: cannot load", "nowhere", "Couldn't find any data file"]),
+         ["calibration.data.topic.path:", "nowhere does not exist", "a saved dataset directory"]),
     Case("split-unknown", "data", _set("calibration.data.negation.split", "dev"),
          ["calibration.data.negation.split: 'dev' is not a split of", "['calibration', 'test', 'train']"]),
     Case("file-suffix-unknown", "data", _data_file("rows.xlsx", "x"), ["calibration.data.topic.path", "suffix '.xlsx'"]),
