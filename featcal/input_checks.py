@@ -76,18 +76,18 @@ def safetensors_header_error(directory: str | Path) -> str | None:
     return None
 
 
-def pad_with_eos(tokenizer, base_dir: str) -> str | None:
+def pad_with_eos(tokenizer, directory: str, field: str = "base") -> str | None:
     """A tokenizer without a padding token (Llama's, GPT-2's) pads with its EOS token, as lm-evaluation-harness
     does: padded positions are masked out, so their id never reaches a statistic or a score. Sets it on
     `tokenizer` (every builder of model inputs does, so calibration and evaluation pad alike) and returns the
-    notice preflight logs; one with neither token is refused."""
+    notice preflight logs; one with neither token is refused. `field` names the config field of `directory`."""
     if getattr(tokenizer, "pad_token", None) is not None:
         return None
     if tokenizer.eos_token is None:
-        raise CheckpointError(f"base: the tokenizer of {base_dir} has no padding token and no EOS token to pad "
+        raise CheckpointError(f"{field}: the tokenizer of {directory} has no padding token and no EOS token to pad "
                               "with; expected one (set tokenizer.pad_token and save the tokenizer with the base)")
     tokenizer.pad_token = tokenizer.eos_token
-    return (f"base: the tokenizer of {base_dir} has no padding token; padding with its EOS token "
+    return (f"{field}: the tokenizer of {directory} has no padding token; padding with its EOS token "
             f"{tokenizer.eos_token!r} (id {tokenizer.eos_token_id}), as lm-evaluation-harness does (padding is masked out)")
 
 

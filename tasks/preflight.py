@@ -13,8 +13,8 @@ from featcal.adapters import Adapter, adapter_for
 from featcal.calibration_methods import calibration_method
 from featcal.config import ConfigError, RunConfig
 from featcal.data import DataError, InputBuilder, load_split
-from featcal.input_checks import (label_names_check, label_range_error, safetensors_header_error, text_length_limit,
-                                  text_type_error)
+from featcal.input_checks import (label_names_check, label_range_error, pad_with_eos, safetensors_header_error,
+                                  text_length_limit, text_type_error)
 from featcal.devices import bf16_warning, cpu_has_native_bf16, resolve_device
 from featcal.t5 import answer_kind
 from featcal.zeroshot import class_names
@@ -82,12 +82,13 @@ def check_head_side(cfg: RunConfig, adapter: Adapter) -> None:
         raise CheckpointError(f"featcal.calibrate_head_side: base {cfg.base} has no {path} tensors to calibrate")
 
 
-def check_zero_shot(cfg: RunConfig) -> None:
+def check_zero_shot(cfg: RunConfig) -> list[str]:
     """With `zero_shot`: base and experts are CLIPVisionModels, `clip_model` is the CLIPModel whose vision tower
-    the base is, with a tokenizer, and every task has class names."""
+    the base is, with a tokenizer, and every task has class names. Returns the notice of a tokenizer that pads
+    its prompts with EOS."""
     zs = cfg.zero_shot
     if zs is None:
-        return
+        return []
     clip_config = _config(zs.clip_model, "zero_shot.clip_model")
     kind = adapter_for(clip_config).architecture if clip_config.model_type == "clip" else clip_config.model_type
     if kind != "CLIPModel":
@@ -107,11 +108,13 @@ def check_zero_shot(cfg: RunConfig) -> None:
         raise CheckpointError(f"zero_shot.clip_model: its vision tower is not base (tensor {probe} differs); the heads "
                               "must come from the CLIPModel whose vision tower the experts were fine-tuned from")
     try:
-        AutoTokenizer.from_pretrained(zs.clip_model, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(zs.clip_model, local_files_only=True)
     except Exception as exc:
         raise CheckpointError(f"zero_shot.clip_model: cannot load its tokenizer (the prompts need it): {exc}") from exc
     for task in cfg.tasks:
         class_names(cfg, task)
+    padding = pad_with_eos(tokenizer, zs.clip_model, "zero_shot.clip_model")
+    return [padding] if padding else []
 
 
 def max_length_notice(cfg: RunConfig, adapter: Adapter) -> str | None:
@@ -221,10 +224,10 @@ def preflight(cfg: RunConfig, quiet: bool = False) -> Checked:
     if key in _just_checked:
         checked = _just_checked.pop(key)
     else:
-        check_zero_shot(cfg)
+        found = check_zero_shot(cfg)
         adapter = check_checkpoints(cfg)
         check_head_side(cfg, adapter)
-        found = check_data(cfg, adapter)
+        found += check_data(cfg, adapter)
         check_activation_store(cfg)
         notice = max_length_notice(cfg, adapter)
         checked = Checked(adapter, [notice, *found] if notice else found)
