@@ -116,6 +116,10 @@ def _set(dotted: str, value) -> Callable[[Path], None]:
     return lambda root: _edit_yaml(root, change)
 
 
+def _split(task: str, split: str, change: Callable[[datasets.Dataset], datasets.Dataset]) -> Callable[[Path], None]:
+    return lambda root: _edit_split(root, task, split, change)
+
+
 def _data_file(name: str, text: str, section: str = "calibration", task: str = "topic") -> Callable[[Path], None]:
     """Write a data file next to the config and point one task's data at it."""
     def breaks(root: Path) -> None:
@@ -196,7 +200,8 @@ def _unchanged(root: Path) -> None:
 
 CASES = [
     # ---- config: the file, --set, and the values pydantic validates ----
-    Case("config-missing", "config", lambda r: (r / "example.yaml").unlink(), ["config file", "example.yaml does not exist"]),
+    Case("config-missing", "config", lambda r: (r / "example.yaml").unlink(),
+         ["config file", "example.yaml does not exist"]),
     Case("config-not-yaml", "config", lambda r: (r / "example.yaml").write_text("base: [unclosed\n"),
          ["example.yaml is not valid YAML at line 2"]),
     Case("config-not-a-mapping", "config", lambda r: (r / "example.yaml").write_text("- base\n"),
@@ -267,47 +272,48 @@ CASES = [
          ["calibration.data.topic.column: 'body' is not a column", "['text', 'label']"]),
     Case("pair-column-unknown", "data", _set("evaluation.data.count.text_pair_column", "second"),
          ["evaluation.data.count.text_pair_column: 'second' is not a column"]),
-    Case("no-input-column", "data", lambda r: _edit_split(r, "negation", "calibration", lambda ds: ds.rename_column("text", "body")),
+    Case("no-input-column", "data", _split("negation", "calibration", lambda ds: ds.rename_column("text", "body")),
          ["calibration.data.negation.column: not set", "['body', 'label']"]),
     Case("label-column-unknown", "data", _set("evaluation.data.topic.label_column", "gold"),
          ["evaluation.data.topic.label_column: 'gold' is not a column"]),
     Case("csv-ragged-row", "data", _data_file("rows.csv", "text,label\na b,0\nc d,1,2\n"),
          ["calibration.data.topic.path", "rows.csv cannot be read as csv: the row on line 3 has 3 fields; expected 2"]),
     Case("csv-open-quote", "data", _data_file("rows.csv", 'text,label\n"a b,0\nc d,1\n'),
-         ["calibration.data.topic.path", "rows.csv cannot be read as csv: the row on lines 2-3 (a quote left open?) has 1 fields"]),
+         ["calibration.data.topic.path", "rows.csv cannot be read as csv: the row on lines 2-3 (a quote left open?) "
+          "has 1 fields"]),
     Case("jsonl-broken-line", "data", _data_file("rows.jsonl", '{"text": "a b", "label": 0}\n{"text": "c d", label}\n'),
          ["calibration.data.topic.path", "rows.jsonl cannot be read as json: line 2 is not JSON"]),
     Case("jsonl-not-an-object", "data", _data_file("rows.jsonl", '{"text": "a b", "label": 0}\n[1, 2]\n', task="count"),
          ["calibration.data.count.path", "line 2 is list; expected a JSON object"]),
     Case("parquet-corrupt", "data", _data_file("rows.parquet", "not parquet at all", "evaluation", "negation"),
          ["evaluation.data.negation.path: cannot load", "rows.parquet", "Parquet magic bytes not found"]),
-    Case("calibration-empty", "data", lambda r: _edit_split(r, "topic", "calibration", lambda ds: ds.select([])),
+    Case("calibration-empty", "data", _split("topic", "calibration", lambda ds: ds.select([])),
          ["calibration.data.topic.path", "split 'calibration' has no rows"]),
-    Case("evaluation-empty", "data", lambda r: _edit_split(r, "negation", "test", lambda ds: ds.select([])),
+    Case("evaluation-empty", "data", _split("negation", "test", lambda ds: ds.select([])),
          ["calibration.data.negation.path", "split 'test' has no rows"]),  # the directory holds both splits
     Case("evaluation-empty-file", "data", _empty_evaluation_file, ["evaluation.data.topic.path", "empty.csv has no rows"]),
     Case("calibration-empty-jsonl", "data", _empty_calibration_jsonl,
          ["calibration.data.negation.path", "empty.jsonl has no rows"]),
-    Case("text-not-string", "data", lambda r: _edit_split(r, "negation", "calibration", _column("text", lambda ds: list(range(len(ds))))),
+    Case("text-not-string", "data", _split("negation", "calibration", _column("text", lambda ds: list(range(len(ds))))),
          ["calibration.data.negation.column", "'text' row 0", "(int)", "expected text"]),
-    Case("text-none", "data", lambda r: _edit_split(r, "topic", "test", _column(
+    Case("text-none", "data", _split("topic", "test", _column(
         "text", lambda ds: [None, *list(ds["text"])[1:]], datasets.Value("string"))),
          ["evaluation.data.topic.column", "'text' row 0", "None"]),
-    Case("text-a-list", "data", lambda r: _edit_split(r, "topic", "test", _column("text", lambda ds: [t.split() for t in ds["text"]])),
+    Case("text-a-list", "data", _split("topic", "test", _column("text", lambda ds: [t.split() for t in ds["text"]])),
          ["evaluation.data.topic.column", "'text' row 0", "(list)", "expected text"]),
-    Case("label-above-range", "data", lambda r: _edit_split(r, "topic", "test", _labels(7)),
+    Case("label-above-range", "data", _split("topic", "test", _labels(7)),
          ["evaluation.data.topic.label_column", "'label' row 3", "label 7", "[0, 2]"]),
-    Case("label-negative", "data", lambda r: _edit_split(r, "negation", "test", _labels(-1)),
+    Case("label-negative", "data", _split("negation", "test", _labels(-1)),
          ["evaluation.data.negation.label_column", "label -1", "[0, 1]"]),
-    Case("label-equal-num-labels", "data", lambda r: _edit_split(r, "count", "test", _labels(2)),
+    Case("label-equal-num-labels", "data", _split("count", "test", _labels(2)),
          ["evaluation.data.count.label_column", "label 2", "2 labels"]),
-    Case("label-not-integer", "data", lambda r: _edit_split(r, "topic", "test", _column("label", lambda ds: ["a"] * len(ds))),
+    Case("label-not-integer", "data", _split("topic", "test", _column("label", lambda ds: ["a"] * len(ds))),
          ["evaluation.data.topic.label_column", "'a' (str)", "integer class id"]),
-    Case("label-float", "data", lambda r: _edit_split(r, "negation", "test", _column("label", lambda ds: [0.5] * len(ds))),
+    Case("label-float", "data", _split("negation", "test", _column("label", lambda ds: [0.5] * len(ds))),
          ["evaluation.data.negation.label_column", "row 0 is 0.5 (float)", "integer class id"]),
-    Case("label-none", "data", lambda r: _edit_split(r, "count", "test", _labels(None)),
+    Case("label-none", "data", _split("count", "test", _labels(None)),
          ["evaluation.data.count.label_column", "row 3 is None", "integer class id"]),
-    Case("label-names-reordered", "data", lambda r: _edit_split(r, "topic", "test", _class_names(["food", "animals", "vehicles"])),
+    Case("label-names-reordered", "data", _split("topic", "test", _class_names(["food", "animals", "vehicles"])),
          ["evaluation.data.topic.label_column", "['food', 'animals', 'vehicles']", "experts.topic",
           "['animals', 'food', 'vehicles']", "expected the same order"]),
 ]
@@ -470,3 +476,26 @@ def test_a_tokenizer_without_padding_or_eos_is_refused(tmp_path, capsys, command
                                 "EOS token to pad with; expected one (set tokenizer.pad_token and save the tokenizer "
                                 "with the base)"]
     assert not run_dir.exists()
+
+
+def test_class_names_are_compared_only_where_both_sides_have_real_names():
+    """transformers' placeholders (LABEL_0, ...) and a plain integer column say nothing to compare; case and
+    surrounding spaces are not a difference; a permutation is an error, other names a notice."""
+    from featcal.input_checks import label_names_check
+
+    named = datasets.Dataset.from_dict({"label": [0, 1, 2]}).cast_column(
+        "label", datasets.ClassLabel(names=["cat", "dog", "Bird"]))
+    plain = datasets.Dataset.from_dict({"label": [0, 1, 2]})
+    check = lambda ds, id2label: label_names_check(ds, "label", id2label, 3, "evaluation.data.t", "experts.t")  # noqa: E731
+    assert check(named, {0: "LABEL_0", 1: "LABEL_1", 2: "LABEL_2"}) == (None, None)
+    assert check(named, None) == (None, None)
+    assert check(plain, {0: "cat", 1: "dog", 2: "bird"}) == (None, None)
+    assert check(named, {0: "Cat ", 1: "DOG", 2: "bird"}) == (None, None)
+    error, notice = check(named, {0: "dog", 1: "cat", 2: "bird"})
+    assert notice is None and error == (
+        "evaluation.data.t.label_column: 'label' names its classes ['cat', 'dog', 'Bird'] but experts.t's head "
+        "(config.id2label) orders them ['dog', 'cat', 'bird']; expected the same order (remap the data with "
+        "Dataset.align_labels_with_mapping(label2id, 'label'))")
+    error, notice = check(named, {0: "cat", 1: "dog", 2: "fish"})
+    assert error is None and notice.endswith("has ['cat', 'dog', 'fish']; scored by position (label id i is the head's "
+                                             "output i)")
