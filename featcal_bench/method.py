@@ -1,6 +1,6 @@
-"""A benchmark's method runs: each is a pipeline run (or Surgery, ProbSurgery) in its own process, so its peak RSS is its own;
-each writes `results/{run}.json` with accuracies and the cost of its stages. One entry point serves every recipe
-(the built directory's spec file names the recipe, featcal_bench/recipe.py):
+"""A benchmark's method runs: each is a pipeline run (or Surgery, ProbSurgery) in its own process, so its peak RSS
+is its own; each writes `results/{run}.json` with accuracies and the cost of its stages. One entry point serves every
+recipe (the built directory's spec file names the recipe, featcal_bench/recipe.py):
 
     python -m featcal_bench.method BENCH_DIR RUN
 """
