@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from featcal.config import DataSource
+from featcal.hub import local_dir
 from featcal.input_checks import text_length_limit
 
 log = logging.getLogger("featcal")
@@ -25,9 +26,12 @@ class DataError(ValueError):
 
 
 def load_split(source: DataSource, where: str) -> datasets.Dataset:
-    """`where` names the config field (e.g. calibration.data.sentiment) for error messages."""
-    path = Path(source.path)
+    """`where` names the config field (e.g. calibration.data.sentiment) for error messages. A hub dataset id is read
+    from its snapshot in the local cache (featcal/hub.py; preflight fetched it)."""
     try:
+        path = Path(local_dir(source.path, "dataset"))
+        if path.is_dir() and not _saved_to_disk(path):  # a hub snapshot or a folder of data files
+            return datasets.load_dataset(str(path), source.config, split=source.split)
         if path.is_dir():
             empty = _empty_saved_splits(path)
             if empty:
@@ -45,11 +49,16 @@ def load_split(source: DataSource, where: str) -> datasets.Dataset:
             if _file_has_no_rows(path):
                 raise DataError(f"{where}.path: {path} has no rows")
             return datasets.load_dataset(builder, data_files=str(path), split="train")
-        return datasets.load_dataset(source.path, split=source.split)
+        raise DataError(f"{where}.path: {source.path} does not exist (expected a local path or a hub dataset id)")
     except DataError:
         raise
     except Exception as exc:  # datasets raises many types; name the field and the path either way
         raise DataError(f"{where}.path: cannot load {source.path!r} split {source.split!r}: {exc}") from exc
+
+
+def _saved_to_disk(path: Path) -> bool:
+    """A directory `save_to_disk` wrote (a DatasetDict's or a Dataset's)."""
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
 
 
 def _file_has_no_rows(path: Path) -> bool:
@@ -111,9 +120,9 @@ class InputBuilder:
 
         try:
             if "pixel_values" in input_names:
-                self.processor = AutoImageProcessor.from_pretrained(base_dir, local_files_only=True)
+                self.processor = AutoImageProcessor.from_pretrained(local_dir(base_dir), local_files_only=True)
             else:
-                self.processor = AutoTokenizer.from_pretrained(base_dir, local_files_only=True)
+                self.processor = AutoTokenizer.from_pretrained(local_dir(base_dir), local_files_only=True)
         except Exception as exc:
             raise DataError(f"{where}: raw column {self.column!r} needs the base's tokenizer/processor: {exc}") from exc
         self.pad_id = getattr(self.processor, "pad_token_id", None) or 0
@@ -151,13 +160,13 @@ class InputBuilder:
 def _base_config(base_dir: str):
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(base_dir, local_files_only=True)
+    return AutoConfig.from_pretrained(local_dir(base_dir), local_files_only=True)
 
 
 def _pad_token_id(base_dir: str) -> int:
     import json
 
-    config = json.loads((Path(base_dir) / "config.json").read_text())
+    config = json.loads((Path(local_dir(base_dir)) / "config.json").read_text())
     return int(config.get("pad_token_id") or 0)
 
 

@@ -12,6 +12,7 @@ from featcal.adapters import Adapter, adapter_for
 from featcal.calibration_methods import calibration_method
 from featcal.config import ConfigError, RunConfig
 from featcal.data import DataError, InputBuilder, load_split
+from featcal.hub import Resolved, local_dir, resolve
 from featcal.input_checks import label_range_error, safetensors_header_error, text_length_limit, text_type_error
 from featcal.devices import bf16_warning, cpu_has_native_bf16, resolve_device
 from featcal.t5 import answer_kind
@@ -20,12 +21,63 @@ from storage.activations import ActivationError, ActivationStore
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
 
 log = logging.getLogger("featcal")
+GIB = 1024**3
+
+
+def hub_inputs(cfg: RunConfig) -> list[Resolved]:
+    """Every hub id among the inputs fetched (or found in the cache), checked to hold what the run reads, and pinned
+    in `cfg` to the commit resolved (`org/name@<commit>`), so run.yaml and the cache keys name the exact revision."""
+    resolved = []
+    models = [("base", cfg.base), *((f"experts.{t}", cfg.experts[t]) for t in cfg.tasks)]
+    if cfg.zero_shot is not None:
+        models.append(("zero_shot.clip_model", cfg.zero_shot.clip_model))
+    for field, value in models:
+        hit = resolve(value, field)
+        if hit is not None:
+            resolved.append(hit)
+            if field == "base":
+                cfg.base = hit.pinned
+            elif field == "zero_shot.clip_model":
+                cfg.zero_shot.clip_model = hit.pinned
+            else:
+                cfg.experts[field.split(".", 1)[1]] = hit.pinned
+    sources = [("calibration.data", cfg.calibration.data)]
+    if cfg.evaluation.enabled:
+        sources.append(("evaluation.data", cfg.evaluation.data))
+    for section, by_task in sources:
+        for task, source in by_task.items():
+            hit = resolve(source.path, f"{section}.{task}.path", "dataset", source.config)
+            if hit is not None:
+                resolved.append(hit)
+                source.path = hit.pinned
+    return resolved
+
+
+def hub_summary(resolved: list[Resolved]) -> str | None:
+    """One line: the hub inputs, their size on disk and what was downloaded for them."""
+    if not resolved:
+        return None
+    size, fetched = sum(r.size for r in resolved), sum(r.downloaded for r in resolved)
+    return (f"{len(resolved)} hub input(s), {size / GIB:.3f} GiB in the cache ({fetched / GIB:.3f} GiB downloaded "
+            "now): " + ", ".join(f"{r.pinned[:len(r.repo_id) + 9]}" for r in resolved))
+
+
+def localized(cfg: RunConfig) -> RunConfig:
+    """A copy of `cfg` whose hub inputs are their snapshot directories: what the checks read."""
+    local = cfg.model_copy(deep=True)
+    local.base = local_dir(local.base)
+    local.experts = {t: local_dir(p) for t, p in local.experts.items()}
+    if local.zero_shot is not None:
+        local.zero_shot.clip_model = local_dir(local.zero_shot.clip_model)
+    for source in [*local.calibration.data.values(), *local.evaluation.data.values()]:
+        source.path = local_dir(source.path, "dataset")
+    return local
 
 
 def _config(path: str, field: str):
     if not Path(path).is_dir():
         what = "is a file, not a checkpoint directory" if Path(path).exists() else "does not exist"
-        raise CheckpointError(f"{field}: checkpoint directory {path} {what} (hub ids are not reachable offline)")
+        raise CheckpointError(f"{field}: checkpoint directory {path} {what} (expected a local directory or a hub id)")
     broken = safetensors_header_error(path)
     if broken:
         raise CheckpointError(f"{field}: {broken}")
@@ -185,22 +237,26 @@ _just_checked: dict[str, Adapter] = {}
 
 
 def preflight(cfg: RunConfig, quiet: bool = False) -> Adapter:
-    """Every input checked (each failure one line); what would make the run slow or cut its texts is logged unless
-    `quiet`
+    """Every input checked (each failure one line), hub ids first fetched and pinned (`hub_inputs`); what would make
+    the run slow or cut its texts is logged unless `quiet`
     (`featcal plan` prints it in its own text; `featcal run` plans quietly, then its pipeline says it once)."""
     device = resolve_device(cfg.runtime.device)  # a device torch cannot reach fails here, not at the first Gram
     slow = bf16_warning(device, cfg.runtime.precision, cpu_has_native_bf16())
     if slow and not quiet:
         log.warning(slow)
+    hub = hub_summary(hub_inputs(cfg))  # pins cfg's hub ids to their commits: before its fingerprint
+    if hub and not quiet:
+        log.info(hub)
     key = cfg.fingerprint()
     if key in _just_checked:
         adapter = _just_checked.pop(key)
     else:
-        check_zero_shot(cfg)
-        adapter = check_checkpoints(cfg)
-        check_head_side(cfg, adapter)
-        check_data(cfg, adapter)
-        check_activation_store(cfg)
+        files = localized(cfg)
+        check_zero_shot(files)
+        adapter = check_checkpoints(files)
+        check_head_side(files, adapter)
+        check_data(files, adapter)
+        check_activation_store(files)
         _just_checked.clear()
         _just_checked[key] = adapter
     notice = max_length_notice(cfg, adapter)
