@@ -125,6 +125,10 @@ class InputBuilder:
                 self.processor = AutoTokenizer.from_pretrained(local_dir(base_dir), local_files_only=True)
         except Exception as exc:
             raise DataError(f"{where}: raw column {self.column!r} needs the base's tokenizer/processor: {exc}") from exc
+        if getattr(self.processor, "pad_token", "") is None and self.processor.eos_token is not None:
+            # Llama's tokenizers have no padding token; rows are padded into batches and the padding is masked out,
+            # so its value never reaches a score: EOS, as the MergeBench build pads (featcal_bench/llm/build.py).
+            self.processor.pad_token = self.processor.eos_token
         self.pad_id = getattr(self.processor, "pad_token_id", None) or 0
 
     def text_inputs(self, rows: dict[str, list]) -> dict[str, torch.Tensor]:

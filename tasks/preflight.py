@@ -10,9 +10,9 @@ from transformers import AutoConfig, AutoTokenizer
 
 from featcal.adapters import Adapter, adapter_for
 from featcal.calibration_methods import calibration_method
-from featcal.config import ConfigError, RunConfig
+from featcal.config import ConfigError, DataSource, RunConfig
 from featcal.data import DataError, InputBuilder, load_split
-from featcal.hub import Resolved, local_dir, resolve
+from featcal.hub import Resolved, hub_ref, local_dir, resolve
 from featcal.input_checks import label_range_error, safetensors_header_error, text_length_limit, text_type_error
 from featcal.devices import bf16_warning, cpu_has_native_bf16, resolve_device
 from featcal.t5 import answer_kind
@@ -185,38 +185,50 @@ def _head_labels(cfg: RunConfig, adapter: Adapter, task: str) -> int | None:
     return num_labels if num_labels > 1 else None
 
 
-def check_data(cfg: RunConfig, adapter: Adapter) -> None:
+def check_data(cfg: RunConfig, adapter: Adapter, hub_ids: dict[str, str] | None = None) -> None:
+    """Every data source loads and has the columns and labels the run reads; a failure of a hub source (`hub_ids`:
+    field → pinned id) names the id too."""
     sections = [("calibration.data", cfg.calibration.data)]
     if cfg.evaluation.enabled:
         sections.append(("evaluation.data", cfg.evaluation.data))
     for section, sources in sections:
         for task, source in sources.items():
-            where = f"{section}.{task}"
-            ds = load_split(source, where)
-            if len(ds) == 0:
-                raise DataError(f"{where}.path: {source.path} split {source.split!r} has no rows")
-            builder = InputBuilder(cfg.base, adapter.model_input_names(), source, cfg.calibration.max_length,
-                                   ds.column_names, where)
-            if builder.is_text and builder.column is not None:
-                for column in filter(None, (builder.column, builder.pair_column)):
-                    wrong = text_type_error(ds, column, where)
-                    if wrong:
-                        raise DataError(wrong)
-            if section == "evaluation.data" and source.label_column and source.label_column not in ds.column_names:
-                raise ValueError(f"{where}.label_column: {source.label_column!r} is not a column ({ds.column_names})")
-            num_labels = _head_labels(cfg, adapter, task) if section == "evaluation.data" and source.label_column else None
-            if num_labels is not None:
-                wrong = label_range_error(ds, source.label_column, num_labels, where)
-                if wrong:
-                    raise DataError(wrong)
-            if source.target_column is not None and source.target_column not in ds.column_names:
-                raise DataError(f"{where}.target_column: {source.target_column!r} is not a column ({ds.column_names})")
-            if section == "evaluation.data" and source.label_column and adapter.has_decoder:
-                answer_kind(ds.features, source.label_column, cfg.evaluation.label_words.get(task), where)
-                try:  # generated answers are read as text
-                    AutoTokenizer.from_pretrained(cfg.base, local_files_only=True)
-                except Exception as exc:
-                    raise DataError(f"{where}: scoring generated answers needs the base's tokenizer: {exc}") from exc
+            try:
+                _check_source(cfg, adapter, section, task, source)
+            except DataError as exc:
+                hub_id = (hub_ids or {}).get(f"{section}.{task}")
+                if hub_id is None:
+                    raise
+                raise DataError(f"{exc} (hub dataset {hub_id})") from exc
+
+
+def _check_source(cfg: RunConfig, adapter: Adapter, section: str, task: str, source: DataSource) -> None:
+    where = f"{section}.{task}"
+    ds = load_split(source, where)
+    if len(ds) == 0:
+        raise DataError(f"{where}.path: {source.path} split {source.split!r} has no rows")
+    builder = InputBuilder(cfg.base, adapter.model_input_names(), source, cfg.calibration.max_length,
+                           ds.column_names, where)
+    if builder.is_text and builder.column is not None:
+        for column in filter(None, (builder.column, builder.pair_column)):
+            wrong = text_type_error(ds, column, where)
+            if wrong:
+                raise DataError(wrong)
+    if section == "evaluation.data" and source.label_column and source.label_column not in ds.column_names:
+        raise ValueError(f"{where}.label_column: {source.label_column!r} is not a column ({ds.column_names})")
+    num_labels = _head_labels(cfg, adapter, task) if section == "evaluation.data" and source.label_column else None
+    if num_labels is not None:
+        wrong = label_range_error(ds, source.label_column, num_labels, where)
+        if wrong:
+            raise DataError(wrong)
+    if source.target_column is not None and source.target_column not in ds.column_names:
+        raise DataError(f"{where}.target_column: {source.target_column!r} is not a column ({ds.column_names})")
+    if section == "evaluation.data" and source.label_column and adapter.has_decoder:
+        answer_kind(ds.features, source.label_column, cfg.evaluation.label_words.get(task), where)
+        try:  # generated answers are read as text
+            AutoTokenizer.from_pretrained(cfg.base, local_files_only=True)
+        except Exception as exc:
+            raise DataError(f"{where}: scoring generated answers needs the base's tokenizer: {exc}") from exc
 
 
 def check_activation_store(cfg: RunConfig) -> None:
@@ -255,7 +267,9 @@ def preflight(cfg: RunConfig, quiet: bool = False) -> Adapter:
         check_zero_shot(files)
         adapter = check_checkpoints(files)
         check_head_side(files, adapter)
-        check_data(files, adapter)
+        check_data(files, adapter, {f"{section}.{t}": source.path for section, by_task in (
+            ("calibration.data", cfg.calibration.data), ("evaluation.data", cfg.evaluation.data))
+            for t, source in by_task.items() if hub_ref(source.path)})
         check_activation_store(files)
         _just_checked.clear()
         _just_checked[key] = adapter
