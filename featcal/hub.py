@@ -105,17 +105,16 @@ def _data_patterns(card: str, config: str | None) -> tuple[str, ...] | None:
 
 
 def _failed(field: str, repo_id: str, repo_type: str, exc: Exception) -> HubError:
-    from huggingface_hub import constants
-
     where = f"{repo_type}s--{repo_id.replace('/', '--')}"
     if offline():
         return HubError(f"{field}: hub {repo_type} {repo_id} is not in the cache {_cache()} (expected {where}/ with "
                         f"refs/main and its snapshot) and HF_HUB_OFFLINE=1; download it with network, or give a "
                         "local directory")
     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    token = "" if constants.HF_TOKEN_PATH and Path(constants.HF_TOKEN_PATH).is_file() else \
-        " (a gated repository needs HF_TOKEN)"
-    return HubError(f"{field}: cannot fetch hub {repo_type} {repo_id}: {first}{token}")
+    gated = type(exc).__name__ == "GatedRepoError" or " 401 " in f" {first} "
+    return HubError(f"{field}: cannot fetch hub {repo_type} {repo_id}: {first}"
+                    + (" (a gated repository: set HF_TOKEN or run `hf auth login` after accepting its licence)"
+                       if gated else ""))
 
 
 def _snapshot(repo_id: str, repo_type: str, revision: str | None, patterns: tuple[str, ...] | None,
