@@ -30,7 +30,9 @@ class MergeConfig(_Strict):
 
 
 class DataSource(_Strict):
-    path: str = Field(description="datasets directory (save_to_disk), a data file, or a hub name")
+    path: str = Field(description="datasets directory (save_to_disk), a data file, or a hub dataset id")
+    config: str | None = Field(None, description="the dataset's configuration (a hub dataset's config name, e.g. "
+                               "GLUE's `mnli`); None: its default")
     split: str = "train"
     column: str | None = Field(None, description="raw input column (text/image); default: detected")
     text_pair_column: str | None = None

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from featcal.config import DataSource
+from featcal.hub import local_dir
 from featcal.input_checks import malformed_file_error, pad_with_eos, text_length_limit
 
 log = logging.getLogger("featcal")
@@ -29,9 +30,12 @@ class DataError(ValueError):
 
 
 def load_split(source: DataSource, where: str) -> datasets.Dataset:
-    """`where` names the config field (e.g. calibration.data.sentiment) for error messages."""
-    path = Path(source.path)
+    """`where` names the config field (e.g. calibration.data.sentiment) for error messages. A hub dataset id is read
+    from its snapshot in the local cache (featcal/hub.py; preflight fetched it)."""
     try:
+        path = Path(local_dir(source.path, "dataset"))
+        if path.is_dir() and not _saved_to_disk(path):  # a hub snapshot or a folder of data files
+            return datasets.load_dataset(str(path), source.config, split=source.split)
         if path.is_dir():
             empty = _empty_saved_splits(path)
             if empty:
@@ -56,10 +60,8 @@ def load_split(source: DataSource, where: str) -> datasets.Dataset:
                 if broken is None:
                     raise
                 raise DataError(f"{where}.path: {path} cannot be read as {builder}: {broken}") from exc
-        if path.is_absolute():  # paths in the config were made absolute where they exist or start with "."
-            raise DataError(f"{where}.path: {path} does not exist; expected a saved dataset directory, a data file "
-                            f"({', '.join(sorted(FILE_BUILDERS))}) or a hub dataset name")
-        return datasets.load_dataset(source.path, split=source.split)
+        raise DataError(f"{where}.path: {source.path} does not exist; expected a saved dataset directory, a data file "
+                        f"({', '.join(sorted(FILE_BUILDERS))}) or a hub dataset id")
     except DataError:
         raise
     except Exception as exc:  # datasets raises many types; name the field and the path either way
@@ -84,6 +86,11 @@ def _quiet_datasets_errors() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
+
+
+def _saved_to_disk(path: Path) -> bool:
+    """A directory `save_to_disk` wrote (a DatasetDict's or a Dataset's)."""
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
 
 
 def _file_has_no_rows(path: Path) -> bool:
@@ -144,17 +151,18 @@ class InputBuilder:
             )
         from transformers import AutoImageProcessor, AutoTokenizer
 
-        if "pixel_values" not in input_names and Path(base_dir).is_dir() and not any(
-                (Path(base_dir) / name).is_file() for name in TOKENIZER_FILES):
+        local = local_dir(base_dir)
+        if "pixel_values" not in input_names and Path(local).is_dir() and not any(
+                (Path(local) / name).is_file() for name in TOKENIZER_FILES):
             # transformers then makes an empty tokenizer of the config's class: every word becomes [UNK], silently
             raise DataError(f"{where}: raw text column {self.column!r} needs the base's tokenizer, but {base_dir} holds "
                             f"none of {list(TOKENIZER_FILES)}; expected the tokenizer saved with the base "
                             "(tokenizer.save_pretrained(BASE_DIR))")
         try:
             if "pixel_values" in input_names:
-                self.processor = AutoImageProcessor.from_pretrained(base_dir, local_files_only=True)
+                self.processor = AutoImageProcessor.from_pretrained(local, local_files_only=True)
             else:
-                self.processor = AutoTokenizer.from_pretrained(base_dir, local_files_only=True)
+                self.processor = AutoTokenizer.from_pretrained(local, local_files_only=True)
         except Exception as exc:
             raise DataError(f"{where}: raw column {self.column!r} needs the base's tokenizer/processor: {exc}") from exc
         if "pixel_values" not in input_names:
@@ -194,13 +202,13 @@ class InputBuilder:
 def _base_config(base_dir: str):
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(base_dir, local_files_only=True)
+    return AutoConfig.from_pretrained(local_dir(base_dir), local_files_only=True)
 
 
 def _pad_token_id(base_dir: str) -> int:
     import json
 
-    config = json.loads((Path(base_dir) / "config.json").read_text())
+    config = json.loads((Path(local_dir(base_dir)) / "config.json").read_text())
     return int(config.get("pad_token_id") or 0)
 
 
