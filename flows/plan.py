@@ -15,6 +15,7 @@ from featcal.modeling import Skeleton, calibrated_modules, is_norm, linear_dims
 from featcal.statistics import expert_side_form
 from flows.pipeline import stage_count
 from storage.checkpoint import CanonicalCheckpoint
+from storage.lora import config_directory
 from tasks.preflight import max_length_notice, preflight
 
 GIB = 1024**3
@@ -22,7 +23,7 @@ GIB = 1024**3
 
 def plan(cfg: RunConfig) -> dict[str, Any]:
     adapter = preflight(cfg, quiet=True)  # its warning is a line of the plan
-    skeleton = Skeleton.from_checkpoint(cfg.experts[cfg.tasks[0]])
+    skeleton = Skeleton.from_checkpoint(config_directory(cfg.experts[cfg.tasks[0]], cfg.base))
     vision = adapter.text_or_vision_config()
     hidden = vision.hidden_size
     if "input_ids" in adapter.model_input_names():
