@@ -16,6 +16,7 @@ from transformers import BertConfig, BertForSequenceClassification, BertModel, G
 
 from featcal.config import config_from_dict
 from featcal.modeling import Skeleton, expert_checkpoint, task_model
+from flows.harness import HarnessError, checkpoints
 from flows.pipeline import run_pipeline
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
 from storage.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
@@ -226,3 +227,13 @@ def test_mismatched_base_and_shapes_refused_in_one_line(tmp_path):
     message = str(bad_shape.value)
     assert "\n" not in message and str(wide) in message and "model.layers.1.self_attn.k_proj" in message
     assert "(48, 32)" in message and "(16, 32)" in message
+
+
+def test_eval_harness_refuses_lora_experts(tmp_path):
+    """`featcal eval-harness` loads models by path: an adapter expert is refused in one line, naming it."""
+    _llama(tmp_path, experts=1)
+    cfg = _run_config(tmp_path, "", 1, evaluate=False)
+    (tmp_path / "run" / "merged").mkdir(parents=True)
+    assert checkpoints(tmp_path / "run", cfg, ["merged", "base"]).keys() == {"merged", "base"}
+    with pytest.raises(HarnessError, match=r"^--models: expert:task0 is a LoRA adapter, .* \(--models calibrated,merged\)$"):
+        checkpoints(tmp_path / "run", cfg, ["merged", "experts"])
