@@ -67,7 +67,7 @@ def _same_base(recorded: str, base: Path) -> bool:
 
 @dataclass(frozen=True)
 class LowRank:
-    """How one base tensor's ΔW is formed: from factor files names `a`, `b` (and `bias` for a bias tensor)."""
+    """How one base weight's ΔW is formed: from the adapter file's tensors `a` (A, r × in) and `b` (B, out × r)."""
 
     a: str
     b: str
@@ -122,7 +122,9 @@ class LoraCheckpoint:
                 name = name.replace(".base_layer.", ".")
                 canonical = self._canonical(naming, name, must_exist=False)
                 self._whole[canonical], self._file_name[canonical] = key, name
-        r_default, alpha = config.get("r"), config.get("lora_alpha")
+        alpha = config.get("lora_alpha")
+        if factors and alpha is None:
+            raise CheckpointError(f"{where}: {ADAPTER_CONFIG} has no lora_alpha")
         self._low_rank: dict[str, LowRank] = {}
         self._bias: dict[str, tuple[str, float]] = {}
         for module, parts in sorted(factors.items()):
@@ -137,8 +139,7 @@ class LoraCheckpoint:
             if len(a_shape) != 2 or len(b_shape) != 2 or b_shape[1] != rank:
                 raise CheckpointError(f"{where}: module {module}: lora_A {a_shape} and lora_B {b_shape} are not "
                                       "(r, in) and (out, r) matrices of one rank")
-            if r_default is None or alpha is None:
-                raise CheckpointError(f"{where}: {ADAPTER_CONFIG} lacks r or lora_alpha")
+            # The rank is the factors' own (PEFT's r, or its rank_pattern for this module).
             module_alpha = _pattern_value(config.get("alpha_pattern") or {}, module, alpha)
             scale = module_alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
             transposed = parts["embedding"] or stored_in_out(canonical)

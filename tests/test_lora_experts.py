@@ -11,8 +11,7 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
-from transformers import BertConfig, BertForSequenceClassification, BertModel, GPT2Config, GPT2LMHeadModel, \
-    LlamaConfig, LlamaForCausalLM
+from transformers import BertConfig, BertForSequenceClassification, BertModel, GPT2Config, GPT2LMHeadModel
 
 from featcal.config import config_from_dict
 from featcal.modeling import Skeleton, expert_checkpoint, task_model
@@ -21,10 +20,9 @@ from flows.pipeline import run_pipeline
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
 from storage.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from tasks.preflight import check_checkpoints
+from tests.test_decoders import _model as decoder
 
 EXAMPLES = 12
-LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 BERT = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=64)
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -50,11 +48,14 @@ def _adapter(root, name: str, model, seed: int, **lora) -> torch.nn.Module:
     return merged
 
 
-def _llama(root, experts: int = 2, **lora) -> None:
+def _llama(root, experts: int = 2, arch: str = "llama", **lora) -> None:
+    """A tiny decoder of the Llama layout (tests/test_decoders.py's: Llama, Qwen2 with q/k/v biases, Mistral, Qwen3)
+    and `experts` LoRA experts on every linear map of its blocks."""
     torch.manual_seed(0)
-    _base(root, LlamaForCausalLM(LlamaConfig(**LLAMA, tie_word_embeddings=True)))
+    model = decoder(arch)
+    _base(root, model)
     for t in range(experts):
-        _adapter(root, f"e{t}", LlamaForCausalLM.from_pretrained(root / "base"), seed=10 + t,
+        _adapter(root, f"e{t}", type(model).from_pretrained(root / "base"), seed=10 + t,
                  **{"r": 4, "lora_alpha": 8, "target_modules": LLAMA_TARGETS, **lora})
 
 
@@ -105,22 +106,27 @@ def _assert_same_tensors(lora, full) -> None:
         assert torch.equal(lora.get(name), full.get(name)), (name, float((lora.get(name) - full.get(name)).abs().max()))
 
 
-@pytest.mark.parametrize("lora", [
-    {},
-    {"use_rslora": True, "r": 8, "lora_alpha": 4},
-    # Per-module rank and alpha; embeddings adapted too (ΔW transposed); a LoRA bias on the biased projections.
-    {"rank_pattern": {"down_proj": 2}, "alpha_pattern": {"v_proj": 32},
-     "target_modules": [*LLAMA_TARGETS, "embed_tokens"]},
-], ids=["plain", "rslora", "patterns-embedding"])
-def test_llama_adapter_equals_peft_merge(tmp_path, lora):
-    """Every tensor of a Llama expert read as base + adapter equals PEFT's merge_and_unload() bit for bit, also a
+@pytest.mark.parametrize("arch, lora", [
+    ("llama", {}),
+    ("llama", {"use_rslora": True, "r": 8, "lora_alpha": 4}),
+    # Per-module rank and alpha; the embedding adapted too (ΔW transposed; PEFT saves the embedding beside it).
+    ("llama", {"rank_pattern": {"down_proj": 2}, "alpha_pattern": {"v_proj": 32},
+               "target_modules": [*LLAMA_TARGETS, "embed_tokens"]}),
+    # Qwen2's q/k/v have biases: lora_B.bias·scale is added to them.
+    ("qwen2", {"lora_bias": True, "target_modules": ["q_proj", "k_proj", "v_proj"]}),
+    ("mistral", {}),
+    ("qwen3", {}),
+], ids=["llama", "llama-rslora", "llama-patterns-embedding", "qwen2-lora-bias", "mistral", "qwen3"])
+def test_decoder_adapter_equals_peft_merge(tmp_path, arch, lora):
+    """Every tensor of a decoder expert read as base + adapter equals PEFT's merge_and_unload() bit for bit, also a
     block of rows (how the merge stage reads an LLM's largest tensors)."""
-    _llama(tmp_path, experts=1, **lora)
+    _llama(tmp_path, experts=1, arch=arch, **lora)
     adapter, full = _expert(tmp_path, "e0")
     _assert_same_tensors(adapter, full)
-    assert "model.layers.1.mlp.down_proj.weight" in adapter.adapted()
-    name = "model.layers.1.mlp.down_proj.weight"
-    assert not torch.equal(adapter.get(name), adapter.base.get(name))
+    name = "model.layers.1.self_attn.v_proj.weight"
+    assert name in adapter.adapted() and not torch.equal(adapter.get(name), adapter.base.get(name))
+    if lora.get("lora_bias"):
+        assert "model.layers.1.self_attn.v_proj.bias" in adapter.adapted()
     name = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(adapter.get(name, (3, 7)), full.get(name)[3:7])
     if "embed_tokens" in lora.get("target_modules", ()):
@@ -237,3 +243,23 @@ def test_eval_harness_refuses_lora_experts(tmp_path):
     assert checkpoints(tmp_path / "run", cfg, ["merged", "base"]).keys() == {"merged", "base"}
     with pytest.raises(HarnessError, match=r"^--models: expert:task0 is a LoRA adapter, .* \(--models calibrated,merged\)$"):
         checkpoints(tmp_path / "run", cfg, ["merged", "experts"])
+
+
+def test_unsupported_adapters_refused_in_one_line(tmp_path):
+    """DoRA (a magnitude vector besides B·A) and an adapter for a module the base lacks are refused, each in one line
+    naming the adapter (and the module)."""
+    _llama(tmp_path, experts=1, use_dora=True)
+    skeleton = Skeleton.from_checkpoint(tmp_path / "base")
+    with pytest.raises(CheckpointError, match=r"^LoRA adapter .*e0: use_dora = True is not supported"):
+        expert_checkpoint(tmp_path / "e0", tmp_path / "base", skeleton)
+    config = json.loads((tmp_path / "e0" / ADAPTER_CONFIG).read_text())
+    (tmp_path / "e0" / ADAPTER_CONFIG).write_text(json.dumps({**config, "use_dora": False}))
+    with pytest.raises(CheckpointError, match=r"lora_magnitude_vector is not a LoRA factor this reader knows"):
+        expert_checkpoint(tmp_path / "e0", tmp_path / "base", skeleton)
+    tensors = {k.replace("layers.1.mlp.up_proj", "layers.1.mlp.side_proj"): v
+               for k, v in load_file(tmp_path / "e0" / ADAPTER_WEIGHTS).items() if "magnitude" not in k}
+    save_file(tensors, tmp_path / "e0" / ADAPTER_WEIGHTS)
+    with pytest.raises(CheckpointError) as missing:
+        expert_checkpoint(tmp_path / "e0", tmp_path / "base", skeleton)
+    assert str(missing.value) == (f"LoRA adapter {tmp_path / 'e0'}: module model.layers.1.mlp.side_proj has no weight "
+                                  f"in the base {tmp_path / 'base'}")
