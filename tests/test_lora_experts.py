@@ -17,6 +17,7 @@ from featcal.config import config_from_dict
 from featcal.modeling import Skeleton, expert_checkpoint, task_model
 from flows.harness import HarnessError, checkpoints
 from flows.pipeline import run_pipeline
+from flows.plan import plan
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
 from storage.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from tasks.preflight import check_checkpoints
@@ -210,6 +211,7 @@ def test_mismatched_base_and_shapes_refused_in_one_line(tmp_path):
     _llama(tmp_path, experts=1)
     cfg = _run_config(tmp_path, "", 1, evaluate=False)
     assert check_checkpoints(cfg).architecture == "LlamaForCausalLM"
+    assert plan(cfg)["tasks"]["task0"]["expert"] == str(tmp_path / "e0")  # `featcal plan` reads it as well
 
     other = tmp_path / "e0-other-base"
     shutil.copytree(tmp_path / "e0", other)
