@@ -153,8 +153,11 @@ def report(args, built: dict, runs: dict, inputs: dict, same: dict, reads: dict)
         "",
         f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Command: "
         f"`python benchmarks/lora_experts.py --work {args.work} --layers {args.layers} --experts {args.experts} "
-        f"--rank {args.rank} --examples {args.examples} --out {args.out}`. Runs: `featcal run --no-prefect "
-        "--skip-disk-check` in a child process, runtime.threads 1, precision fp32, evaluation off.",
+        f"--rank {args.rank} --examples {args.examples} --out {args.out}`"
+        + (" (the runs, from an invocation without --report-only, then this one with --report-only)"
+           if args.report_only else "") +
+        ". Runs: `featcal run --no-prefect --skip-disk-check` in a child process, runtime.threads 1, precision fp32, "
+        "evaluation off.",
         "",
         f"Shape: LlamaForCausalLM of Llama-3.2-3B (hidden 3072, intermediate 8192, 24/8 heads, vocabulary 128256, "
         f"tied embeddings, bf16) with **{args.layers} of its 28 blocks** (this 2-core host is shared by several "
