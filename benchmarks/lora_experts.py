@@ -147,6 +147,12 @@ def read_seconds(work: Path, repeats: int = 3) -> dict[str, float]:
     return best
 
 
+def cpu_flags() -> str:
+    """The bf16 instructions the CPU has (they decide how fast bf16 runs here)."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    return ", ".join(f"{flag}: {'yes' if f' {flag}' in text else 'no'}" for flag in ("avx512_bf16", "amx_bf16"))
+
+
 def report(args, built: dict, runs: dict, inputs: dict, same: dict, reads: dict) -> str:
     lora, full = runs["lora"], runs["full"]
     base = inputs["base"]
@@ -156,7 +162,7 @@ def report(args, built: dict, runs: dict, inputs: dict, same: dict, reads: dict)
     lines = [
         "# LoRA experts against full expert checkpoints, Llama-3.2-3B shape",
         "",
-        f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Command: "
+        f"Machine: {machine()} ({cpu_flags()}). Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Command: "
         f"`python benchmarks/lora_experts.py --work {args.work} --layers {args.layers} --experts {args.experts} "
         f"--rank {args.rank} --examples {args.examples} --out {args.out}`"
         + (" (the runs, from an invocation without --report-only, then this one with --report-only)"
