@@ -125,8 +125,8 @@ def run(work: Path, kind: str, experts: int, examples: int) -> dict:
 
 
 def read_seconds(work: Path, repeats: int = 3) -> dict[str, float]:
-    """CPU seconds (best of `repeats`, the two readers alternating, after a warm-up pass that fills the page cache)
-    to read every tensor of expert 0 once: as base + adapter, and from its full checkpoint. The only code path in
+    """CPU seconds (best of `repeats`, the two readers alternating, after a warm-up pass)
+    to read every tensor of expert 0 once: as base + adapter, and from its full checkpoint (the warm-up reads the files into the page cache, which other jobs may evict). The only code path in
     which the two runs differ; the runs' own stage times are too noisy on this shared host to show it."""
     from featcal.modeling import Skeleton, expert_checkpoint
     from storage.checkpoint import CanonicalCheckpoint
@@ -197,7 +197,7 @@ def report(args, built: dict, runs: dict, inputs: dict, same: dict, reads: dict)
         f"{full['peak_sampled_rss_gib']:.2f} | {lora['peak_sampled_rss_gib'] / full['peak_sampled_rss_gib']:.3f} |",
         f"| wall (s) | {lora['wall_s']:.0f} | {full['wall_s']:.0f} | {lora['wall_s'] / full['wall_s']:.2f} |",
         f"| CPU (s) | {lora['cpu_s']:.0f} | {full['cpu_s']:.0f} | {lora['cpu_s'] / full['cpu_s']:.2f} |",
-        f"| read every tensor of expert 0 once, CPU s (best of 3, page cache warm) | {reads['lora']:.2f} | "
+        f"| read every tensor of expert 0 once, CPU s (best of 3) | {reads['lora']:.2f} | "
         f"{reads['full']:.2f} | {reads['lora'] / reads['full']:.2f} |",
         "",
         f"Both runs: {lora['stopped']} / {full['stopped']} (exit status {lora['exit']} / {full['exit']}). Largest files "
@@ -222,10 +222,11 @@ def report(args, built: dict, runs: dict, inputs: dict, same: dict, reads: dict)
         f"{lora['maxrss_gib'] - full['maxrss_gib']:+.2f} GiB against the full run: forming an adapted weight holds, "
         "for a moment, its ΔW and the sum in float32 besides the base tensor (about 0.2 GiB for an 8192 × 3072 MLP "
         "weight); the stages otherwise hold one block or one tensor per side, as with full experts. **Time**: "
-        "reading an expert as base + adapter costs more CPU than reading its file "
-        f"({reads['lora']:.2f} s against {reads['full']:.2f} s for the whole {args.layers}-block expert), about "
-        f"{(reads['lora'] - reads['full']) / args.layers:.2f} s per block and expert read, small against a block's "
-        "stages (minutes here); the runs' CPU seconds are within noise of each other. Their wall times are not "
+        f"reading the whole {args.layers}-block expert once took {reads['lora']:.2f} s of CPU as base + adapter and "
+        f"{reads['full']:.2f} s from its file (best of 3; on this loaded host the figures move between invocations, "
+        "page cache included); forming ΔW is a rank-r product and an add per adapted weight, well under a second "
+        "per block, against a block's "
+"stages (minutes here); the runs' CPU seconds are within noise of each other. Their wall times are not "
         "comparable: the host's load average was about 14 on 2 cores through both runs, and the LoRA run, first, "
         "also started with a cold page cache.",
     ]
