@@ -125,9 +125,10 @@ def run(work: Path, kind: str, experts: int, examples: int) -> dict:
 
 
 def read_seconds(work: Path, repeats: int = 3) -> dict[str, float]:
-    """CPU seconds (best of `repeats`, the two readers alternating, after a warm-up pass)
-    to read every tensor of expert 0 once: as base + adapter, and from its full checkpoint (the warm-up reads the files into the page cache, which other jobs may evict). The only code path in
-    which the two runs differ; the runs' own stage times are too noisy on this shared host to show it."""
+    """CPU seconds (best of `repeats`, the two readers alternating, after a warm-up pass that reads the files into
+    the page cache, which other jobs may evict) to read every tensor of expert 0 once: as base + adapter, and from
+    its full checkpoint. The only code path in which the two runs differ; the runs' own stage times are too noisy
+    on this shared host to show it."""
     from featcal.modeling import Skeleton, expert_checkpoint
     from storage.checkpoint import CanonicalCheckpoint
 
