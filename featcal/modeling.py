@@ -19,6 +19,7 @@ from transformers.utils import logging as hf_logging
 
 from featcal.adapters import Adapter, adapter_for
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
+from storage.lora import LoraCheckpoint, config_directory, is_lora_adapter
 
 
 # Marks a module of a skeleton's block that `calibrated_modules` leaves out (`Adapter.uncalibrated`).
@@ -43,6 +44,16 @@ class Skeleton:
     @classmethod
     def from_checkpoint(cls, directory: str | Path) -> Skeleton:
         return cls(AutoConfig.from_pretrained(directory))
+
+    def stored_in_out(self, canonical: str) -> bool:
+        """Whether the module owning weight `canonical` (a body or head tensor) stores it [in, out] (Conv1D)."""
+        path = canonical.rsplit(".", 1)[0]
+        for root in (self.body, self.model):
+            try:
+                return isinstance(root.get_submodule(path), Conv1D)
+            except AttributeError:
+                continue
+        raise CheckpointError(f"{self.adapter.architecture} has no module {path} (owner of tensor {canonical})")
 
     def block_template(self, layer: int) -> nn.Module:
         return self.body.get_submodule(self.adapter.block_prefix(layer).rstrip("."))
@@ -148,14 +159,50 @@ def normalized(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def task_model(expert_dir: str | Path, body_from: CanonicalCheckpoint | None = None) -> nn.Module:
-    """Expert `expert_dir` (its class, config and head), with its body replaced by `body_from` if given.
+def expert_checkpoint(directory: str | Path, base_dir: str | Path,
+                      skeleton: Skeleton) -> CanonicalCheckpoint | LoraCheckpoint:
+    """An expert's tensors by canonical name: a full checkpoint, or a LoRA adapter read over the base."""
+    if is_lora_adapter(directory):
+        base = CanonicalCheckpoint(base_dir, skeleton.adapter)
+        return LoraCheckpoint(directory, base, skeleton.adapter, skeleton.stored_in_out)
+    return CanonicalCheckpoint(directory, skeleton.adapter)
+
+
+def _lora_expert_model(expert_dir: str | Path, base_dir: str | Path | None) -> nn.Module:
+    """A LoRA expert as a whole model: the base's weights loaded into the expert's class, then every tensor the
+    adapter changes (`LoraCheckpoint.adapted`) set to base + ΔW or to the adapter's own."""
+    if base_dir is None:
+        raise CheckpointError(f"LoRA adapter {expert_dir}: loading it as a model needs the run's base directory")
+    config = AutoConfig.from_pretrained(config_directory(expert_dir, base_dir), local_files_only=True)
+    skeleton = Skeleton(config)
+    expert = expert_checkpoint(expert_dir, base_dir, skeleton)
+    model = getattr(transformers, skeleton.adapter.architecture).from_pretrained(base_dir, config=config,
+                                                                                  local_files_only=True)
+    body_state, model_state = skeleton.adapter.body(model).state_dict(), model.state_dict()
+    with torch.no_grad():
+        for name in expert.adapted():
+            target = body_state.get(name, model_state.get(name))
+            if target is None:
+                raise CheckpointError(f"LoRA adapter {expert_dir}: tensor {name} is not in a "
+                                      f"{skeleton.adapter.architecture}")
+            target.copy_(expert.get(name))
+    return model
+
+
+def task_model(expert_dir: str | Path, body_from: CanonicalCheckpoint | None = None,
+               base_dir: str | Path | None = None) -> nn.Module:
+    """Expert `expert_dir` (its class, config and head), with its body replaced by `body_from` if given. A LoRA
+    adapter expert needs `base_dir`, the base it adapts.
 
     This is how a merged or calibrated checkpoint is used for one task: shared body, the task's own head."""
-    config = AutoConfig.from_pretrained(expert_dir, local_files_only=True)
-    adapter = adapter_for(config)
     hf_logging.disable_progress_bar()  # one bar per model load drowns the pipeline's own progress
-    model = getattr(transformers, adapter.architecture).from_pretrained(expert_dir, local_files_only=True)
+    if is_lora_adapter(expert_dir):
+        model = _lora_expert_model(expert_dir, base_dir)
+        adapter = adapter_for(model.config)
+    else:
+        config = AutoConfig.from_pretrained(expert_dir, local_files_only=True)
+        adapter = adapter_for(config)
+        model = getattr(transformers, adapter.architecture).from_pretrained(expert_dir, local_files_only=True)
     if body_from is not None:
         body = adapter.body(model)
         wanted = body.state_dict()

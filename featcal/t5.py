@@ -39,9 +39,10 @@ def targets_of(model: nn.Module, sequences: torch.Tensor) -> list[list[int]]:
 
 
 def greedy_targets(expert_dir: str | Path, batches: Sequence[dict[str, torch.Tensor]],
-                   max_new_tokens: int) -> list[list[int]]:
-    """Each example's target: the expert's greedy output, without the start token, up to its first EOS."""
-    model = task_model(expert_dir)
+                   max_new_tokens: int, base_dir: str | Path | None = None) -> list[list[int]]:
+    """Each example's target: the expert's greedy output, without the start token, up to its first EOS (`base_dir`:
+    the base a LoRA adapter expert adapts)."""
+    model = task_model(expert_dir, base_dir=base_dir)
     return [t for batch in batches for t in targets_of(model, generated(model, batch, max_new_tokens))]
 
 

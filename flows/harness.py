@@ -24,6 +24,7 @@ from featcal.devices import resolve_device
 from featcal.hub import local_dir
 from storage.atomic import read_json, remove, write_bytes, write_json
 from storage.fingerprint import fingerprint
+from storage.lora import is_lora_adapter
 from storage.rundir import RunDir
 from tasks.context import CONFIG_NAME
 
@@ -76,6 +77,11 @@ def checkpoints(run_dir: Path, cfg: RunConfig, models: list[str]) -> dict[str, P
         else:
             raise HarnessError(f"--models: unknown entry {entry!r}; use calibrated, merged, base, experts or "
                                f"expert:TASK with TASK one of {', '.join(cfg.tasks)}")
+    adapters = [name for name, path in out.items() if name.startswith("expert:") and is_lora_adapter(path)]
+    if adapters:  # lm_eval loads a model by path; an expert = base + adapter is not one
+        what = "is a LoRA adapter" if len(adapters) == 1 else "are LoRA adapters"
+        raise HarnessError(f"--models: {', '.join(adapters)} {what}, which lm-evaluation-harness loads only with its "
+                           "own peft= model argument; leave them out (--models calibrated,merged)")
     return out
 
 

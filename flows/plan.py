@@ -16,6 +16,7 @@ from featcal.modeling import Skeleton, calibrated_modules, is_norm, linear_dims
 from featcal.statistics import expert_side_form
 from flows.pipeline import stage_count
 from storage.checkpoint import CanonicalCheckpoint
+from storage.lora import config_directory
 from tasks.preflight import hub_inputs, preflight
 
 GIB = 1024**3
@@ -24,7 +25,7 @@ GIB = 1024**3
 def plan(cfg: RunConfig) -> dict[str, Any]:
     hub = hub_inputs(cfg)  # fetched (or found in the cache) and pinned; preflight then finds them in the cache
     adapter, notices = preflight(cfg, quiet=True)  # its warning and notices are lines of the plan
-    skeleton = Skeleton.from_checkpoint(local_dir(cfg.experts[cfg.tasks[0]]))
+    skeleton = Skeleton.from_checkpoint(config_directory(local_dir(cfg.experts[cfg.tasks[0]]), local_dir(cfg.base)))
     vision = adapter.text_or_vision_config()
     hidden = vision.hidden_size
     if "input_ids" in adapter.model_input_names():

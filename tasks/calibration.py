@@ -53,7 +53,8 @@ def _model_inputs(ctx: RunContext, task: str) -> tuple[Callable[[], Iterator[dic
         targets = column_targets(picked[source.target_column], local_dir(ctx.cfg.base), cal.max_target_length, where)
         info["decoder_targets"] = f"column {source.target_column}"
     else:
-        targets = greedy_targets(ctx.checkpoint_dir(task), encoder, cal.max_target_length)
+        targets = greedy_targets(ctx.checkpoint_dir(task), encoder, cal.max_target_length,
+                                 ctx.checkpoint_dir("base"))
         info["decoder_targets"] = f"expert greedy output (at most {cal.max_target_length} tokens)"
     config = ctx.adapter.config
     decoder = decoder_batches(targets, cal.batch_size, config.decoder_start_token_id, config.pad_token_id)

@@ -12,9 +12,10 @@ from featcal import secrets
 from featcal.config import RunConfig, config_from_dict
 from featcal.devices import activation_dtype, resolve_device
 from featcal.hub import local_dir
-from featcal.modeling import Skeleton
+from featcal.modeling import Skeleton, expert_checkpoint
 from storage.activations import BFLOAT16, ActivationStore
 from storage.checkpoint import CanonicalCheckpoint
+from storage.lora import LoraCheckpoint, config_directory
 from storage.rundir import RunDir
 
 CONFIG_NAME = "run.yaml"
@@ -33,9 +34,10 @@ class RunContext:
             torch.set_num_threads(self.cfg.runtime.threads)
         self.device = resolve_device(runtime.device)  # block forwards, Gram sums
         self.dtype = activation_dtype(runtime.precision)  # block forwards, stored activations
-        self.skeleton = Skeleton.from_checkpoint(local_dir(self.cfg.experts[self.cfg.tasks[0]]))
+        self.skeleton = Skeleton.from_checkpoint(config_directory(local_dir(self.cfg.experts[self.cfg.tasks[0]]),
+                                                                  local_dir(self.cfg.base)))
         self.adapter = self.skeleton.adapter
-        self._checkpoints: dict[str, CanonicalCheckpoint] = {}
+        self._checkpoints: dict[str, CanonicalCheckpoint | LoraCheckpoint] = {}
 
     @property
     def tasks(self) -> list[str]:
@@ -73,9 +75,14 @@ class RunContext:
             return self.run / name
         return Path(local_dir(self.cfg.experts[name]))
 
-    def checkpoint(self, name: str) -> CanonicalCheckpoint:
+    def checkpoint(self, name: str) -> CanonicalCheckpoint | LoraCheckpoint:
+        """`checkpoint_dir(name)`'s tensors; an expert given as a LoRA adapter is read over the base
+        (storage/lora.py)."""
         if name not in self._checkpoints:
-            self._checkpoints[name] = CanonicalCheckpoint(self.checkpoint_dir(name), self.adapter)
+            if name in self.cfg.experts:
+                self._checkpoints[name] = expert_checkpoint(self.checkpoint_dir(name), self.checkpoint_dir("base"), self.skeleton)
+            else:
+                self._checkpoints[name] = CanonicalCheckpoint(self.checkpoint_dir(name), self.adapter)
         return self._checkpoints[name]
 
 

@@ -51,7 +51,8 @@ def _split(ctx: RunContext, task: str) -> _Split:
 def _task_model(ctx: RunContext, task: str, name: str) -> torch.nn.Module:
     """The task's expert with the body of checkpoint `name` (its own for "expert") and the task's head: the expert's
     own, or with `zero_shot` the zero-shot head the merge stage stored for it (featcal/zeroshot.py)."""
-    model = task_model(ctx.checkpoint_dir(task), None if name == "expert" else ctx.checkpoint(name))
+    model = task_model(ctx.checkpoint_dir(task), None if name == "expert" else ctx.checkpoint(name),
+                       ctx.checkpoint_dir("base"))
     if ctx.cfg.zero_shot is None:
         return model
     return ZeroShotClassifier(model, load_file(ctx.run / MERGED / head_file(task)))

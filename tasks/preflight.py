@@ -20,7 +20,9 @@ from featcal.devices import bf16_warning, cpu_has_native_bf16, resolve_device
 from featcal.t5 import answer_kind
 from featcal.zeroshot import class_names
 from storage.activations import ActivationError, ActivationStore
+from featcal.modeling import Skeleton, expert_checkpoint
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
+from storage.lora import LoraCheckpoint, config_directory, is_lora_adapter
 
 log = logging.getLogger("featcal")
 GIB = 1024**3
@@ -92,24 +94,39 @@ def _config(path: str, field: str):
         raise CheckpointError(f"{field}: cannot read the config of {path}: {exc}") from exc
 
 
-def body_signature(ckpt: CanonicalCheckpoint, adapter: Adapter) -> dict[str, tuple[int, ...]]:
+def body_signature(ckpt: CanonicalCheckpoint | LoraCheckpoint, adapter: Adapter) -> dict[str, tuple[int, ...]]:
     return {n: ckpt.shape(n) for n in ckpt.names() if not adapter.is_head(n)}
+
+
+def _expert_config(cfg: RunConfig, task: str):
+    """Expert `task`'s config: its own, or for a LoRA adapter without one, the base's (storage/lora.py)."""
+    return _config(str(config_directory(cfg.experts[task], cfg.base)), f"experts.{task}")
+
+
+def _expert_checkpoint(cfg: RunConfig, task: str, adapter: Adapter) -> CanonicalCheckpoint | LoraCheckpoint:
+    """Expert `task`'s tensors; a LoRA adapter's problems (base, modules, shapes) as one line naming the field."""
+    if not is_lora_adapter(cfg.experts[task]):
+        return CanonicalCheckpoint(cfg.experts[task], adapter)
+    try:
+        return expert_checkpoint(cfg.experts[task], cfg.base, Skeleton(_expert_config(cfg, task)))
+    except CheckpointError as exc:
+        raise CheckpointError(f"experts.{task}: {exc}") from None
 
 
 def check_checkpoints(cfg: RunConfig) -> Adapter:
     """Every expert must share the base's architecture family and body tensors (names and shapes)."""
     first = cfg.tasks[0]
-    adapter = adapter_for(_config(cfg.experts[first], f"experts.{first}"))
+    adapter = adapter_for(_expert_config(cfg, first))
     base_cfg = _config(cfg.base, "base")
     if adapter_for(base_cfg).model_types != adapter.model_types:
         raise CheckpointError(f"base is a {base_cfg.model_type} model but experts.{first} is a {adapter.model_types[0]} model")
     base = body_signature(CanonicalCheckpoint(cfg.base, adapter), adapter)
     for task in cfg.tasks:
         field = f"experts.{task}"
-        config = _config(cfg.experts[task], field)
+        config = _expert_config(cfg, task)
         if adapter_for(config).model_types != adapter.model_types:
             raise CheckpointError(f"{field}: a {config.model_type} model, but experts.{first} is {adapter.model_types[0]}")
-        expert = body_signature(CanonicalCheckpoint(cfg.experts[task], adapter), adapter)
+        expert = body_signature(_expert_checkpoint(cfg, task, adapter), adapter)
         missing, extra = sorted(set(base) - set(expert)), sorted(set(expert) - set(base))
         if missing or extra:
             raise CheckpointError(
@@ -146,7 +163,8 @@ def check_zero_shot(cfg: RunConfig) -> list[str]:
     if kind != "CLIPModel":
         raise CheckpointError(f"zero_shot.clip_model: {zs.clip_model} is a {kind}; expected a CLIPModel checkpoint "
                               "(its text tower, projections and logit scale make the heads)")
-    for field, path in [("base", cfg.base), *((f"experts.{t}", cfg.experts[t]) for t in cfg.tasks)]:
+    for field, path in [("base", cfg.base), *((f"experts.{t}", str(config_directory(cfg.experts[t], cfg.base)))
+                                              for t in cfg.tasks)]:
         architecture = adapter_for(_config(path, field)).architecture
         if architecture != "CLIPVisionModel":
             raise CheckpointError(
@@ -186,10 +204,9 @@ def _head_labels(cfg: RunConfig, adapter: Adapter, task: str) -> int | None:
         return len(class_names(cfg, task))
     if adapter.language_model or adapter.has_decoder:
         return None
-    expert = CanonicalCheckpoint(cfg.experts[task], adapter)
-    if not any(adapter.is_head(n) for n in expert.names()):
+    if not any(adapter.is_head(n) for n in _expert_checkpoint(cfg, task, adapter).names()):
         return None
-    num_labels = _config(cfg.experts[task], f"experts.{task}").num_labels
+    num_labels = _expert_config(cfg, task).num_labels
     return num_labels if num_labels > 1 else None
 
 
