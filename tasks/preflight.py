@@ -39,8 +39,27 @@ def body_signature(ckpt: CanonicalCheckpoint, adapter: Adapter) -> dict[str, tup
     return {n: ckpt.shape(n) for n in ckpt.names() if not adapter.is_head(n)}
 
 
+def check_same_body(field: str, path: str, adapter: Adapter, base: dict[str, tuple[int, ...]]) -> None:
+    """The checkpoint at `path` (config field `field`) is of the base's architecture family, with the base's body
+    tensors: the same names, none missing or extra, and the same shapes."""
+    config = _config(path, field)
+    if adapter_for(config).model_types != adapter.model_types:
+        raise CheckpointError(f"{field}: a {config.model_type} model, but the experts are {adapter.model_types[0]}")
+    body = body_signature(CanonicalCheckpoint(path, adapter), adapter)
+    missing, extra = sorted(set(base) - set(body)), sorted(set(body) - set(base))
+    if missing or extra:
+        raise CheckpointError(
+            f"{field}: tensor names differ from the base: missing {missing[:5]}, not in base {extra[:5]}"
+            f"{' (and more)' if len(missing) > 5 or len(extra) > 5 else ''}"
+        )
+    for name, shape in body.items():
+        if shape != base[name]:
+            raise CheckpointError(f"{field}: tensor {name} has shape {shape}, the base has {base[name]}")
+
+
 def check_checkpoints(cfg: RunConfig) -> Adapter:
-    """Every expert must share the base's architecture family and body tensors (names and shapes)."""
+    """Every expert, and a `given` merge, must share the base's architecture family and body tensors (names and
+    shapes)."""
     first = cfg.tasks[0]
     adapter = adapter_for(_config(cfg.experts[first], f"experts.{first}"))
     base_cfg = _config(cfg.base, "base")
@@ -48,20 +67,9 @@ def check_checkpoints(cfg: RunConfig) -> Adapter:
         raise CheckpointError(f"base is a {base_cfg.model_type} model but experts.{first} is a {adapter.model_types[0]} model")
     base = body_signature(CanonicalCheckpoint(cfg.base, adapter), adapter)
     for task in cfg.tasks:
-        field = f"experts.{task}"
-        config = _config(cfg.experts[task], field)
-        if adapter_for(config).model_types != adapter.model_types:
-            raise CheckpointError(f"{field}: a {config.model_type} model, but experts.{first} is {adapter.model_types[0]}")
-        expert = body_signature(CanonicalCheckpoint(cfg.experts[task], adapter), adapter)
-        missing, extra = sorted(set(base) - set(expert)), sorted(set(expert) - set(base))
-        if missing or extra:
-            raise CheckpointError(
-                f"{field}: tensor names differ from the base: missing {missing[:5]}, not in base {extra[:5]}"
-                f"{' (and more)' if len(missing) > 5 or len(extra) > 5 else ''}"
-            )
-        for name, shape in expert.items():
-            if shape != base[name]:
-                raise CheckpointError(f"{field}: tensor {name} has shape {shape}, the base has {base[name]}")
+        check_same_body(f"experts.{task}", cfg.experts[task], adapter, base)
+    if cfg.merge.method == "given":
+        check_same_body("merge.path", cfg.merge.path, adapter, base)
     return adapter
 
 
