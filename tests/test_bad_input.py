@@ -103,6 +103,25 @@ def _checkpoint_is_file(root: Path) -> None:
     _edit_yaml(root, lambda raw: raw["experts"].__setitem__("count", "a_file"))
 
 
+def _given_merge(root: Path, change: Callable[[dict], None] | None) -> None:
+    """merge.method given, its checkpoint a copy of the base with its tensors edited by `change` (None: no such
+    directory)."""
+    from safetensors.torch import save_file
+
+    _edit_yaml(root, lambda raw: raw.__setitem__("merge", {"method": "given", "path": "elsewhere"}))
+    if change is None:
+        return
+    shutil.copytree((root / "base").resolve(), root / "elsewhere")
+    tensors = load_file(root / "elsewhere" / "model.safetensors")
+    change(tensors)
+    save_file(tensors, str(root / "elsewhere" / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _reshaped(tensors: dict) -> None:
+    name = "encoder.layer.0.attention.output.dense.weight"
+    tensors[name] = tensors[name][:, :32].contiguous()
+
+
 # (id, how the input is broken, the words the one line must hold)
 CASES = [
     ("label-above-range", lambda r: _edit_split(r, "topic", "test", _labels(7)),
@@ -132,6 +151,14 @@ CASES = [
     ("base-header-garbage", lambda r: _garbage_header(r, "base"),
      ["base:", "model.safetensors", "unreadable safetensors header"]),
     ("expert-path-is-a-file", _checkpoint_is_file, ["experts.count", "a_file", "is a file"]),
+    ("given-merge-missing", lambda r: _given_merge(r, None), ["merge.path", "elsewhere does not exist"]),
+    ("given-merge-other-shape", lambda r: _given_merge(r, _reshaped),
+     ["merge.path", "tensor encoder.layer.0.attention.output.dense.weight has shape (64, 32)", "the base has (64, 64)"]),
+    ("given-merge-missing-tensor", lambda r: _given_merge(r, lambda t: t.pop("encoder.layer.1.output.dense.bias")),
+     ["merge.path", "missing ['encoder.layer.1.output.dense.bias']", "not in base []"]),
+    ("given-merge-extra-tensor",
+     lambda r: _given_merge(r, lambda t: t.update(extra=t["embeddings.LayerNorm.bias"].clone())),
+     ["merge.path", "missing []", "not in base ['extra']"]),
 ]
 
 

@@ -271,16 +271,18 @@ def test_checkpoint_reads_rows(tmp_path):
         assert torch.equal(files.get("t", (a, b)), t[a:b])
 
 
-def test_merge_stage_by_row_chunks_writes_the_same_checkpoint(tmp_path, monkeypatch):
+@pytest.mark.parametrize("merge", [{"method": "task_arithmetic"}, {"method": "dare_ties", "density": 0.3}],
+                         ids=["task_arithmetic", "dare_ties"])
+def test_merge_stage_by_row_chunks_writes_the_same_checkpoint(tmp_path, monkeypatch, merge):
     """The merge stage reading experts a few rows at a time (forced here for every matrix of a tiny Llama, as it is
-    for an LLM's embedding) writes the same merged weights as merging whole tensors."""
+    for an LLM's embedding) writes the same merged weights as merging whole tensors; with DARE, the same masks."""
     from safetensors.torch import load_file
 
     import tasks.merge
     from flows.pipeline import run_pipeline
     from tests.test_decoders import _build
 
-    cfg = _build(tmp_path, "llama", experts=2, featcal={"lambda": 0.01, "rho": 1.0, "alpha": 1.0})
+    cfg = _build(tmp_path, "llama", experts=2, featcal={"lambda": 0.01, "rho": 1.0, "alpha": 1.0}, merge=merge)
     run_pipeline(cfg, tmp_path / "whole")
     chunked_shapes = []
 
