@@ -155,7 +155,7 @@ def test_dare_rescaled_expectation_is_the_task_vector():
     """E[dropped τ] = τ: the mean over 4000 seeds of DARE-linear with one expert at scale 1 is θ0 + τ, each entry
     within 5 standard errors, σ = |τ|·√((1 − p)/(p·N))."""
     gen = torch.Generator().manual_seed(5)
-    base, tau = torch.randn(3, 4, generator=gen, dtype=torch.float64), torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    base, tau = (torch.randn(3, 4, generator=gen, dtype=torch.float64) for _ in range(2))
     p, seeds = 0.3, 4000
     total = torch.zeros_like(tau)
     for seed in range(seeds):
