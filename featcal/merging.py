@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -54,8 +55,8 @@ def dare_kept(seed: int, density: float, task: str, name: str, first: int, count
     drawn directly: a block of rows gets the same mask as the whole tensor, on any platform."""
     block = first // 4
     raw = np.random.Philox(key=drop_key(seed, task, name), counter=block).random_raw(first + count - 4 * block)
-    uniform = (raw[first - 4 * block:] >> np.uint64(11)).astype(np.float64) * 2.0**-53  # 53 random bits in [0, 1)
-    return torch.from_numpy(uniform < density)
+    top = np.right_shift(raw[first - 4 * block:], np.uint64(11))  # u = top·2⁻⁵³, 53 random bits in [0, 1)
+    return torch.from_numpy(top < np.uint64(math.ceil(density * 2.0**53)))  # u < density, in exact integers
 
 
 def dropped(task_vector: torch.Tensor, kept: torch.Tensor, density: float) -> torch.Tensor:
@@ -71,6 +72,7 @@ def merged_tensor(base: torch.Tensor, experts: ExpertTensors, cfg: MergeConfig,
     if cfg.method in DARE and kept is None:
         raise ValueError(f"merge.method {cfg.method} needs the drop masks of the tensor (kept)")
     theta0 = base.double()
+    masks: dict[int, torch.Tensor] = {}  # DARE-TIES reads each mask twice: drawn once, 1 byte per entry per expert
 
     def task_vectors() -> Iterator[torch.Tensor]:
         for t, theta_t in enumerate(experts()):
@@ -78,7 +80,9 @@ def merged_tensor(base: torch.Tensor, experts: ExpertTensors, cfg: MergeConfig,
             if cfg.method == "ties":
                 yield trimmed(tau, cfg.ties_top_k)
             elif cfg.method in DARE:
-                yield dropped(tau, kept(t), cfg.density)
+                if t not in masks:
+                    masks[t] = kept(t)
+                yield dropped(tau, masks[t], cfg.density)
             else:
                 yield tau
 
