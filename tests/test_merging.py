@@ -298,3 +298,24 @@ def test_merge_stage_by_row_chunks_writes_the_same_checkpoint(tmp_path, monkeypa
     assert whole.keys() == chunked.keys()
     assert all(torch.equal(whole[k], chunked[k]) for k in whole)
     assert any(shape[0] > 3 for shape in chunked_shapes)  # the chunked path ran, with several chunks
+
+
+def test_dare_ties_run_is_reproducible_and_a_new_seed_is_another_merge(tiny_example, tmp_path):
+    """Two DARE-TIES runs of the tiny BERT example in two run directories write the same merged checkpoint byte for
+    byte (the masks depend on seed, task and tensor only); another merge.seed changes it, and the merge record says
+    the method."""
+    import json
+
+    from flows.pipeline import run_pipeline
+    from tests.conftest import example_config
+
+    def merged(run: str, seed: int) -> bytes:
+        cfg = example_config(tiny_example, "bert", evaluation={"enabled": False},
+                             merge={"method": "dare_ties", "density": 0.5, "seed": seed, "scaling": 0.3})
+        run_pipeline(cfg, tmp_path / run)
+        assert json.loads((tmp_path / run / "records" / "merge.json").read_text())["info"]["method"] == "dare_ties"
+        return (tmp_path / run / "merged" / "model.safetensors").read_bytes()
+
+    first = merged("a", 42)
+    assert merged("b", 42) == first
+    assert merged("c", 7) != first
