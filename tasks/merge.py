@@ -5,13 +5,14 @@ with `zero_shot`, one made from a CLIPModel's text tower: featcal/zeroshot.py)."
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from featcal.merging import DARE, chunk_rows, drop_masks, merged_rows, merged_tensor, whole_tensor_rows
 from featcal.zeroshot import zero_shot_heads
-from storage.checkpoint import CanonicalCheckpoint, finite, write_checkpoint
+from storage.checkpoint import CanonicalCheckpoint, CheckpointError, finite, write_checkpoint
 from tasks.context import RunContext
 
 MERGED = "merged"
@@ -29,7 +30,12 @@ def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
     def read(owner: str, ckpt: CanonicalCheckpoint, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         return finite(ckpt.get(name, rows), name, owner, ckpt.directory)
 
-    given = CanonicalCheckpoint(cfg.merge.path, ctx.adapter) if cfg.merge.method == "given" else None
+    given = None
+    if cfg.merge.method == "given":
+        if Path(cfg.merge.path).resolve() == Path(ctx.run / MERGED).resolve():
+            raise CheckpointError(f"merge.path: {cfg.merge.path} is this run's own merged/, which the merge writes; "
+                                  "give a copy, or another run's merged/")
+        given = CanonicalCheckpoint(cfg.merge.path, ctx.adapter)
 
     def merged(name: str) -> torch.Tensor:
         shape, dtype = base.shape(name), base.dtype(name)

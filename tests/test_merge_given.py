@@ -43,3 +43,18 @@ def test_given_needs_a_path_and_a_path_needs_given(tiny_example):
             assert seen in str(exc)
         else:
             raise AssertionError(merge)
+
+
+def test_given_merge_cannot_be_the_runs_own_merged_dir(tiny_example, one_thread_run, tmp_path):
+    """The merge stage writes merged/: reading θ_m from the same directory would overwrite what it reads."""
+    import shutil
+
+    import pytest
+
+    from storage.checkpoint import CheckpointError
+
+    shutil.copytree(one_thread_run / "merged", tmp_path / "run" / "merged")
+    cfg = example_config(tiny_example, "bert", evaluation={"enabled": False},
+                         merge={"method": "given", "path": str(tmp_path / "run" / "merged")})
+    with pytest.raises(CheckpointError, match=r"^merge.path: .*run/merged is this run's own merged/, which the merge"):
+        run_pipeline(cfg, tmp_path / "run")
