@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from featcal.hub import local_dir
 from featcal.merging import DARE, chunk_rows, drop_masks, merged_rows, merged_tensor, whole_tensor_rows
 from featcal.zeroshot import zero_shot_heads
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError, finite, write_checkpoint
@@ -32,10 +33,11 @@ def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
 
     given = None
     if cfg.merge.method == "given":
-        if Path(cfg.merge.path).resolve() == Path(ctx.run / MERGED).resolve():
+        path = local_dir(cfg.merge.path)  # a hub id: its snapshot, fetched by preflight
+        if Path(path).resolve() == Path(ctx.run / MERGED).resolve():
             raise CheckpointError(f"merge.path: {cfg.merge.path} is this run's own merged/, which the merge writes; "
                                   "give a copy, or another run's merged/")
-        given = CanonicalCheckpoint(cfg.merge.path, ctx.adapter)
+        given = CanonicalCheckpoint(path, ctx.adapter)
 
     def merged(name: str) -> torch.Tensor:
         shape, dtype = base.shape(name), base.dtype(name)
