@@ -136,6 +136,20 @@ def check_checkpoints(cfg: RunConfig) -> Adapter:
     return adapter
 
 
+def given_dtype_notice(cfg: RunConfig, adapter: Adapter) -> list[str]:
+    """A `given` merge stored in other dtypes than the base is written to merged/ in the base's: said once."""
+    if cfg.merge.method != "given":
+        return []
+    base, given = CanonicalCheckpoint(cfg.base, adapter), CanonicalCheckpoint(cfg.merge.path, adapter)
+    differ = sorted({(str(given.dtype(n)), str(base.dtype(n))) for n in body_signature(base, adapter)
+                     if given.dtype(n) != base.dtype(n)})
+    if not differ:
+        return []
+    pairs = ", ".join(f"{g.removeprefix('torch.')} → {b.removeprefix('torch.')}" for g, b in differ)
+    return [f"merge.path: {cfg.merge.path} stores tensors in other dtypes than the base; merged/ takes the base's "
+            f"({pairs})"]
+
+
 def check_head_side(cfg: RunConfig, adapter: Adapter) -> None:
     """featcal.calibrate_head_side needs a calibration method that reads it (FeatCal's; the RegMean variants solve
     blocks only) and an architecture with a head side whose tensors the base has."""
@@ -311,6 +325,7 @@ def preflight(cfg: RunConfig, quiet: bool = False) -> Checked:
         files = localized(cfg)
         found = check_zero_shot(files)
         adapter = check_checkpoints(files)
+        found += given_dtype_notice(files, adapter)
         check_head_side(files, adapter)
         found += check_data(files, adapter, {f"{section}.{t}": source.path for section, by_task in (
             ("calibration.data", cfg.calibration.data), ("evaluation.data", cfg.evaluation.data))

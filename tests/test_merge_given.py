@@ -58,3 +58,30 @@ def test_given_merge_cannot_be_the_runs_own_merged_dir(tiny_example, one_thread_
                          merge={"method": "given", "path": str(tmp_path / "run" / "merged")})
     with pytest.raises(CheckpointError, match=r"^merge.path: .*run/merged is this run's own merged/, which the merge"):
         run_pipeline(cfg, tmp_path / "run")
+
+
+def test_given_merge_in_another_dtype_is_cast_to_the_bases_with_one_notice(tiny_example, one_thread_run, tmp_path):
+    """A bf16 merge of an fp32 base: preflight says so once; merged/ holds the bf16 values in fp32, exactly."""
+    import shutil
+
+    import yaml
+    from safetensors.torch import save_file
+
+    from tasks.context import CONFIG_NAME, context
+    from tasks.merge import run as merge_stage
+    from tasks.preflight import preflight
+
+    given = tmp_path / "bf16"
+    shutil.copytree(one_thread_run / "merged", given)
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(given / "model.safetensors").items()}
+    save_file(tensors, str(given / "model.safetensors"), metadata={"format": "pt"})
+    cfg = example_config(tiny_example, "bert", evaluation={"enabled": False},
+                         merge={"method": "given", "path": str(given)})
+    assert preflight(cfg, quiet=True).notices == [
+        f"merge.path: {given} stores tensors in other dtypes than the base; merged/ takes the base's "
+        "(bfloat16 → float32)"]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / CONFIG_NAME).write_text(yaml.safe_dump(cfg.redacted()))
+    merge_stage(context(tmp_path / "run"))
+    merged = load_file(tmp_path / "run" / "merged" / "model.safetensors")
+    assert all(merged[k].dtype == torch.float32 and torch.equal(merged[k], tensors[k].float()) for k in tensors)
