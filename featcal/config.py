@@ -23,10 +23,25 @@ class _Strict(BaseModel):
 
 
 class MergeConfig(_Strict):
-    method: Literal["task_arithmetic", "ties", "average"] = "task_arithmetic"
+    """How θ_m is made (featcal/merging.py), or, with `given`, where a merge made elsewhere is read from."""
+
+    method: Literal["task_arithmetic", "ties", "average", "dare_linear", "dare_ties", "given"] = "task_arithmetic"
     scaling: float = Field(0.3, gt=0, description="s in θ0 + s·merged task vector (ignored by average)")
-    ties_top_k: float = Field(0.2, gt=0, le=1, description="fraction of each task vector kept, per tensor")
-    ties_merge: Literal["sum", "mean"] = "sum"
+    ties_top_k: float = Field(0.2, gt=0, le=1, description="ties: int(top_k·n) entries of each task vector kept, "
+                              "per tensor (MergeKit's density)")
+    ties_merge: Literal["sum", "mean"] = Field("sum", description="ties, dare_ties: the agreeing entries summed, or "
+                                               "averaged over the tasks that agree (MergeKit's normalize)")
+    density: float = Field(0.5, gt=0, le=1, description="dare_*: each task-vector entry kept with this probability, "
+                           "the kept ones divided by it")
+    seed: int = Field(42, description="dare_*: the drop masks depend on (seed, task, tensor name) only")
+    path: str | None = Field(None, description="given: a merged checkpoint of the base's architecture, used as θ_m")
+
+    @model_validator(mode="after")
+    def _path_with_given(self) -> MergeConfig:
+        if (self.method == "given") != (self.path is not None):
+            raise ValueError("merge.path names the merged checkpoint of merge.method given, and only of it "
+                             f"(method {self.method}, path {self.path!r})")
+        return self
 
 
 class DataSource(_Strict):
@@ -325,6 +340,8 @@ def _resolve_paths(cfg: RunConfig, root: Path) -> RunConfig:
 
     cfg.base = resolve(cfg.base)
     cfg.experts = {t: resolve(p) for t, p in cfg.experts.items()}
+    if cfg.merge.path is not None:
+        cfg.merge.path = resolve(cfg.merge.path)
     for source in [*cfg.calibration.data.values(), *cfg.evaluation.data.values()]:
         source.path = resolve(source.path)
     if cfg.zero_shot is not None:

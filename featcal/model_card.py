@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-MERGE_TAGS = {"task_arithmetic": "task_arithmetic", "ties": "ties", "average": "linear"}
+MERGE_TAGS = {"task_arithmetic": "task_arithmetic", "ties": "ties", "average": "linear", "dare_linear": "dare_linear",
+              "dare_ties": "dare_ties", "given": "given"}
 # What the hub's widgets call the task of a checkpoint, by the end of its architecture's class name.
 PIPELINE_TAGS = (
     ("ForSequenceClassification", "text-classification"),
@@ -40,6 +41,13 @@ def card_metadata(config: dict[str, Any], architecture: str | None) -> dict[str,
     return meta
 
 
+def merged_how(config: dict[str, Any]) -> str:
+    if config["merge"]["method"] == "given":
+        return (f"the merge of {len(config['experts'])} experts of `{config['base']}` read from "
+                f"`{config['merge']['path']}` (made elsewhere)")
+    return f"{len(config['experts'])} experts merged into `{config['base']}` with {config['merge']['method']}"
+
+
 def _settings(section: dict[str, Any]) -> list[str]:
     return [f"| `{k}` | `{v}` |" for k, v in section.items() if k != "data"]
 
@@ -62,9 +70,8 @@ def model_card(config: dict[str, Any], checkpoint: str, architecture: str | None
     what = ("the merged model after FeatCal feature calibration" if checkpoint == "calibrated"
             else "the merged model, before calibration")
     lines = [f"---\n{meta}---", "", f"# {checkpoint}", "",
-             f"This checkpoint is {what}: {len(config['experts'])} experts merged into `{config['base']}` with "
-             f"{config['merge']['method']}, then each block's weights solved so its features match the experts' "
-             "on calibration data. Written by FeatCal.", "",
+             f"This checkpoint is {what}: {merged_how(config)}, then each block's weights solved so its features "
+             "match the experts' on calibration data. Written by FeatCal.", "",
              "## Experts", "", "| task | expert |", "|---|---|"]
     lines += [f"| {t} | `{path}` |" for t, path in config["experts"].items()]
     lines += ["", "## Merge", "", "| setting | value |", "|---|---|", *_settings(config["merge"]),

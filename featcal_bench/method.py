@@ -35,12 +35,13 @@ SURGERY_METHODS = ("surgery", "probsurgery")  # adapters trained outside the pip
 class MethodRun:
     """One process: a merge, optionally a calibration method, and which of its models to evaluate."""
 
-    merge: str  # task_arithmetic | ties | average
+    merge: str  # task_arithmetic | ties | average | dare_linear | dare_ties
     method: str | None  # featcal | regmean | regmean_plus_plus | surgery | probsurgery | None (merge only)
     examples: int = FULL
     models: tuple[str, ...] = ("calibrated",)
     featcal: dict[str, Any] = field(default_factory=dict)
     scaling: float = 0.3  # task arithmetic's (and TIES') scale s; 0.3 is the published default
+    density: float | None = None  # DARE's keep probability (merge.density); None for the other merges
 
 
 # The paper's setting for its CLIP ViT-B/32 and FLAN-T5 benchmarks (the pipeline's defaults, docs/design.md §2.8).
@@ -74,7 +75,7 @@ def model_sections(bench: Path, tasks: list[str], run: MethodRun) -> dict[str, A
     return {
         "base": str(bench / BASE),
         "experts": {t: str(bench / expert_dir(t)) for t in tasks},
-        "merge": {"method": run.merge, "scaling": run.scaling},
+        "merge": {"method": run.merge, "scaling": run.scaling, **({"density": run.density} if run.density else {})},
         "featcal": {"method": run.method if run.method in ("regmean", "regmean_plus_plus") else "featcal", **run.featcal},
     }
 

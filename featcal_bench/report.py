@@ -50,6 +50,8 @@ METHOD_ROWS = (
     ("TA + ProbSurgery", "ta_probsurgery", "calibrated", "total"),
     ("TA + FeatCal", "ta_featcal", "calibrated", "total"),
     ("TIES + FeatCal", "ties_featcal", "calibrated", "total"),
+    ("DARE-TIES", "dare_ties_featcal", "merged", "merge"),
+    ("DARE-TIES + FeatCal", "dare_ties_featcal", "calibrated", "total"),
     ("TA + FeatCal (λ 0.05, ρ 2.2: the paper's)", "ta_featcal_paper", "calibrated", "total"),
     ("TA + FeatCal (λ auto, ρ 2.2: no labels)", "ta_featcal_auto", "calibrated", "total"),
     ("TA + FeatCal + head side", "ta_featcal_head", "calibrated", "total"),

@@ -140,6 +140,8 @@ class Pipeline:
         memo = self.run / "records" / "fingerprints.json"
         self.inputs = {"base": fingerprint(self.cfg.base, memo)}
         self.inputs.update({f"expert/{t}": fingerprint(p, memo) for t, p in self.cfg.experts.items()})
+        if self.cfg.merge.path is not None:  # a merge made elsewhere (merge.method given) is θ_m: its bytes key the run
+            self.inputs["merge"] = fingerprint(self.cfg.merge.path, memo)
         for section, sources in (("calibration", self.cfg.calibration.data), ("evaluation", self.cfg.evaluation.data)):
             self.inputs.update({f"{section}/{t}": fingerprint(s.path, memo) for t, s in sources.items()})
         # Zero-shot heads are made by the merge stage, from the CLIPModel, the prompts and each task's class names.
@@ -198,7 +200,7 @@ class Pipeline:
         precision = cfg.runtime.precision
         merged = self.call(StageCall("merge", "merge", "merge", self.key(
             "merge", cfg.slice("merge"), self.inputs["base"], [self.inputs[f"expert/{t}"] for t in tasks],
-            *self.head_inputs)))
+            *self.head_inputs, *([self.inputs["merge"]] if "merge" in self.inputs else []))))
         merged_digest = merged["outputs"]["merged"]
         # (record, rel) of the current block boundary per task and side: S (merged) and E (expert).
         side: dict[tuple[str, str], tuple[Record, str]] = {}

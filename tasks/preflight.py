@@ -35,6 +35,8 @@ def hub_inputs(cfg: RunConfig) -> list[Resolved]:
     models = [("base", cfg.base), *((f"experts.{t}", cfg.experts[t]) for t in cfg.tasks)]
     if cfg.zero_shot is not None:
         models.append(("zero_shot.clip_model", cfg.zero_shot.clip_model))
+    if cfg.merge.path is not None:
+        models.append(("merge.path", cfg.merge.path))
     for field, value in models:
         hit = resolve(value, field)
         if hit is not None:
@@ -43,6 +45,8 @@ def hub_inputs(cfg: RunConfig) -> list[Resolved]:
                 cfg.base = hit.pinned
             elif field == "zero_shot.clip_model":
                 cfg.zero_shot.clip_model = hit.pinned
+            elif field == "merge.path":
+                cfg.merge.path = hit.pinned
             else:
                 cfg.experts[field.split(".", 1)[1]] = hit.pinned
     sources = [("calibration.data", cfg.calibration.data)]
@@ -73,6 +77,8 @@ def localized(cfg: RunConfig) -> RunConfig:
     local.experts = {t: local_dir(p) for t, p in local.experts.items()}
     if local.zero_shot is not None:
         local.zero_shot.clip_model = local_dir(local.zero_shot.clip_model)
+    if local.merge.path is not None:
+        local.merge.path = local_dir(local.merge.path)
     for source in [*local.calibration.data.values(), *local.evaluation.data.values()]:
         source.path = local_dir(source.path, "dataset")
     return local
@@ -113,8 +119,27 @@ def _expert_checkpoint(cfg: RunConfig, task: str, adapter: Adapter) -> Canonical
         raise CheckpointError(f"experts.{task}: {exc}") from None
 
 
+def check_same_body(field: str, config, ckpt: CanonicalCheckpoint | LoraCheckpoint, adapter: Adapter,
+                    base: dict[str, tuple[int, ...]]) -> None:
+    """The checkpoint of config field `field` is of the base's architecture family, with the base's body tensors:
+    the same names, none missing or extra, and the same shapes."""
+    if adapter_for(config).model_types != adapter.model_types:
+        raise CheckpointError(f"{field}: a {config.model_type} model, but the experts are {adapter.model_types[0]}")
+    body = body_signature(ckpt, adapter)
+    missing, extra = sorted(set(base) - set(body)), sorted(set(body) - set(base))
+    if missing or extra:
+        raise CheckpointError(
+            f"{field}: tensor names differ from the base: missing {missing[:5]}, not in base {extra[:5]}"
+            f"{' (and more)' if len(missing) > 5 or len(extra) > 5 else ''}"
+        )
+    for name, shape in body.items():
+        if shape != base[name]:
+            raise CheckpointError(f"{field}: tensor {name} has shape {shape}, the base has {base[name]}")
+
+
 def check_checkpoints(cfg: RunConfig) -> Adapter:
-    """Every expert must share the base's architecture family and body tensors (names and shapes)."""
+    """Every expert, and a `given` merge, must share the base's architecture family and body tensors (names and
+    shapes)."""
     first = cfg.tasks[0]
     adapter = adapter_for(_expert_config(cfg, first))
     base_cfg = _config(cfg.base, "base")
@@ -122,21 +147,26 @@ def check_checkpoints(cfg: RunConfig) -> Adapter:
         raise CheckpointError(f"base is a {base_cfg.model_type} model but experts.{first} is a {adapter.model_types[0]} model")
     base = body_signature(CanonicalCheckpoint(cfg.base, adapter), adapter)
     for task in cfg.tasks:
-        field = f"experts.{task}"
-        config = _expert_config(cfg, task)
-        if adapter_for(config).model_types != adapter.model_types:
-            raise CheckpointError(f"{field}: a {config.model_type} model, but experts.{first} is {adapter.model_types[0]}")
-        expert = body_signature(_expert_checkpoint(cfg, task, adapter), adapter)
-        missing, extra = sorted(set(base) - set(expert)), sorted(set(expert) - set(base))
-        if missing or extra:
-            raise CheckpointError(
-                f"{field}: tensor names differ from the base: missing {missing[:5]}, not in base {extra[:5]}"
-                f"{' (and more)' if len(missing) > 5 or len(extra) > 5 else ''}"
-            )
-        for name, shape in expert.items():
-            if shape != base[name]:
-                raise CheckpointError(f"{field}: tensor {name} has shape {shape}, the base has {base[name]}")
+        check_same_body(f"experts.{task}", _expert_config(cfg, task), _expert_checkpoint(cfg, task, adapter), adapter,
+                        base)
+    if cfg.merge.method == "given":
+        given = CanonicalCheckpoint(cfg.merge.path, adapter)
+        check_same_body("merge.path", _config(cfg.merge.path, "merge.path"), given, adapter, base)
     return adapter
+
+
+def given_dtype_notice(cfg: RunConfig, adapter: Adapter) -> list[str]:
+    """A `given` merge stored in other dtypes than the base is written to merged/ in the base's: said once."""
+    if cfg.merge.method != "given":
+        return []
+    base, given = CanonicalCheckpoint(cfg.base, adapter), CanonicalCheckpoint(cfg.merge.path, adapter)
+    differ = sorted({(str(given.dtype(n)), str(base.dtype(n))) for n in body_signature(base, adapter)
+                     if given.dtype(n) != base.dtype(n)})
+    if not differ:
+        return []
+    pairs = ", ".join(f"{g.removeprefix('torch.')} → {b.removeprefix('torch.')}" for g, b in differ)
+    return [f"merge.path: {cfg.merge.path} stores tensors in other dtypes than the base; merged/ takes the base's "
+            f"({pairs})"]
 
 
 def check_head_side(cfg: RunConfig, adapter: Adapter) -> None:
@@ -314,6 +344,7 @@ def preflight(cfg: RunConfig, quiet: bool = False) -> Checked:
         files = localized(cfg)
         found = check_zero_shot(files)
         adapter = check_checkpoints(files)
+        found += given_dtype_notice(files, adapter)
         check_head_side(files, adapter)
         found += check_data(files, adapter, {f"{section}.{t}": source.path for section, by_task in (
             ("calibration.data", cfg.calibration.data), ("evaluation.data", cfg.evaluation.data))

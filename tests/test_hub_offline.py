@@ -198,6 +198,18 @@ def test_featcal_plan_and_run_read_hub_ids_and_record_them_pinned_without_the_to
     assert written and not [p for p in written if FAKE_TOKEN in p.read_text(errors="replace")]
 
 
+def test_a_given_merge_on_the_hub_is_pinned_and_checked_like_the_base(hub, tmp_path):
+    """merge.path as a hub id (a MergeKit merge pushed to the hub): preflight pins it to its commit and checks its
+    tensors against the base's in the cached snapshot, as it does for the base."""
+    from featcal.hub import local_dir
+
+    add_model(hub / "hub", "someone/merged", Path(local_dir(LLM_BASE)))
+    cfg = load_config(_run_config(tmp_path, merge={"method": "given", "path": "someone/merged"}))
+    planned = plan(cfg)
+    assert planned["hub_inputs"]["merge.path"] == f"someone/merged@{commit_of('someone/merged')}"
+    assert cfg.merge.path == f"someone/merged@{commit_of('someone/merged')}"
+
+
 def test_a_missing_repository_a_bin_only_model_and_a_wrong_column_each_fail_in_one_line(hub, tmp_path):
     missing = config_from_dict(yaml.safe_load(_run_config(
         tmp_path, experts__math="MergeBench/Llama-3.2-3B_nope").read_text()), tmp_path)

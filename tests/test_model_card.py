@@ -155,3 +155,15 @@ def test_a_checkpoint_digest_skips_only_the_top_level_card(tmp_path):
     assert run.digest("calibrated") == bare
     (tmp_path / "calibrated" / "sub" / "README.md").write_text("not the card")
     assert run.digest("calibrated") != bare
+
+
+def test_card_of_a_given_merge_names_where_it_came_from():
+    config = {"base": "org/base", "experts": {"a": "org/a", "b": "org/b"},
+              "merge": {"method": "given", "path": "/m/out"},
+              "calibration": {"data": {"a": {"path": "org/data", "split": "train"}}}, "featcal": {"method": "featcal"}}
+    card = model_card(config, "calibrated", "LlamaForCausalLM", {}, None)
+    assert "the merge of 2 experts of `org/base` read from `/m/out` (made elsewhere)" in card
+    assert yaml.safe_load(re.match(r"---\n(.*?)---", card, re.S).group(1))["tags"] == ["merge", "featcal", "given"]
+    config["merge"] = {"method": "dare_ties", "density": 0.5}
+    card = model_card(config, "merged", None, {}, None)
+    assert "2 experts merged into `org/base` with dare_ties" in card and "| `density` | `0.5` |" in card

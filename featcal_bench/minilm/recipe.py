@@ -41,6 +41,10 @@ def method_runs(spec: BenchSpec | None = None) -> dict[str, MethodRun]:
         "ta_featcal": MethodRun("task_arithmetic", "featcal", models=("base", "merged", "calibrated", "expert"),
                                 featcal=FEATCAL),
         "ties_featcal": MethodRun("ties", "featcal", models=("merged", "calibrated"), featcal=FEATCAL),
+        # DARE-TIES at MergeKit's usual density 0.5 (its drop masks seeded by merge.seed 42) and the TA/TIES scale 0.3:
+        # one run yields DARE-TIES and DARE-TIES + FeatCal, as ties_featcal does for TIES.
+        "dare_ties_featcal": MethodRun("dare_ties", "featcal", models=("merged", "calibrated"), featcal=FEATCAL,
+                                       density=0.5),
         # RegMean keeps the average of the non-linear parameters: the merged checkpoint is the average.
         "regmean": MethodRun("average", "regmean", models=("merged", "calibrated")),
         "regmean_pp": MethodRun("average", "regmean_plus_plus"),
