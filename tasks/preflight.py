@@ -150,8 +150,8 @@ def check_checkpoints(cfg: RunConfig) -> Adapter:
         check_same_body(f"experts.{task}", _expert_config(cfg, task), _expert_checkpoint(cfg, task, adapter), adapter,
                         base)
     if cfg.merge.method == "given":
-        given = CanonicalCheckpoint(cfg.merge.path, adapter)
-        check_same_body("merge.path", _config(cfg.merge.path, "merge.path"), given, adapter, base)
+        config = _config(cfg.merge.path, "merge.path")  # a missing directory named before its tensors are read
+        check_same_body("merge.path", config, CanonicalCheckpoint(cfg.merge.path, adapter), adapter, base)
     return adapter
 
 
