@@ -14,9 +14,7 @@ from featcal.devices import activation_dtype, resolve_device
 from featcal.modeling import Skeleton
 from storage.activations import BFLOAT16, ActivationStore
 from storage.checkpoint import CanonicalCheckpoint
-from storage.rundir import RunDir
-
-CONFIG_NAME = "run.yaml"
+from storage.rundir import CONFIG_NAME, RunDir
 
 
 class RunContext:
