@@ -105,13 +105,13 @@ def test_another_config_is_refused_with_what_changed_and_the_directory_untouched
     assert _snapshot(run_dir) == before
 
 
-# (id, --set, the stages that run again)
+# (id, --set, stages that must run again; None: none at all)
 RUNTIME_ONLY = [
-    ("threads", "runtime.threads=1", set()),
-    ("device", "runtime.device=cpu", set()),
-    ("keep-activations", "runtime.keep_activations=true", set()),
-    ("solve-groups", "runtime.solve_groups=2", {"solve/l00/g0", "solve/l00/g1", "solve/l01/g0", "solve/l01/g1",
-                                                 "solve/l02/g0", "solve/l02/g1", "assemble"}),
+    ("threads", "runtime.threads=1", None),
+    ("device", "runtime.device=cpu", None),
+    ("keep-activations", "runtime.keep_activations=true", None),
+    # Stages of other names, whose inputs (Gram statistics) were released: rebuilt as far back as needed.
+    ("solve-groups", "runtime.solve_groups=2", {f"solve/l{layer:02d}/g{g}" for layer in range(3) for g in range(2)}),
 ]
 
 
@@ -125,14 +125,17 @@ def test_runtime_changes_are_allowed(resume_config, reference_run, tmp_path, cas
     finally:
         torch.set_num_threads(threads)  # runtime.threads applies to the whole process
     ran = {e["stage"] for e in RunDir(run_dir).events()[events:] if e["event"] == "start"}
-    assert ran == again
+    assert ran == set() if again is None else again <= ran, ran
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "complete"
+    whole = [f"solve/l{layer:02d}" for layer in range(3)]
     if case == "solve-groups":  # one solve per block became two: the whole-block solves are gone, records and files
-        assert not [s for s in manifest["stages"] if s in ("solve/l00", "solve/l01", "solve/l02")]
-        assert not list((run_dir / "blocks").glob("l0?.safetensors")) and not RunDir(run_dir).record("solve/l00")
-        assert load_file(run_dir / "calibrated" / "model.safetensors").keys() == \
-            load_file(reference_run / "calibrated" / "model.safetensors").keys()
+        assert set(manifest["stages"]) >= again and not set(manifest["stages"]) & set(whole)
+        assert not list((run_dir / "blocks").glob("l0?.safetensors")) and not RunDir(run_dir).stage_records().keys() & set(whole)
+    else:
+        assert set(manifest["stages"]) >= set(whole)
+    assert (run_dir / "calibrated" / "model.safetensors").read_bytes() == \
+        (reference_run / "calibrated" / "model.safetensors").read_bytes()
 
 
 def test_reuse_drops_a_task_and_matches_a_fresh_run(resume_config, reference_run, tmp_path, capsys):
