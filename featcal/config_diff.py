@@ -44,7 +44,7 @@ def _shown(value: Any) -> str:
 
 
 def _differences(old: Any, new: Any, path: tuple[str, ...], tasks: set[str]) -> list[str]:
-    """`field old → new` for each differing leaf; entries of the added or dropped `tasks` are left to the tasks line."""
+    """`field old → new` per differing leaf; the entries of added or dropped `tasks` are left to the tasks line."""
     if not (isinstance(old, dict) and isinstance(new, dict)):
         return [] if old == new else [f"{'.'.join(path)} {_shown(old)} → {_shown(new)}"]
     skip = tasks if path in NAME_MAPS else set()
