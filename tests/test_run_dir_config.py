@@ -21,6 +21,7 @@ from featcal.config_diff import config_changes
 from flows import pipeline, signals
 from flows.cli import main
 from storage.rundir import RunDir
+from tests.test_bad_input import _fresh_console  # noqa: F401 (autouse: each test's stderr gets its own console)
 
 TASKS = ["count", "negation", "topic"]  # the tiny BERT example's
 
