@@ -50,7 +50,7 @@ _NAMES = {"connection_string", "connectionstring", "conn_str", "sas", "sas_url",
 # A key starting with one of these counts something (`max_new_tokens`), whatever its last word.
 _COUNTS = {"max", "min", "num", "n"}
 # Mappings whose keys are task names, not settings.
-_NAME_MAPS = {("experts",), ("calibration", "data"), ("evaluation", "data"), ("evaluation", "label_words"),
+NAME_MAPS = {("experts",), ("calibration", "data"), ("evaluation", "data"), ("evaluation", "label_words"),
               ("zero_shot", "class_names"), ("zero_shot", "task_templates")}
 
 _known: dict[str, Any] = {}  # placeholder → value
@@ -110,7 +110,7 @@ def redact(tree: Any, path: tuple[str, ...] = ()) -> Any:
     """A copy of `tree` (a config as JSON-able data, or a part of it at key path `path`) with every secret
     value replaced by its placeholder. Idempotent; registers the values it replaces."""
     if isinstance(tree, dict):
-        names = path in _NAME_MAPS
+        names = path in NAME_MAPS
         return {k: (_redact_all(v) if not names and looks_secret(k) else redact(v, (*path, str(k))))
                 for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
@@ -120,7 +120,7 @@ def redact(tree: Any, path: tuple[str, ...] = ()) -> Any:
 
 def redact_value(value: Any, path: tuple[str, ...]) -> Any:
     """`value` set at key path `path` (as `--set` does), redacted."""
-    if path and looks_secret(path[-1]) and path[:-1] not in _NAME_MAPS:
+    if path and looks_secret(path[-1]) and path[:-1] not in NAME_MAPS:
         return _redact_all(value)
     return redact(value, path)
 

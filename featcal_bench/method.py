@@ -116,7 +116,7 @@ def pipeline_result(bench: Path, name: str, raw: dict[str, Any]) -> dict[str, An
 
     cfg = config_from_dict(raw, root=bench, source=f"bench run {name}")
     run_dir = bench / "runs" / name
-    run_pipeline(cfg, run_dir)
+    run_pipeline(cfg, run_dir, reuse=True)  # the directory is the named run's, whatever its recipe says today
     report = read_json(run_dir / "report.json")
     tasks, summary = report["tasks"], report["summary"]
     result = {"run_dir": str(run_dir), "cost": _stage_cost(run_dir), "chosen": chosen_hyper(run_dir),

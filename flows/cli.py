@@ -78,6 +78,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--run-dir", required=True, help="where every output and intermediate goes (one run at a time)")
     _add_overrides(r)
     r.add_argument("--no-prefect", action="store_true", help="call the stages directly, without a Prefect flow")
+    r.add_argument("--reuse", action="store_true",
+                   help="the run directory holds a run of another config: recompute what changed and drop the stages "
+                        "that no longer belong (without it such a directory is refused, naming what changed)")
     r.add_argument("--skip-disk-check", action="store_true",
                    help="start even when the run directory has less free space than `featcal plan` estimates")
     _add_flow_options(r)
@@ -257,6 +260,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.run_dir).resolve()
+    if not args.reuse:
+        from featcal.config_diff import check_same_config
+
+        check_same_config(cfg, run_dir)  # reads only: a refused directory is left as it was
     RunDir(run_dir).check_usable()  # a busy or read-only run directory is refused now, before torch or Prefect load
     devices = _gpu_devices(args, cfg)
     from flows.plan import check_free_space, plan
@@ -272,11 +279,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         known = secrets.found(cfg.model_dump(mode="json", by_alias=True))
         with stage_pool(args.workers, args.worker_threads, known) as pool:
-            run_pipeline(cfg, run_dir, pool, submit=pool.submit)
+            run_pipeline(cfg, run_dir, pool, submit=pool.submit, reuse=args.reuse)
     elif args.no_prefect:
         from flows.pipeline import run_pipeline
 
-        run_pipeline(cfg, run_dir)
+        run_pipeline(cfg, run_dir, reuse=args.reuse)
     else:
         from flows import server
 
@@ -293,7 +300,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             state = featcal_flow(args.config, str(run_dir), args.overrides, runner=args.runner, address=args.address,
                                  workers=args.workers, worker_threads=args.worker_threads,
                                  tag_task_runs=args.tag_task_runs, tls_ca_file=args.tls_ca_file,
-                                 tls_cert=args.tls_cert, tls_key=args.tls_key, devices=devices, return_state=True)
+                                 tls_cert=args.tls_cert, tls_key=args.tls_key, devices=devices, reuse=args.reuse,
+                                 return_state=True)
             if api is not None:
                 print(f"flow run: {server.ui_url(api)}/runs/flow-run/{state.state_details.flow_run_id}")
             state.result()  # raises the flow's error, if any

@@ -22,6 +22,7 @@ import yaml
 
 from featcal.calibration_methods import calibration_method
 from featcal.config import RunConfig, digest_of
+from featcal.config_diff import check_same_config
 from featcal.evaluation import hms
 from featcal.model_card import model_card
 from featcal.modeling import calibrated_modules
@@ -153,6 +154,7 @@ class Pipeline:
         self.solve_groups = [calibration.solve_groups(calibrated_modules(self.ctx.skeleton.block_template(layer)),
                                                       self.ctx.solve_group_count(layer))
                              for layer in range(self.ctx.calibrated_blocks)]
+        self.visited: set[str] = set()  # the stages of this config, for the manifest and what is dropped
         self.progress = Progress(stage_count(len(self.ctx.tasks), self.ctx.num_blocks, self.cfg.runtime.solve_groups,
                                              self.cfg.evaluation.enabled, self.cfg.featcal.calibrate_head_side))
 
@@ -184,6 +186,7 @@ class Pipeline:
         return records
 
     def _finished(self, call: StageCall, record: Record, fresh: bool) -> None:
+        self.visited.add(call.stage)
         self.progress.step(call, record, fresh=fresh)
         if self.on_stage is not None:
             self.on_stage(call, record)
@@ -344,11 +347,16 @@ def write_model_cards(cfg: RunConfig, run: RunDir) -> None:
 
 def run_pipeline(cfg: RunConfig, run_dir: str | Path, runner: Runner = direct_runner,
                  on_stage: Callable[[StageCall, Record], None] | None = None,
-                 submit: Submitter | None = None) -> dict[str, Record]:
+                 submit: Submitter | None = None, reuse: bool = False) -> dict[str, Record]:
     """Lock the run directory, validate, run (or resume) every stage, and write the manifest.
 
+    A run directory belongs to one config: one holding a run of another is refused, untouched, unless `reuse`
+    (featcal/config_diff.py). After a complete run the directory holds this config's stages only: the records and
+    outputs of any other are deleted. A run that fails or is stopped after it started says so in its manifest.
     Ctrl-C or SIGTERM stops it within seconds (flows/signals.py); rerunning resumes."""
     run = RunDir(run_dir)
+    if not reuse:
+        check_same_config(cfg, run.root)
     preflight(cfg)
     # Inside a Prefect flow too: the flow engine installs its own SIGTERM handler, this takes it back.
     with signals.stop_on_signals(), run.lock():
@@ -356,20 +364,40 @@ def run_pipeline(cfg: RunConfig, run_dir: str | Path, runner: Runner = direct_ru
         resolved = yaml.safe_dump(cfg.redacted(), sort_keys=False).encode()
         if not (run / CONFIG_NAME).is_file() or (run / CONFIG_NAME).read_bytes() != resolved:
             write_bytes(run / CONFIG_NAME, resolved)
-        pipeline = Pipeline(run.root, runner, on_stage, submit)
-        manifest = {"config_fingerprint": cfg.fingerprint(), "code_version": pipeline.code, "versions": versions(),
-                    "inputs": pipeline.inputs, "status": "running", "started_at": time.time()}
-        write_json(run / "manifest.json", manifest)
-        records = pipeline.run_all()
-        write_model_cards(cfg, run)
+        manifest: dict[str, Any] = {"config_fingerprint": cfg.fingerprint()}
+        try:
+            pipeline = Pipeline(run.root, runner, on_stage, submit)
+            manifest.update(code_version=pipeline.code, versions=versions(), inputs=pipeline.inputs, status="running",
+                            started_at=time.time())
+            write_json(run / "manifest.json", manifest)
+            records = pipeline.run_all()
+            write_model_cards(cfg, run)
+            dropped = run.drop_stages_except(pipeline.visited)
+            if dropped:
+                log.info("dropped %d stage(s) of another config: %s", len(dropped), ", ".join(dropped))
+        except BaseException as exc:
+            _mark_ended(run, manifest, exc)
+            raise
         stages, targets = {}, {}
-        for path in sorted((run / "records").glob("*.json")):
-            rec = run.record(path.stem.replace("__", "/"))
-            if rec and "key" in rec:
-                stages[rec["stage"]] = {"key": rec["key"], "seconds": rec["seconds"], "outputs": rec["outputs"]}
-                if "decoder_targets" in rec.get("info", {}):  # an encoder–decoder's: a data column or greedy output
-                    targets[rec["stage"].split("/", 1)[1]] = rec["info"]["decoder_targets"]
+        for stage, rec in run.stage_records().items():
+            stages[stage] = {"key": rec["key"], "seconds": rec["seconds"], "outputs": rec["outputs"]}
+            if "decoder_targets" in rec.get("info", {}):  # an encoder–decoder's: a data column or greedy output
+                targets[stage.split("/", 1)[1]] = rec["info"]["decoder_targets"]
         if targets:
             manifest["decoder_targets"] = targets
         write_json(run / "manifest.json", {**manifest, "status": "complete", "finished_at": time.time(), "stages": stages})
         return records
+
+
+def _mark_ended(run: RunDir, manifest: dict[str, Any], exc: BaseException) -> None:
+    """The manifest of a run that did not finish: `stopped` (a signal) or `failed`, with the one-line reason."""
+    if isinstance(exc, (signals.Stopped, KeyboardInterrupt)):
+        ended = {"status": "stopped", "reason": f"stopped by {exc if isinstance(exc, signals.Stopped) else 'SIGINT'}"}
+    else:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        ended = {"status": "failed", "reason": f"{type(exc).__name__}: {first}" if first else type(exc).__name__}
+    ended["finished_at"] = time.time()
+    try:
+        write_json(run / "manifest.json", {**manifest, **ended})
+    except OSError as err:  # a full disk, say: the run's own error is the one to report
+        exc.add_note(f"manifest.json could not be marked {ended['status']}: {err}")

@@ -138,7 +138,7 @@ class RedactingFlow(Flow):
 def featcal_flow(config_path: str, run_dir: str, overrides: list[str] | None = None, runner: str = "local",
                  address: str | None = None, workers: int | None = None, worker_threads: int | None = None,
                  tag_task_runs: bool = False, tls_ca_file: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, devices: list[str] | None = None) -> dict[str, str]:
+                 tls_key: str | None = None, devices: list[str] | None = None, reuse: bool = False) -> dict[str, str]:
     """Calibrate the merged model of CONFIG into RUN_DIR, resuming whatever a previous run finished.
 
     runner: "local" (stages in this process), "pool" (in `workers` processes on this machine, default one per
@@ -146,7 +146,8 @@ def featcal_flow(config_path: str, run_dir: str, overrides: list[str] | None = N
     cluster at `address`, or on a local cluster of `workers` processes, each using `worker_threads` torch threads,
     default 1; `tls_*`: the CA, certificate and key for a tls:// address; `devices`: a local cluster of one worker
     per device, each pinned to its own, e.g. ["cuda:0", "cuda:1"] from `--gpus 2`). The flow run is tagged with the
-    model, merge method and run directory; `tag_task_runs` puts those tags on every task run too."""
+    model, merge method and run directory; `tag_task_runs` puts those tags on every task run too. `reuse`: RUN_DIR
+    may hold a run of another config (flows/pipeline.py run_pipeline)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     if runner not in RUNNERS:
@@ -173,14 +174,14 @@ def featcal_flow(config_path: str, run_dir: str, overrides: list[str] | None = N
             stages = StageRunner(task_tags, stack.enter_context(dask_task_runner(
                 run_dir, address, workers, worker_threads or 1, known_secrets=known_secrets, tls_ca_file=tls_ca_file,
                 tls_cert=tls_cert, tls_key=tls_key, devices=devices)))
-            records = run_pipeline(cfg, run_dir, stages, on_stage=live.on_stage, submit=stages.submit)
+            records = run_pipeline(cfg, run_dir, stages, on_stage=live.on_stage, submit=stages.submit, reuse=reuse)
         elif runner == "pool":
             from flows.pool_runner import stage_pool
 
             pool = stack.enter_context(stage_pool(workers, worker_threads, known_secrets))
-            records = run_pipeline(cfg, run_dir, pool, on_stage=live.on_stage, submit=pool.submit)
+            records = run_pipeline(cfg, run_dir, pool, on_stage=live.on_stage, submit=pool.submit, reuse=reuse)
         else:
-            records = run_pipeline(cfg, run_dir, StageRunner(task_tags), on_stage=live.on_stage)
+            records = run_pipeline(cfg, run_dir, StageRunner(task_tags), on_stage=live.on_stage, reuse=reuse)
     live.finish()
     return {name: str(Path(run_dir) / next(iter(rec["outputs"]))) for name, rec in records.items()}
 

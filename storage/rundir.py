@@ -22,6 +22,7 @@ from storage.atomic import digest, read_json, remove, write_json
 from storage.checkpoint import MODEL_CARD
 
 Record = dict[str, Any]
+CONFIG_NAME = "run.yaml"  # the resolved config the run directory belongs to (featcal/config_diff.py)
 
 
 class RunDirError(RuntimeError):
@@ -175,6 +176,29 @@ class RunDir:
     def release(self, rel: str, expected: str) -> None:
         """Delete an intermediate nobody needs any more, leaving a marker that it existed with this digest."""
         write_json(self._release_path(rel), {"digest": expected, "at": time.time()})
+        self._delete(rel)
+
+    def stage_records(self) -> dict[str, Record]:
+        """Every stage's record on disk, by stage name (other files under records/ are not records)."""
+        found = (self.record(path.stem.replace("__", "/")) for path in sorted((self.root / "records").glob("*.json")))
+        return {rec["stage"]: rec for rec in found if rec and "key" in rec}
+
+    def drop_stages_except(self, keep: set[str]) -> list[str]:
+        """Delete the records of stages not in `keep`, and the outputs (or release markers) only they made: what
+        a run of another config left behind. Returns the stages dropped."""
+        records = self.stage_records()
+        kept = {rel for stage, rec in records.items() if stage in keep for rel in rec["outputs"]}
+        dropped = sorted(set(records) - keep)
+        for stage in dropped:
+            self.invalidate(stage)  # first: a record never outlives its outputs
+            for rel in records[stage]["outputs"]:
+                if rel not in kept:
+                    remove(self._release_path(rel))
+                    self._delete(rel)
+        return dropped
+
+    def _delete(self, rel: str) -> None:
+        """Remove an output and the directories it leaves empty."""
         if _in_store(rel):
             self.store.remove(self.store.location(rel))
             if not self.store.local:

@@ -16,9 +16,7 @@ from featcal.modeling import Skeleton, expert_checkpoint
 from storage.activations import BFLOAT16, ActivationStore
 from storage.checkpoint import CanonicalCheckpoint
 from storage.lora import LoraCheckpoint, config_directory
-from storage.rundir import RunDir
-
-CONFIG_NAME = "run.yaml"
+from storage.rundir import CONFIG_NAME, RunDir
 
 
 class RunContext:

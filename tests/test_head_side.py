@@ -122,7 +122,7 @@ def test_bert_pooler_switched_on_after_a_run_without_it(tmp_path):
             fresh.append(call.stage)
         return direct_runner(run_dir, call, done)
 
-    run_pipeline(on, run_dir, runner=runner)
+    run_pipeline(on, run_dir, runner=runner, reuse=True)  # another config: refused without it
     assert fresh == ["gram/l01/task", "propagate/l01/task", "gram/l02/task", "solve/l02", "assemble"]
     assert load_file(run_dir / "blocks" / "l02.safetensors").keys() == {"dense.weight", "dense.bias"}
     calibrated = _head_side(run_dir, "calibrated", on)

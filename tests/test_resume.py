@@ -124,7 +124,7 @@ def test_changed_lambda_reuses_what_it_can(resume_config, tmp_path):
     second = example_config(root, "bert", evaluation={"enabled": False}, featcal__lambda=0.2)
     run_pipeline(first, tmp_path / "shared")
     before = len(RunDir(tmp_path / "shared").events())
-    run_pipeline(second, tmp_path / "shared")
+    run_pipeline(second, tmp_path / "shared", reuse=True)  # another config: refused without it
     again = [e["stage"] for e in RunDir(tmp_path / "shared").events()[before:] if e["event"] == "start"]
     assert "merge" not in again and "solve/l00" in again
     run_pipeline(second, tmp_path / "fresh")
