@@ -35,7 +35,7 @@ from tasks import assemble, calibration, evaluate, merge
 from tasks.assemble import CALIBRATED
 from tasks.context import CONFIG_NAME, context
 from tasks.merge import MERGED
-from tasks.preflight import preflight
+from tasks.preflight import checked_setup
 from tasks.record import execute
 
 log = logging.getLogger("featcal")
@@ -128,8 +128,9 @@ class Progress:
 
 class Pipeline:
     def __init__(self, run_dir: Path, runner: Runner, on_stage: Callable[[StageCall, Record], None] | None = None,
-                 submit: Submitter | None = None):
+                 submit: Submitter | None = None, warnings: list[str] | None = None):
         self.run_dir = str(run_dir)
+        self.warnings = warnings or []  # degenerate set-ups preflight found: the report lists them
         self.ctx = context(run_dir)
         self.run = self.ctx.run  # with the run's activation store
         self.cfg: RunConfig = self.ctx.cfg
@@ -289,8 +290,9 @@ class Pipeline:
         if cfg.evaluation.enabled:
             out["evaluate"] = self.call(StageCall("evaluate", "evaluate", "evaluate", self.key(
                 "evaluate", out["assemble"]["outputs"]["calibrated"], merged_digest, cfg.slice("evaluation"),
-                cal["seed"], cal["max_length"], self.inputs),
-                needs={"calibrated": "assemble", "merged": "merge"}))
+                cal["seed"], cal["max_length"], self.inputs, *([self.warnings] if self.warnings else [])),
+                needs={"calibrated": "assemble", "merged": "merge"},
+                params={"warnings": self.warnings} if self.warnings else {}))
         return out
 
     def run_all(self, max_rewinds: int = 64) -> dict[str, Record]:
@@ -347,16 +349,17 @@ def run_pipeline(cfg: RunConfig, run_dir: str | Path, runner: Runner = direct_ru
 
     Ctrl-C or SIGTERM stops it within seconds (flows/signals.py); rerunning resumes."""
     run = RunDir(run_dir)
-    preflight(cfg)
+    _, warnings = checked_setup(cfg)
     # Inside a Prefect flow too: the flow engine installs its own SIGTERM handler, this takes it back.
     with signals.stop_on_signals(), run.lock():
         # Credentials as placeholders (featcal/secrets.py): stages restore them from memory, never from this file.
         resolved = yaml.safe_dump(cfg.redacted(), sort_keys=False).encode()
         if not (run / CONFIG_NAME).is_file() or (run / CONFIG_NAME).read_bytes() != resolved:
             write_bytes(run / CONFIG_NAME, resolved)
-        pipeline = Pipeline(run.root, runner, on_stage, submit)
+        pipeline = Pipeline(run.root, runner, on_stage, submit, warnings)
         manifest = {"config_fingerprint": cfg.fingerprint(), "code_version": pipeline.code, "versions": versions(),
-                    "inputs": pipeline.inputs, "status": "running", "started_at": time.time()}
+                    "inputs": pipeline.inputs, "status": "running", "started_at": time.time(),
+                    **({"warnings": warnings} if warnings else {})}
         write_json(run / "manifest.json", manifest)
         records = pipeline.run_all()
         write_model_cards(cfg, run)

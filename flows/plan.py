@@ -15,13 +15,13 @@ from featcal.modeling import Skeleton, calibrated_modules, is_norm, linear_dims
 from featcal.statistics import expert_side_form
 from flows.pipeline import stage_count
 from storage.checkpoint import CanonicalCheckpoint
-from tasks.preflight import max_length_notice, preflight
+from tasks.preflight import checked_setup, max_length_notice
 
 GIB = 1024**3
 
 
 def plan(cfg: RunConfig) -> dict[str, Any]:
-    adapter = preflight(cfg, quiet=True)  # its warning is a line of the plan
+    adapter, degenerate = checked_setup(cfg, quiet=True)  # its warnings are lines of the plan
     skeleton = Skeleton.from_checkpoint(cfg.experts[cfg.tasks[0]])
     vision = adapter.text_or_vision_config()
     hidden = vision.hidden_size
@@ -76,6 +76,7 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
         "estimated_peak_device_gib": None if device.type == "cpu" else round(on_device / GIB, 3),
         "warning": bf16_warning(device, cfg.runtime.precision, cpu_has_native_bf16()),
         "notice": max_length_notice(cfg, adapter),
+        "setup_warnings": degenerate,
     }
 
 
@@ -119,5 +120,6 @@ def render(p: dict[str, Any]) -> str:
             else f"  (peak device memory estimate {p['estimated_peak_device_gib']} GiB: 2 blocks, Grams, 2 chunks)"),
         *([f"warning           {p['warning']}"] if p["warning"] else []),
         *([f"notice            {p['notice']}"] if p["notice"] else []),
+        *(f"warning           {line}" for line in p["setup_warnings"]),
     ]
     return "\n".join(lines)

@@ -14,6 +14,7 @@ from featcal.config import ConfigError, RunConfig
 from featcal.data import DataError, InputBuilder, load_split
 from featcal.input_checks import label_range_error, safetensors_header_error, text_length_limit, text_type_error
 from featcal.devices import bf16_warning, cpu_has_native_bf16, resolve_device
+from featcal.setup_checks import setup_warnings, strict_refusal
 from featcal.t5 import answer_kind
 from featcal.zeroshot import class_names
 from storage.activations import ActivationError, ActivationStore
@@ -178,32 +179,42 @@ def check_activation_store(cfg: RunConfig) -> None:
     store.check_writable()
 
 
-# The last config checked in this process: `featcal run` checks before Prefect starts, and the flow's pipeline,
-# seconds later, takes that verdict once instead of reading every input again. Any later check reads them anew
-# (a long-lived process may run the same config after its files changed).
-_just_checked: dict[str, Adapter] = {}
+# The last config checked in this process, with its degenerate set-ups: `featcal run` checks before Prefect starts,
+# and the flow's pipeline, seconds later, takes that verdict once instead of reading every input again. Any later
+# check reads them anew (a long-lived process may run the same config after its files changed).
+_just_checked: dict[str, tuple[Adapter, list[str]]] = {}
 
 
 def preflight(cfg: RunConfig, quiet: bool = False) -> Adapter:
-    """Every input checked (each failure one line); what would make the run slow or cut its texts is logged unless
-    `quiet`
-    (`featcal plan` prints it in its own text; `featcal run` plans quietly, then its pipeline says it once)."""
+    """`checked_setup`'s adapter."""
+    return checked_setup(cfg, quiet)[0]
+
+
+def checked_setup(cfg: RunConfig, quiet: bool = False) -> tuple[Adapter, list[str]]:
+    """Every input checked (each failure one line), and the degenerate set-ups found (featcal/setup_checks.py:
+    refused with `runtime.strict`). What would make the run slow or cut its texts, and those set-ups, are logged
+    unless `quiet` (`featcal plan` prints them in its own text; `featcal run` plans quietly, then its pipeline says
+    them once)."""
     device = resolve_device(cfg.runtime.device)  # a device torch cannot reach fails here, not at the first Gram
     slow = bf16_warning(device, cfg.runtime.precision, cpu_has_native_bf16())
     if slow and not quiet:
         log.warning(slow)
     key = cfg.fingerprint()
     if key in _just_checked:
-        adapter = _just_checked.pop(key)
+        adapter, warnings = _just_checked.pop(key)
     else:
         check_zero_shot(cfg)
         adapter = check_checkpoints(cfg)
         check_head_side(cfg, adapter)
         check_data(cfg, adapter)
         check_activation_store(cfg)
+        warnings = setup_warnings(cfg, adapter)  # reads every tensor once: NaN/inf and short data refused here
+        if warnings and cfg.runtime.strict:
+            raise strict_refusal(warnings)
         _just_checked.clear()
-        _just_checked[key] = adapter
+        _just_checked[key] = adapter, warnings
     notice = max_length_notice(cfg, adapter)
-    if notice and not quiet:
-        log.warning(notice)
-    return adapter
+    if not quiet:
+        for line in [notice] * bool(notice) + warnings:
+            log.warning(line)
+    return adapter, warnings
