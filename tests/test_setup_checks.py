@@ -76,7 +76,7 @@ CASES = [
     ("zero-task-vector", lambda r: _rewrite(r, "experts/topic", _body_of_base(0.0)),
      ["experts.topic:", "its body equals the base's", "task vector is zero"], False),
     ("near-zero-task-vector", lambda r: _rewrite(r, "experts/negation", _body_of_base(1e-6)),
-     ["experts.negation:", "near-zero task vector", "= 1e-06", f"below {NEAR_ZERO:g}"], False),
+     ["experts.negation:", "near-zero task vector, ‖θ_t − θ0‖/‖θ0‖ = ", f"below {NEAR_ZERO:g}"], False),
     ("two-tasks-one-path", lambda r: _edit_yaml(r, lambda raw: raw["experts"].__setitem__("negation", "experts/count")),
      ["experts.count and experts.negation are the same checkpoint", "counts twice"], False),
     ("two-tasks-same-content", _same_content,
