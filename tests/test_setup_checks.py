@@ -252,7 +252,11 @@ def test_squared_distance_matches_brute_force():
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(1000, 3, generator=g), torch.randn(1000, 3, generator=g).to(torch.bfloat16)
     assert squared_distance(x) == pytest.approx(float((x.double() ** 2).sum()), rel=1e-12)
-    assert squared_distance(x, y) == pytest.approx(float(((x.double() - y.double()) ** 2).sum()), rel=1e-12)
+    # Differences in float32 (bf16 widened first), squares summed in float64; within 1e-6 of float64 differences.
+    assert squared_distance(x, y) == pytest.approx(float(((x - y.float()).double() ** 2).sum()), rel=1e-12)
+    assert squared_distance(x, y) == pytest.approx(float(((x.double() - y.double()) ** 2).sum()), rel=1e-6)
+    assert squared_distance(x.double(), y.double()) == pytest.approx(float(((x.double() - y.double()) ** 2).sum()),
+                                                                     rel=1e-12)
     assert squared_distance(x, x) == 0.0
     assert math.isinf(squared_distance(torch.tensor([1.0, math.inf])))
 
