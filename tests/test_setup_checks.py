@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from featcal.setup_checks import (
-    NEAR_ZERO, identical_pairs, overlap_count, row_digests, scan_checkpoints, squared_distance, task_vector_warnings,
+    NEAR_ZERO, expected_head, identical_pairs, overlap_count, row_digests, scan_checkpoints, squared_distance, task_vector_warnings,
 )
 from flows.cli import main
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
@@ -120,7 +120,10 @@ def test_plan_names_each_degenerate_set_up(tiny_example, tmp_path, capsys, case,
         assert code == 0, err
         warned = [line for line in out.splitlines() if line.startswith("warning           ")]
         line = next((w for w in warned if words[0] in w), "")
-        assert len(warned) == 1 + (case == "expert-is-base"), out  # the base has no head either: a second line
+        assert len(warned) == 1 + (case == "expert-is-base"), out
+        if case == "expert-is-base":  # the base, a BertModel, has no head either: a second line
+            assert f"warning           experts.topic: {(root / 'base').resolve()} has no task head: the task is " \
+                   "calibrated but its accuracy is not measured" in warned
     for word in words:
         assert word in line, (word, line)
 
@@ -286,3 +289,26 @@ def test_row_digests_and_overlap_match_brute_force():
     ids = datasets.Dataset.from_dict({"input_ids": [[1, 2], [1, 2, 3]]})
     assert overlap_count(row_digests(ids, ["input_ids"]), row_digests(ids.select([1]), ["input_ids"])) == 1
     assert len(set(row_digests(ids, ["input_ids"]))) == 2
+
+
+def test_expected_head_is_what_the_class_holds(tiny_example):
+    from transformers import AutoConfig, BertForSequenceClassification, BertModel
+
+    expert = AutoConfig.from_pretrained(tiny_example / "bert" / "experts" / "topic")
+    base = AutoConfig.from_pretrained(tiny_example / "bert" / "base")
+    brute = sorted(n for n in BertForSequenceClassification(expert).state_dict() if n.startswith("classifier."))
+    assert expected_head(expert) == brute == ["classifier.bias", "classifier.weight"]
+    assert expected_head(base) == [n for n in BertModel(base).state_dict() if n.startswith("classifier.")] == []
+
+
+def test_row_digests_of_images_are_their_bytes():
+    """Two copies of one image (other arrays, one encoding) are one row; another image is not."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.arange(48, dtype=np.uint8).reshape(4, 4, 3)
+    images = [Image.fromarray(pixels.copy()), Image.fromarray(pixels.copy()), Image.fromarray(pixels[::-1].copy())]
+    ds = datasets.Dataset.from_dict({"image": images}, features=datasets.Features({"image": datasets.Image()}))
+    digests = row_digests(ds, ["image"])
+    assert digests[0] == digests[1] != digests[2]
+    assert overlap_count(digests[:1], digests) == 2
