@@ -30,7 +30,9 @@ class MergeConfig(_Strict):
 
 
 class DataSource(_Strict):
-    path: str = Field(description="datasets directory (save_to_disk), a data file, or a hub name")
+    path: str = Field(description="datasets directory (save_to_disk), a data file, or a hub dataset id")
+    config: str | None = Field(None, description="the dataset's configuration (a hub dataset's config name, e.g. "
+                               "GLUE's `mnli`); None: its default")
     split: str = "train"
     column: str | None = Field(None, description="raw input column (text/image); default: detected")
     text_pair_column: str | None = None
@@ -290,14 +292,18 @@ def digest_of(obj: Any) -> str:
 
 
 def _apply_override(raw: dict[str, Any], assignment: str) -> tuple[str, ...]:
-    """Apply `--set KEY.PATH=VALUE` to the raw config; returns the key path it set."""
+    """Apply `--set KEY.PATH=VALUE` to the raw config; returns the key path it set, or the first section on that
+    path it had to make: everything under that came from the option (`--set nope.x=1` makes `nope`, an unknown
+    section, and the error must name the option, not the file)."""
     shown = secrets.redact_override(assignment)  # the assignment itself unless it holds a credential
     if "=" not in assignment:
         raise ConfigError(f"--set {shown!r}: expected KEY.PATH=VALUE, e.g. featcal.lambda=0.1")
     dotted, value = assignment.split("=", 1)
     keys = tuple(dotted.strip().split("."))
-    node = raw
+    node, made = raw, None
     for depth, key in enumerate(keys[:-1]):
+        if key not in node and made is None:
+            made = keys[: depth + 1]
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {shown!r}: {'.'.join(keys[: depth + 1])} is not a section "
@@ -306,7 +312,7 @@ def _apply_override(raw: dict[str, Any], assignment: str) -> tuple[str, ...]:
         node[keys[-1]] = yaml.safe_load(value)
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {shown!r}: the value is not valid YAML ({exc.problem})") from None
-    return keys
+    return made or keys
 
 
 def _resolve_paths(cfg: RunConfig, root: Path) -> RunConfig:

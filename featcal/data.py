@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
@@ -11,12 +12,16 @@ import numpy as np
 import torch
 
 from featcal.config import DataSource
-from featcal.input_checks import text_length_limit
+from featcal.hub import local_dir
+from featcal.input_checks import malformed_file_error, pad_with_eos, text_length_limit
 
 log = logging.getLogger("featcal")
 
 TEXT_COLUMNS = ("text", "sentence", "sentence1", "question", "premise")
 IMAGE_COLUMNS = ("image", "img")
+# What a saved tokenizer writes (one at least): its fast form, its settings, or a slow tokenizer's vocabulary.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
+                   "spiece.model", "sentencepiece.bpe.model")
 FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 
 
@@ -25,9 +30,12 @@ class DataError(ValueError):
 
 
 def load_split(source: DataSource, where: str) -> datasets.Dataset:
-    """`where` names the config field (e.g. calibration.data.sentiment) for error messages."""
-    path = Path(source.path)
+    """`where` names the config field (e.g. calibration.data.sentiment) for error messages. A hub dataset id is read
+    from its snapshot in the local cache (featcal/hub.py; preflight fetched it)."""
     try:
+        path = Path(local_dir(source.path, "dataset"))
+        if path.is_dir() and not _saved_to_disk(path):  # a hub snapshot or a folder of data files
+            return datasets.load_dataset(str(path), source.config, split=source.split)
         if path.is_dir():
             empty = _empty_saved_splits(path)
             if empty:
@@ -44,12 +52,45 @@ def load_split(source: DataSource, where: str) -> datasets.Dataset:
                 raise DataError(f"{where}.path: {path} has suffix {path.suffix!r}; expected one of {sorted(FILE_BUILDERS)}")
             if _file_has_no_rows(path):
                 raise DataError(f"{where}.path: {path} has no rows")
-            return datasets.load_dataset(builder, data_files=str(path), split="train")
-        return datasets.load_dataset(source.path, split=source.split)
+            try:
+                with _quiet_datasets_errors():
+                    return datasets.load_dataset(builder, data_files=str(path), split="train")
+            except Exception as exc:
+                broken = malformed_file_error(path)
+                if broken is None:
+                    raise
+                raise DataError(f"{where}.path: {path} cannot be read as {builder}: {broken}") from exc
+        raise DataError(f"{where}.path: {source.path} does not exist; expected a saved dataset directory, a data file "
+                        f"({', '.join(sorted(FILE_BUILDERS))}) or a hub dataset id")
     except DataError:
         raise
     except Exception as exc:  # datasets raises many types; name the field and the path either way
-        raise DataError(f"{where}.path: cannot load {source.path!r} split {source.split!r}: {exc}") from exc
+        raise DataError(f"{where}.path: cannot load {source.path!r} split {source.split!r}: {_one_line(exc)}") from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    """The first line of a library's message, with its cause's where it wraps one ("An error occurred while
+    generating the dataset" says nothing by itself)."""
+    said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    cause = exc.__cause__
+    return said if cause is None else f"{said} ({type(cause).__name__}: {_one_line(cause)})"
+
+
+@contextmanager
+def _quiet_datasets_errors() -> Iterator[None]:
+    """`datasets` logs a reader's failure ("Failed to read file ...") before raising it; our one line says it."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _saved_to_disk(path: Path) -> bool:
+    """A directory `save_to_disk` wrote (a DatasetDict's or a Dataset's)."""
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
 
 
 def _file_has_no_rows(path: Path) -> bool:
@@ -99,6 +140,7 @@ class InputBuilder:
         if self.pair_column is not None and self.pair_column not in columns:
             raise DataError(f"{where}.text_pair_column: {self.pair_column!r} is not a column of the data (it has {columns})")
         self.ready = [c for c in ("input_ids", "pixel_values") if c in columns and c in input_names]
+        self.padding_notice: str | None = None  # set where a tokenizer without a padding token pads with EOS
         if self.ready:
             self.column = None
             self.processor = None
@@ -112,13 +154,22 @@ class InputBuilder:
             )
         from transformers import AutoImageProcessor, AutoTokenizer
 
+        local = local_dir(base_dir)
+        if "pixel_values" not in input_names and Path(local).is_dir() and not any(
+                (Path(local) / name).is_file() for name in TOKENIZER_FILES):
+            # transformers then makes an empty tokenizer of the config's class: every word becomes [UNK], silently
+            raise DataError(f"{where}: raw text column {self.column!r} needs the base's tokenizer, but {base_dir} holds "
+                            f"none of {list(TOKENIZER_FILES)}; expected the tokenizer saved with the base "
+                            "(tokenizer.save_pretrained(BASE_DIR))")
         try:
             if "pixel_values" in input_names:
-                self.processor = AutoImageProcessor.from_pretrained(base_dir, local_files_only=True)
+                self.processor = AutoImageProcessor.from_pretrained(local, local_files_only=True)
             else:
-                self.processor = AutoTokenizer.from_pretrained(base_dir, local_files_only=True)
+                self.processor = AutoTokenizer.from_pretrained(local, local_files_only=True)
         except Exception as exc:
             raise DataError(f"{where}: raw column {self.column!r} needs the base's tokenizer/processor: {exc}") from exc
+        if "pixel_values" not in input_names:
+            self.padding_notice = pad_with_eos(self.processor, base_dir)
         self.pad_id = getattr(self.processor, "pad_token_id", None) or 0
 
     def text_inputs(self, rows: dict[str, list]) -> dict[str, torch.Tensor]:
@@ -154,13 +205,13 @@ class InputBuilder:
 def _base_config(base_dir: str):
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(base_dir, local_files_only=True)
+    return AutoConfig.from_pretrained(local_dir(base_dir), local_files_only=True)
 
 
 def _pad_token_id(base_dir: str) -> int:
     import json
 
-    config = json.loads((Path(base_dir) / "config.json").read_text())
+    config = json.loads((Path(local_dir(base_dir)) / "config.json").read_text())
     return int(config.get("pad_token_id") or 0)
 
 

@@ -3,11 +3,14 @@ culprit: labels a head cannot score, text a tokenizer cannot read, headers that 
 
 from __future__ import annotations
 
+import csv
 import json
 import struct
 from pathlib import Path
 
 import datasets
+
+from storage.checkpoint import CheckpointError
 
 # Position embeddings of these families start after the padding index, so two of their positions are never usable.
 _OFFSET_POSITIONS = {"roberta": 2, "xlm-roberta": 2, "camembert": 2, "longformer": 2}
@@ -70,4 +73,77 @@ def safetensors_header_error(directory: str | Path) -> str | None:
                 raise ValueError("header is not a JSON object")
         except (struct.error, ValueError, UnicodeDecodeError) as exc:
             return f"{path}: unreadable safetensors header ({exc}); the file is corrupt or truncated"
+    return None
+
+
+def pad_with_eos(tokenizer, directory: str, field: str = "base") -> str | None:
+    """A tokenizer without a padding token (Llama's, GPT-2's) pads with its EOS token, as lm-evaluation-harness
+    does: padded positions are masked out, so their id never reaches a statistic or a score. Sets it on
+    `tokenizer` (every builder of model inputs does, so calibration and evaluation pad alike) and returns the
+    notice preflight logs; one with neither token is refused. `field` names the config field of `directory`."""
+    if getattr(tokenizer, "pad_token", None) is not None:
+        return None
+    if tokenizer.eos_token is None:
+        raise CheckpointError(f"{field}: the tokenizer of {directory} has no padding token and no EOS token to pad "
+                              "with; expected one (set tokenizer.pad_token and save the tokenizer with the base)")
+    tokenizer.pad_token = tokenizer.eos_token
+    return (f"{field}: the tokenizer of {directory} has no padding token; padding with its EOS token "
+            f"{tokenizer.eos_token!r} (id {tokenizer.eos_token_id}), as lm-evaluation-harness does (padding is masked out)")
+
+
+def _real_names(id2label: dict | None, num_labels: int) -> list[str] | None:
+    """A head's class names in id order, or None where they are transformers' placeholders (LABEL_0, ...)."""
+    names = [str((id2label or {}).get(i, f"LABEL_{i}")) for i in range(num_labels)]
+    return None if all(n == f"LABEL_{i}" for i, n in enumerate(names)) else names
+
+
+def label_names_check(ds: datasets.Dataset, column: str, id2label: dict | None, num_labels: int, where: str,
+                      expert_field: str) -> tuple[str | None, str | None]:
+    """(error, warning) from comparing the data's class names (a ClassLabel's) with the head's (config.id2label),
+    where both are real names: the same names in another order would score every example against the wrong
+    class (refused); other names may be wording only (said, scored by position)."""
+    feature = ds.features.get(column)
+    head = _real_names(id2label, num_labels)
+    if not isinstance(feature, datasets.ClassLabel) or head is None:
+        return None, None
+    data = list(feature.names)
+    ours, theirs = [n.strip().lower() for n in data], [n.strip().lower() for n in head]
+    if ours == theirs:
+        return None, None
+    if sorted(ours) == sorted(theirs):
+        return (f"{where}.label_column: {column!r} names its classes {data} but {expert_field}'s head "
+                f"(config.id2label) orders them {head}; expected the same order (remap the data with "
+                f"Dataset.align_labels_with_mapping(label2id, {column!r}))"), None
+    return None, (f"{where}.label_column: {column!r} names its classes {data} but {expert_field}'s head "
+                  f"(config.id2label) has {head}; scored by position (label id i is the head's output i)")
+
+
+def malformed_file_error(path: Path) -> str | None:
+    """The first row of a CSV or JSON Lines file that its reader cannot take, named by line (the library's own
+    message names a line of its chunk, or none); None where no such row is found."""
+    if path.suffix == ".csv":
+        with path.open(newline="", errors="replace") as f:
+            reader = csv.reader(f)
+            try:
+                header = next(reader, [])
+                start = reader.line_num + 1
+                for fields in reader:
+                    if fields and len(fields) != len(header):
+                        lines = (f"line {start}" if start == reader.line_num else
+                                 f"lines {start}-{reader.line_num} (a quote left open?)")
+                        return (f"the row on {lines} has {len(fields)} fields; expected {len(header)} as in the "
+                                f"header {header}")
+                    start = reader.line_num + 1
+            except csv.Error as exc:
+                return f"line {reader.line_num}: {exc}"
+    if path.suffix == ".jsonl":
+        with path.open(errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        row = json.loads(line)
+                    except ValueError as exc:
+                        return f"line {number} is not JSON ({exc})"
+                    if not isinstance(row, dict):
+                        return f"line {number} is {type(row).__name__}; expected a JSON object (one row)"
     return None

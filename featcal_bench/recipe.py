@@ -115,8 +115,8 @@ class Recipe:
     run_inputs: Callable[[Any], list[str]] = field(default=lambda spec: [
         "base", *(f"{k}/{t}" for t in spec.tasks for k in ("data", "expert"))])  # build stages the runs are keyed on
     estimate: Callable[[Path, Any], str] | None = None  # what `bench run` will cost here, said after the build
-    # A Surgery row trains on merged features computed once per pool example (CLIP: the same training without
-    # 16,000 ViT forwards per task; its time is then a lower bound of the original protocol's), or per step.
+    # A Surgery or ProbSurgery row trains on merged features computed once per pool example (CLIP: the same training
+    # without 16,000 ViT forwards per task; its time is then a lower bound of the original protocol's), or per step.
     cache_surgery_features: bool = False
     threads: int | None = None  # torch threads of a method run's process (None: the pipeline config decides)
     write_configs: bool = False  # write every run's pipeline config under configs/ at build time

@@ -22,7 +22,7 @@ from featcal_bench.paired import RESAMPLES, SEED, mcnemar, paired_bootstrap  # n
 
 def paper_rows(base_label: str, *, surgery: bool = False) -> tuple[tuple[str, str, str, str | None], ...]:
     """The rows of the paper's hub benchmarks (its Table 1 methods), in METHOD_ROWS' form; `base_label` names the
-    unmerged base, and TA + Surgery is a row only where the recipe runs it."""
+    unmerged base, and TA + Surgery and TA + ProbSurgery are rows only where the recipe runs them."""
     return (
         ("experts (individual)", "ta_featcal", "expert", None),
         (base_label, "ta_featcal", "base", None),
@@ -30,7 +30,8 @@ def paper_rows(base_label: str, *, surgery: bool = False) -> tuple[tuple[str, st
         ("TIES", "ties_featcal", "merged", "merge"),
         ("RegMean", "regmean", "calibrated", "total"),
         ("RegMean++", "regmean_pp", "calibrated", "total"),
-        *((("TA + Surgery", "ta_surgery", "calibrated", "total"),) if surgery else ()),
+        *((("TA + Surgery", "ta_surgery", "calibrated", "total"),
+            ("TA + ProbSurgery", "ta_probsurgery", "calibrated", "total")) if surgery else ()),
         ("TA + FeatCal", "ta_featcal", "calibrated", "total"),
         ("TIES + FeatCal", "ties_featcal", "calibrated", "total"),
     )
@@ -46,6 +47,7 @@ METHOD_ROWS = (
     ("RegMean", "regmean", "calibrated", "total"),
     ("RegMean++", "regmean_pp", "calibrated", "total"),
     ("TA + Surgery", "ta_surgery", "calibrated", "total"),
+    ("TA + ProbSurgery", "ta_probsurgery", "calibrated", "total"),
     ("TA + FeatCal", "ta_featcal", "calibrated", "total"),
     ("TIES + FeatCal", "ties_featcal", "calibrated", "total"),
     ("TA + FeatCal (λ 0.05, ρ 2.2: the paper's)", "ta_featcal_paper", "calibrated", "total"),

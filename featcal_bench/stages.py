@@ -22,7 +22,7 @@ from prefect import flow, task
 from transformers.utils import logging as hf_logging
 
 from featcal.config import digest_of
-from featcal_bench import method, report as bench_report, surgery, surgery_run
+from featcal_bench import method, probsurgery, report as bench_report, surgery, surgery_run
 from featcal_bench.layout import CONFIGS
 from featcal_bench.recipe import Call, Recipe, SavedSpec, Stage, recipe_of, recipes
 from flows import signals
@@ -34,7 +34,7 @@ from storage.rundir import Record, RunDir
 from tasks.record import recorded
 
 RESULTS_DIR = ".prefect-results"
-METHOD_MODULES = (method, surgery, surgery_run)  # what every recipe's method runs execute besides the pipeline
+METHOD_MODULES = (method, probsurgery, surgery, surgery_run)  # what every recipe's method runs execute besides the pipeline
 
 
 def stage_kinds() -> dict[str, Stage]:

@@ -43,6 +43,9 @@ Differences, on purpose:
   `zero_grad()` sets gradients to None and Adam skips parameters without one: the same updates.
 - `cache_features=True` also computes the merged features once per pool example, so training never
   runs the transformer. Same objective and batches, far fewer forwards: the benchmark can time both.
+
+`method="probsurgery"` trains ProbSurgery's adapters (featcal_bench.probsurgery) through the same loop, pools, features
+and heads instead.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from featcal.config import digest_of
 from featcal.evaluation import hms
 from featcal.modeling import task_model
 from featcal.zeroshot import ZeroShotClassifier
+from featcal_bench.probsurgery import ProbSurgeryAdapter
 from storage.checkpoint import CanonicalCheckpoint
 
 log = logging.getLogger("featcal")
@@ -76,7 +80,9 @@ SUPPORTED = ("BertForSequenceClassification", "ZeroShotClassifier")
 class SurgeryAdapter(nn.Module):
     """ẑ = z − W_up·ReLU(W_down·z); W_up starts at zero, so a new adapter is exactly the identity."""
 
-    def __init__(self, dim: int, rank: int = 16, generator: torch.Generator | None = None):
+    RANK = 16  # the original's
+
+    def __init__(self, dim: int, rank: int = RANK, generator: torch.Generator | None = None):
         super().__init__()
         self.down = nn.utils.skip_init(nn.Linear, dim, rank, bias=False)
         self.up = nn.utils.skip_init(nn.Linear, rank, dim, bias=False)
@@ -86,6 +92,28 @@ class SurgeryAdapter(nn.Module):
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         return z - self.up(torch.relu(self.down(z)))
+
+    def training_loss(self, z: torch.Tensor, target: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """L1 between the corrected feature and the expert's (`generator` unused: the objective draws nothing)."""
+        return F.l1_loss(self(z), target)
+
+
+Adapter = SurgeryAdapter | ProbSurgeryAdapter
+ADAPTERS: dict[str, type[Adapter]] = {"surgery": SurgeryAdapter, "probsurgery": ProbSurgeryAdapter}
+
+
+def _adapter_class(method: str) -> type[Adapter]:
+    if method not in ADAPTERS:
+        raise ValueError(f"surgery method {method!r} is not one of {sorted(ADAPTERS)}")
+    return ADAPTERS[method]
+
+
+def _adapter_from_state(method: str, state: Mapping[str, torch.Tensor]) -> Adapter:
+    """A trained adapter of `method` back from its state dict (both kinds hold `down.weight` [rank, d])."""
+    rank, dim = state["down.weight"].shape
+    adapter = _adapter_class(method)(dim, rank)
+    adapter.load_state_dict(state, strict=True)
+    return adapter
 
 
 def _check_supported(model: nn.Module) -> None:
@@ -108,7 +136,7 @@ def features(model: nn.Module, inputs: Batch) -> torch.Tensor:
 class SurgeryClassifier(nn.Module):
     """A task model (merged body + the task's head) with the task's adapter between feature and head."""
 
-    def __init__(self, model: nn.Module, adapter: SurgeryAdapter):
+    def __init__(self, model: nn.Module, adapter: Adapter):
         super().__init__()
         _check_supported(model)
         self.model, self.adapter = model.eval(), adapter.eval()
@@ -133,14 +161,11 @@ def _merged_task_model(merged_dir: str | Path, expert_dir: str | Path, head: Hea
 
 
 def surgery_classifier(merged_dir: str | Path, expert_dir: str | Path, state: Mapping[str, torch.Tensor],
-                       head: Head | None = None) -> SurgeryClassifier:
+                       head: Head | None = None, method: str = "surgery") -> SurgeryClassifier:
     """The evaluation model of one task: merged body, the expert's head (or the zero-shot `head`), the trained
-    adapter `state`."""
-    model = _merged_task_model(merged_dir, expert_dir, head)
-    rank, dim = state["down.weight"].shape
-    adapter = SurgeryAdapter(dim, rank)
-    adapter.load_state_dict(state, strict=True)
-    return SurgeryClassifier(model, adapter)
+    adapter `state` of `method` (surgery | probsurgery)."""
+    adapter = _adapter_from_state(method, state)
+    return SurgeryClassifier(_merged_task_model(merged_dir, expert_dir, head), adapter)
 
 
 def _pool(batches: Sequence[Batch], where: str) -> Batch:
@@ -184,20 +209,24 @@ def _generator(seed: int, task: str) -> torch.Generator:
 
 def fit_adapters(
     merged_features: Mapping[str, Callable[[torch.Tensor], torch.Tensor]], targets: Mapping[str, torch.Tensor], *,
-    rank: int = 16, lr: float = 1e-3, steps: int = 1000, batch_size: int = 16, seed: int = 0,
-) -> dict[str, SurgeryAdapter]:
-    """Train one adapter per task: min L1(adapter(z), z_t) over random batches of the task's pool.
+    method: str = "surgery", rank: int | None = None, lr: float = 1e-3, steps: int = 1000, batch_size: int = 16,
+    seed: int = 0,
+) -> dict[str, Adapter]:
+    """Train one adapter per task on random batches of the task's pool: Surgery's min L1(adapter(z), z_t), or
+    ProbSurgery's objective (featcal_bench.probsurgery). `rank`: the method's own (16, 128) unless given.
 
     `merged_features[task](idx)` gives the frozen merged model's features [B, d] of pool rows `idx`;
     `targets[task]` holds the expert's features [N_t, d] of every pool row. Tasks take turns each step,
-    as in the original; each task's batches and initialisation come from its own seeded generator."""
+    as in the original; each task's batches, initialisation and noise come from its own seeded generator."""
+    cls = _adapter_class(method)
+    rank = cls.RANK if rank is None else rank
     if set(merged_features) != set(targets):
         raise ValueError(f"merged_features has tasks {sorted(merged_features)}, targets {sorted(targets)}")
     if steps < 1 or batch_size < 1 or rank < 1:
         raise ValueError(f"steps, batch_size and rank must be >= 1, got {steps}, {batch_size}, {rank}")
     tasks = sorted(targets)
     gens = {t: _generator(seed, t) for t in tasks}
-    adapters = {t: SurgeryAdapter(targets[t].shape[1], rank, gens[t]) for t in tasks}
+    adapters = {t: cls(targets[t].shape[1], rank, gens[t]) for t in tasks}
     optims = {t: torch.optim.Adam(adapters[t].parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
               for t in tasks}
     first: dict[str, float] = {}
@@ -205,36 +234,38 @@ def fit_adapters(
     for step in range(steps):
         if step and step % PROGRESS_EVERY == 0:
             elapsed = time.perf_counter() - started
-            log.info("surgery: step %d/%d, elapsed %s, ETA %s", step, steps, hms(elapsed),
+            log.info("%s: step %d/%d, elapsed %s, ETA %s", method, step, steps, hms(elapsed),
                      hms(elapsed / step * (steps - step)))
         for t in tasks:
             n = targets[t].shape[0]
             idx = torch.randperm(n, generator=gens[t])[:batch_size]
             with torch.no_grad():
                 z = merged_features[t](idx)
-            loss = F.l1_loss(adapters[t](z), targets[t][idx])
+            loss = adapters[t].training_loss(z, targets[t][idx], gens[t])
             optims[t].zero_grad(set_to_none=True)
             loss.backward()
             optims[t].step()
             if step == 0:
                 first[t] = loss.item()
             if step == steps - 1:
-                log.info("surgery · %s: batch L1 to the expert's features %.4g at step 1, %.4g at step %d",
-                         t, first[t], loss.item(), steps)
+                log.info("%s · %s: batch loss to the expert's features %.4g at step 1, %.4g at step %d",
+                         method, t, first[t], loss.item(), steps)
     return {t: a.eval() for t, a in adapters.items()}
 
 
 def train_surgery(
     merged_dir: str | Path, expert_dirs: Mapping[str, str | Path], batches: Mapping[str, Sequence[Batch]], *,
-    rank: int = 16, lr: float = 1e-3, steps: int = 1000, batch_size: int = 16, seed: int = 0,
-    cache_features: bool = False, heads: Mapping[str, Head] | None = None,
+    method: str = "surgery", rank: int | None = None, lr: float = 1e-3, steps: int = 1000, batch_size: int = 16,
+    seed: int = 0, cache_features: bool = False, heads: Mapping[str, Head] | None = None,
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Representation Surgery on a merged checkpoint: per task, the trained adapter's state dict.
+    """Representation Surgery (or `method="probsurgery"`) on a merged checkpoint: per task, the trained adapter's
+    state dict.
 
     Expert features are computed once per pool example (one expert loaded at a time). With
     cache_features=False every step runs the merged model on the drawn batch (the original protocol);
     with True the merged features are computed once too. `heads`: per task, its zero-shot head, for head-less
     CLIP experts (only its visual projection makes the features). See the module docstring."""
+    _adapter_class(method)  # a bad method fails before any model is loaded
     if set(expert_dirs) != set(batches):
         raise ValueError(f"expert_dirs has tasks {sorted(expert_dirs)}, batches {sorted(batches)}")
     tasks = sorted(expert_dirs)
@@ -252,5 +283,6 @@ def train_surgery(
         fns = {t: cached[t].__getitem__ for t in tasks}
     else:
         fns = {t: (lambda idx, pool=pools[t]: features(merged, _rows(pool, idx))) for t in tasks}
-    adapters = fit_adapters(fns, targets, rank=rank, lr=lr, steps=steps, batch_size=batch_size, seed=seed)
+    adapters = fit_adapters(fns, targets, method=method, rank=rank, lr=lr, steps=steps, batch_size=batch_size,
+                            seed=seed)
     return {t: {k: v.detach().clone() for k, v in adapters[t].state_dict().items()} for t in tasks}

@@ -36,7 +36,7 @@ from storage.rundir import Record
 log = logging.getLogger("featcal")
 
 # The runs a recipe may ask for, by the names the report's rows read (featcal_bench/report.py METHOD_ROWS).
-RUN_NAMES = ("ta_featcal", "ties_featcal", "regmean", "regmean_pp", "ta_surgery")
+RUN_NAMES = ("ta_featcal", "ties_featcal", "regmean", "regmean_pp", "ta_surgery", "ta_probsurgery")
 REFERENCE_RUN = "ta_featcal"  # always run: it scores the experts and task arithmetic every other row is read against
 
 
@@ -218,6 +218,7 @@ def method_runs(spec: UserRecipe) -> dict[str, MethodRun]:
         "regmean": MethodRun("average", "regmean", models=("merged", "calibrated")),
         "regmean_pp": MethodRun("average", "regmean_plus_plus"),
         "ta_surgery": MethodRun("task_arithmetic", "surgery", scaling=spec.scaling),
+        "ta_probsurgery": MethodRun("task_arithmetic", "probsurgery", scaling=spec.scaling),
     }
     runs = {name: catalogue[name] for name in spec.runs}
     for n in spec.sample_sizes:

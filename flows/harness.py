@@ -21,6 +21,7 @@ import yaml
 
 from featcal.config import RunConfig, config_from_dict
 from featcal.devices import resolve_device
+from featcal.hub import local_dir
 from storage.atomic import read_json, remove, write_bytes, write_json
 from storage.fingerprint import fingerprint
 from storage.rundir import RunDir
@@ -67,11 +68,11 @@ def checkpoints(run_dir: Path, cfg: RunConfig, models: list[str]) -> dict[str, P
                                    f"`featcal run CONFIG --run-dir {run_dir}` first")
             out[entry] = run_dir / entry
         elif entry == "base":
-            out[entry] = Path(cfg.base)
+            out[entry] = Path(local_dir(cfg.base))
         elif entry == "experts":
-            out.update({f"expert:{task}": Path(cfg.experts[task]) for task in cfg.tasks})
+            out.update({f"expert:{task}": Path(local_dir(cfg.experts[task])) for task in cfg.tasks})
         elif entry.startswith("expert:") and entry.removeprefix("expert:") in cfg.experts:
-            out[entry] = Path(cfg.experts[entry.removeprefix("expert:")])
+            out[entry] = Path(local_dir(cfg.experts[entry.removeprefix("expert:")]))
         else:
             raise HarnessError(f"--models: unknown entry {entry!r}; use calibrated, merged, base, experts or "
                                f"expert:TASK with TASK one of {', '.join(cfg.tasks)}")

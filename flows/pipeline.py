@@ -35,7 +35,7 @@ from tasks import assemble, calibration, evaluate, merge
 from tasks.assemble import CALIBRATED
 from tasks.context import CONFIG_NAME, context
 from tasks.merge import MERGED
-from tasks.preflight import checked_setup
+from tasks.preflight import preflight
 from tasks.record import execute
 
 log = logging.getLogger("featcal")
@@ -349,7 +349,7 @@ def run_pipeline(cfg: RunConfig, run_dir: str | Path, runner: Runner = direct_ru
 
     Ctrl-C or SIGTERM stops it within seconds (flows/signals.py); rerunning resumes."""
     run = RunDir(run_dir)
-    _, warnings = checked_setup(cfg)
+    warnings = preflight(cfg).warnings
     # Inside a Prefect flow too: the flow engine installs its own SIGTERM handler, this takes it back.
     with signals.stop_on_signals(), run.lock():
         # Credentials as placeholders (featcal/secrets.py): stages restore them from memory, never from this file.

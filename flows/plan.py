@@ -10,19 +10,21 @@ from typing import Any
 from featcal.calibration_methods import calibration_method
 from featcal.config import RunConfig
 from featcal.input_checks import text_length_limit
+from featcal.hub import local_dir
 from featcal.devices import activation_dtype, bf16_warning, cpu_has_native_bf16, resolve_device
 from featcal.modeling import Skeleton, calibrated_modules, is_norm, linear_dims
 from featcal.statistics import expert_side_form
 from flows.pipeline import stage_count
 from storage.checkpoint import CanonicalCheckpoint
-from tasks.preflight import checked_setup, max_length_notice
+from tasks.preflight import hub_inputs, preflight
 
 GIB = 1024**3
 
 
 def plan(cfg: RunConfig) -> dict[str, Any]:
-    adapter, degenerate = checked_setup(cfg, quiet=True)  # its warnings are lines of the plan
-    skeleton = Skeleton.from_checkpoint(cfg.experts[cfg.tasks[0]])
+    hub = hub_inputs(cfg)  # fetched (or found in the cache) and pinned; preflight then finds them in the cache
+    adapter, notices, degenerate = preflight(cfg, quiet=True)  # its warning, notices and set-ups are lines of the plan
+    skeleton = Skeleton.from_checkpoint(local_dir(cfg.experts[cfg.tasks[0]]))
     vision = adapter.text_or_vision_config()
     hidden = vision.hidden_size
     if "input_ids" in adapter.model_input_names():
@@ -32,7 +34,7 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
     modules = calibrated_modules(skeleton.block_template(0))
     linear = [linear_dims(m) for m in modules.values() if not is_norm(m)]
     linear_in = [d_in for d_in, _ in linear]
-    base = CanonicalCheckpoint(cfg.base, adapter)
+    base = CanonicalCheckpoint(local_dir(cfg.base), adapter)
     # On disk, as the checkpoint stores them (a bf16 checkpoint's merged, calibrated and solved blocks are bf16 too).
     stored = {name: math.prod(base.shape(name)) * base.dtype(name).itemsize for name in base.names()}
     model_bytes = sum(stored.values())
@@ -75,7 +77,10 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
         "precision": cfg.runtime.precision,
         "estimated_peak_device_gib": None if device.type == "cpu" else round(on_device / GIB, 3),
         "warning": bf16_warning(device, cfg.runtime.precision, cpu_has_native_bf16()),
-        "notice": max_length_notice(cfg, adapter),
+        "notices": notices,
+        "hub_inputs": {r.field: r.pinned for r in hub},
+        "hub_cache_gib": round(sum(r.size for r in hub) / GIB, 3),
+        "hub_download_gib": round(sum(r.downloaded for r in hub) / GIB, 3),
         "setup_warnings": degenerate,
     }
 
@@ -115,11 +120,14 @@ def render(p: dict[str, Any]) -> str:
         "boundaries, one block's stats per task)",
         f"RAM (estimate)    {p['estimated_peak_ram_gib']} GiB  (3 blocks, one block's Grams, 2 chunks, or the prepare "
         "stage's embeddings, +1 GiB runtime)",
+        *([f"hub inputs        {len(p['hub_inputs'])}: {p['hub_cache_gib']} GiB in the cache, "
+           f"{p['hub_download_gib']} GiB downloaded for this plan (before it, the log said how much)"]
+          if p["hub_inputs"] else []),
         f"device            {p['device']}, {p['precision']}" + (
             "" if p["estimated_peak_device_gib"] is None
             else f"  (peak device memory estimate {p['estimated_peak_device_gib']} GiB: 2 blocks, Grams, 2 chunks)"),
         *([f"warning           {p['warning']}"] if p["warning"] else []),
-        *([f"notice            {p['notice']}"] if p["notice"] else []),
+        *(f"notice            {notice}" for notice in p["notices"]),
         *(f"warning           {line}" for line in p["setup_warnings"]),
     ]
     return "\n".join(lines)

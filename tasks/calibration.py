@@ -15,6 +15,7 @@ from featcal.adapters import BlockInput
 from featcal.calibration_methods import ModuleData, calibration_method
 from featcal.data import InputBuilder, load_split, pad_to, pick_examples, row_batches
 from featcal.devices import solve_device, to_device
+from featcal.hub import local_dir
 from featcal.modeling import as_out_in, calibrated_modules, is_norm, linear_dims, norm_scale_offset
 from featcal.statistics import (
     HELD, Stats, accumulate, captured_inputs, example_rows, flatten_stats, input_owners, module_keys, new_stats,
@@ -49,7 +50,7 @@ def _model_inputs(ctx: RunContext, task: str) -> tuple[Callable[[], Iterator[dic
         return batches, len(picked), info
     encoder = list(batches())  # token ids only: small, and generation must not run once per stored array
     if source.target_column is not None:  # preflight checked that the column exists
-        targets = column_targets(picked[source.target_column], ctx.cfg.base, cal.max_target_length, where)
+        targets = column_targets(picked[source.target_column], local_dir(ctx.cfg.base), cal.max_target_length, where)
         info["decoder_targets"] = f"column {source.target_column}"
     else:
         targets = greedy_targets(ctx.checkpoint_dir(task), encoder, cal.max_target_length)

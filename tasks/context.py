@@ -11,6 +11,7 @@ import yaml
 from featcal import secrets
 from featcal.config import RunConfig, config_from_dict
 from featcal.devices import activation_dtype, resolve_device
+from featcal.hub import local_dir
 from featcal.modeling import Skeleton
 from storage.activations import BFLOAT16, ActivationStore
 from storage.checkpoint import CanonicalCheckpoint
@@ -32,7 +33,7 @@ class RunContext:
             torch.set_num_threads(self.cfg.runtime.threads)
         self.device = resolve_device(runtime.device)  # block forwards, Gram sums
         self.dtype = activation_dtype(runtime.precision)  # block forwards, stored activations
-        self.skeleton = Skeleton.from_checkpoint(self.cfg.experts[self.cfg.tasks[0]])
+        self.skeleton = Skeleton.from_checkpoint(local_dir(self.cfg.experts[self.cfg.tasks[0]]))
         self.adapter = self.skeleton.adapter
         self._checkpoints: dict[str, CanonicalCheckpoint] = {}
 
@@ -67,10 +68,10 @@ class RunContext:
     def checkpoint_dir(self, name: str) -> Path:
         """`base`, `merged`, `calibrated`, or a task name (its expert)."""
         if name == "base":
-            return Path(self.cfg.base)
+            return Path(local_dir(self.cfg.base))
         if name in ("merged", "calibrated"):
             return self.run / name
-        return Path(self.cfg.experts[name])
+        return Path(local_dir(self.cfg.experts[name]))
 
     def checkpoint(self, name: str) -> CanonicalCheckpoint:
         if name not in self._checkpoints:

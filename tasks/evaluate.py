@@ -19,6 +19,7 @@ from featcal.data import InputBuilder, load_split, pick_examples, row_batches
 from featcal.evaluation import (
     DRIFT_MODELS, MODELS, EvalProgress, TaskScores, drift_definition, drift_plot, markdown, summarize,
 )
+from featcal.hub import local_dir
 from featcal.modeling import task_model
 from featcal.t5 import answer_kind, decoder_batches, first_number, generated, predicted_ids, targets_of
 from featcal.zeroshot import ZeroShotClassifier
@@ -121,7 +122,7 @@ def _text_to_text_scores(ctx: RunContext, task: str, split: _Split, progress: Ev
     models, drifting = _models(ctx, task)
     label_column = source.label_column if task in ev.data else None
     words = answer_kind(ds.features, label_column, ev.label_words.get(task), split.where) if label_column else None
-    tokenizer = AutoTokenizer.from_pretrained(ctx.cfg.base, local_files_only=True) if label_column else None
+    tokenizer = AutoTokenizer.from_pretrained(local_dir(ctx.cfg.base), local_files_only=True) if label_column else None
     scores = TaskScores(head_index=None, metric="spearman" if label_column and words is None else "accuracy")
     config = ctx.adapter.config
     for batch, rows in enumerate(row_batches(ds, ev.batch_size), start=1):

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from featcal.adapters import Adapter, adapter_for
 from featcal.calibration_methods import calibration_method
-from featcal.config import ConfigError, RunConfig
+from featcal.config import ConfigError, DataSource, RunConfig
 from featcal.data import DataError, InputBuilder, load_split
-from featcal.input_checks import label_range_error, safetensors_header_error, text_length_limit, text_type_error
+from featcal.hub import Resolved, hub_ref, local_dir, resolve
+from featcal.input_checks import (label_names_check, label_range_error, pad_with_eos, safetensors_header_error,
+                                  text_length_limit, text_type_error)
 from featcal.devices import bf16_warning, cpu_has_native_bf16, resolve_device
 from featcal.setup_checks import setup_warnings, strict_refusal
 from featcal.t5 import answer_kind
@@ -21,12 +24,66 @@ from storage.activations import ActivationError, ActivationStore
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
 
 log = logging.getLogger("featcal")
+GIB = 1024**3
+
+
+def hub_inputs(cfg: RunConfig) -> list[Resolved]:
+    """Every hub id among the inputs fetched (or found in the cache), checked to hold what the run reads, and pinned
+    in `cfg` to the commit resolved (`org/name@<commit>`), so run.yaml and the cache keys name the exact revision."""
+    resolved = []
+    models = [("base", cfg.base), *((f"experts.{t}", cfg.experts[t]) for t in cfg.tasks)]
+    if cfg.zero_shot is not None:
+        models.append(("zero_shot.clip_model", cfg.zero_shot.clip_model))
+    for field, value in models:
+        hit = resolve(value, field)
+        if hit is not None:
+            resolved.append(hit)
+            if field == "base":
+                cfg.base = hit.pinned
+            elif field == "zero_shot.clip_model":
+                cfg.zero_shot.clip_model = hit.pinned
+            else:
+                cfg.experts[field.split(".", 1)[1]] = hit.pinned
+    sources = [("calibration.data", cfg.calibration.data)]
+    if cfg.evaluation.enabled:
+        sources.append(("evaluation.data", cfg.evaluation.data))
+    for section, by_task in sources:
+        for task, source in by_task.items():
+            hit = resolve(source.path, f"{section}.{task}.path", "dataset", source.config)
+            if hit is not None:
+                resolved.append(hit)
+                source.path = hit.pinned
+    return resolved
+
+
+def hub_summary(resolved: list[Resolved]) -> str | None:
+    """One line: the hub inputs, their size on disk and what was downloaded for them."""
+    if not resolved:
+        return None
+    size, fetched = sum(r.size for r in resolved), sum(r.downloaded for r in resolved)
+    return (f"{len(resolved)} hub input(s), {size / GIB:.3f} GiB in the cache ({fetched / GIB:.3f} GiB downloaded "
+            "now): " + ", ".join(f"{r.pinned[:len(r.repo_id) + 9]}" for r in resolved))
+
+
+def localized(cfg: RunConfig) -> RunConfig:
+    """A copy of `cfg` whose hub inputs are their snapshot directories: what the checks read."""
+    local = cfg.model_copy(deep=True)
+    local.base = local_dir(local.base)
+    local.experts = {t: local_dir(p) for t, p in local.experts.items()}
+    if local.zero_shot is not None:
+        local.zero_shot.clip_model = local_dir(local.zero_shot.clip_model)
+    for source in [*local.calibration.data.values(), *local.evaluation.data.values()]:
+        source.path = local_dir(source.path, "dataset")
+    return local
 
 
 def _config(path: str, field: str):
     if not Path(path).is_dir():
         what = "is a file, not a checkpoint directory" if Path(path).exists() else "does not exist"
-        raise CheckpointError(f"{field}: checkpoint directory {path} {what} (hub ids are not reachable offline)")
+        raise CheckpointError(f"{field}: checkpoint directory {path} {what} (expected a local directory or a hub id)")
+    if not (Path(path) / "config.json").is_file():
+        raise CheckpointError(f"{field}: checkpoint directory {path} has no config.json; expected a checkpoint saved "
+                              "with save_pretrained (config.json beside its weights)")
     broken = safetensors_header_error(path)
     if broken:
         raise CheckpointError(f"{field}: {broken}")
@@ -78,12 +135,13 @@ def check_head_side(cfg: RunConfig, adapter: Adapter) -> None:
         raise CheckpointError(f"featcal.calibrate_head_side: base {cfg.base} has no {path} tensors to calibrate")
 
 
-def check_zero_shot(cfg: RunConfig) -> None:
+def check_zero_shot(cfg: RunConfig) -> list[str]:
     """With `zero_shot`: base and experts are CLIPVisionModels, `clip_model` is the CLIPModel whose vision tower
-    the base is, with a tokenizer, and every task has class names."""
+    the base is, with a tokenizer, and every task has class names. Returns the notice of a tokenizer that pads
+    its prompts with EOS."""
     zs = cfg.zero_shot
     if zs is None:
-        return
+        return []
     clip_config = _config(zs.clip_model, "zero_shot.clip_model")
     kind = adapter_for(clip_config).architecture if clip_config.model_type == "clip" else clip_config.model_type
     if kind != "CLIPModel":
@@ -103,11 +161,13 @@ def check_zero_shot(cfg: RunConfig) -> None:
         raise CheckpointError(f"zero_shot.clip_model: its vision tower is not base (tensor {probe} differs); the heads "
                               "must come from the CLIPModel whose vision tower the experts were fine-tuned from")
     try:
-        AutoTokenizer.from_pretrained(zs.clip_model, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(zs.clip_model, local_files_only=True)
     except Exception as exc:
         raise CheckpointError(f"zero_shot.clip_model: cannot load its tokenizer (the prompts need it): {exc}") from exc
     for task in cfg.tasks:
         class_names(cfg, task)
+    padding = pad_with_eos(tokenizer, zs.clip_model, "zero_shot.clip_model")
+    return [padding] if padding else []
 
 
 def max_length_notice(cfg: RunConfig, adapter: Adapter) -> str | None:
@@ -134,38 +194,66 @@ def _head_labels(cfg: RunConfig, adapter: Adapter, task: str) -> int | None:
     return num_labels if num_labels > 1 else None
 
 
-def check_data(cfg: RunConfig, adapter: Adapter) -> None:
+def check_data(cfg: RunConfig, adapter: Adapter, hub_ids: dict[str, str] | None = None) -> list[str]:
+    """Refuses what the data holds that would crash a stage or be scored wrongly (a failure of a hub source,
+    `hub_ids`: field → pinned id, names the id too); returns the notices of what is taken another way than asked (a
+    tokenizer padding with EOS, class names that differ from the head's)."""
+    notices: list[str] = []
     sections = [("calibration.data", cfg.calibration.data)]
     if cfg.evaluation.enabled:
         sections.append(("evaluation.data", cfg.evaluation.data))
     for section, sources in sections:
         for task, source in sources.items():
-            where = f"{section}.{task}"
-            ds = load_split(source, where)
-            if len(ds) == 0:
-                raise DataError(f"{where}.path: {source.path} split {source.split!r} has no rows")
-            builder = InputBuilder(cfg.base, adapter.model_input_names(), source, cfg.calibration.max_length,
-                                   ds.column_names, where)
-            if builder.is_text and builder.column is not None:
-                for column in filter(None, (builder.column, builder.pair_column)):
-                    wrong = text_type_error(ds, column, where)
-                    if wrong:
-                        raise DataError(wrong)
-            if section == "evaluation.data" and source.label_column and source.label_column not in ds.column_names:
-                raise ValueError(f"{where}.label_column: {source.label_column!r} is not a column ({ds.column_names})")
-            num_labels = _head_labels(cfg, adapter, task) if section == "evaluation.data" and source.label_column else None
-            if num_labels is not None:
-                wrong = label_range_error(ds, source.label_column, num_labels, where)
-                if wrong:
-                    raise DataError(wrong)
-            if source.target_column is not None and source.target_column not in ds.column_names:
-                raise DataError(f"{where}.target_column: {source.target_column!r} is not a column ({ds.column_names})")
-            if section == "evaluation.data" and source.label_column and adapter.has_decoder:
-                answer_kind(ds.features, source.label_column, cfg.evaluation.label_words.get(task), where)
-                try:  # generated answers are read as text
-                    AutoTokenizer.from_pretrained(cfg.base, local_files_only=True)
-                except Exception as exc:
-                    raise DataError(f"{where}: scoring generated answers needs the base's tokenizer: {exc}") from exc
+            try:
+                for notice in _check_source(cfg, adapter, section, task, source):
+                    if notice not in notices:
+                        notices.append(notice)
+            except DataError as exc:
+                hub_id = (hub_ids or {}).get(f"{section}.{task}")
+                if hub_id is None:
+                    raise
+                raise DataError(f"{exc} (hub dataset {hub_id})") from exc
+    return notices
+
+
+def _check_source(cfg: RunConfig, adapter: Adapter, section: str, task: str, source: DataSource) -> list[str]:
+    notices: list[str] = []
+    where = f"{section}.{task}"
+    ds = load_split(source, where)
+    if len(ds) == 0:
+        raise DataError(f"{where}.path: {source.path} split {source.split!r} has no rows")
+    builder = InputBuilder(cfg.base, adapter.model_input_names(), source, cfg.calibration.max_length,
+                           ds.column_names, where)
+    if builder.padding_notice:
+        notices.append(builder.padding_notice)
+    if builder.is_text and builder.column is not None:
+        for column in filter(None, (builder.column, builder.pair_column)):
+            wrong = text_type_error(ds, column, where)
+            if wrong:
+                raise DataError(wrong)
+    if section == "evaluation.data" and source.label_column and source.label_column not in ds.column_names:
+        raise ValueError(f"{where}.label_column: {source.label_column!r} is not a column ({ds.column_names})")
+    num_labels = _head_labels(cfg, adapter, task) if section == "evaluation.data" and source.label_column else None
+    if num_labels is not None:
+        wrong = label_range_error(ds, source.label_column, num_labels, where)
+        if wrong:
+            raise DataError(wrong)
+        if cfg.zero_shot is None:  # zero-shot heads are made from the class names themselves
+            field = f"experts.{task}"
+            wrong, differ = label_names_check(ds, source.label_column, _config(cfg.experts[task], field).id2label,
+                                              num_labels, where, field)
+            if wrong:
+                raise DataError(wrong)
+            notices += [differ] if differ else []
+    if source.target_column is not None and source.target_column not in ds.column_names:
+        raise DataError(f"{where}.target_column: {source.target_column!r} is not a column ({ds.column_names})")
+    if section == "evaluation.data" and source.label_column and adapter.has_decoder:
+        answer_kind(ds.features, source.label_column, cfg.evaluation.label_words.get(task), where)
+        try:  # generated answers are read as text
+            AutoTokenizer.from_pretrained(cfg.base, local_files_only=True)
+        except Exception as exc:
+            raise DataError(f"{where}: scoring generated answers needs the base's tokenizer: {exc}") from exc
+    return notices
 
 
 def check_activation_store(cfg: RunConfig) -> None:
@@ -179,42 +267,51 @@ def check_activation_store(cfg: RunConfig) -> None:
     store.check_writable()
 
 
-# The last config checked in this process, with its degenerate set-ups: `featcal run` checks before Prefect starts,
-# and the flow's pipeline, seconds later, takes that verdict once instead of reading every input again. Any later
-# check reads them anew (a long-lived process may run the same config after its files changed).
-_just_checked: dict[str, tuple[Adapter, list[str]]] = {}
+class Checked(NamedTuple):
+    """What preflight found: the architecture's adapter, one line for each input taken another way than asked, and
+    one for each degenerate set-up (featcal/setup_checks.py: refused with `runtime.strict`)."""
+
+    adapter: Adapter
+    notices: list[str]
+    warnings: list[str]
 
 
-def preflight(cfg: RunConfig, quiet: bool = False) -> Adapter:
-    """`checked_setup`'s adapter."""
-    return checked_setup(cfg, quiet)[0]
+# The last config checked in this process: `featcal run` checks before Prefect starts, and the flow's pipeline,
+# seconds later, takes that verdict once instead of reading every input again. Any later check reads them anew
+# (a long-lived process may run the same config after its files changed).
+_just_checked: dict[str, Checked] = {}
 
 
-def checked_setup(cfg: RunConfig, quiet: bool = False) -> tuple[Adapter, list[str]]:
-    """Every input checked (each failure one line), and the degenerate set-ups found (featcal/setup_checks.py:
-    refused with `runtime.strict`). What would make the run slow or cut its texts, and those set-ups, are logged
-    unless `quiet` (`featcal plan` prints them in its own text; `featcal run` plans quietly, then its pipeline says
-    them once)."""
+def preflight(cfg: RunConfig, quiet: bool = False) -> Checked:
+    """Every input checked (each failure one line), hub ids first fetched and pinned (`hub_inputs`); what would make
+    the run slow, cut its texts or pad them with EOS, and the degenerate set-ups, are logged unless `quiet`
+    (`featcal plan` prints them in its own text; `featcal run` plans quietly, then its pipeline says them once)."""
     device = resolve_device(cfg.runtime.device)  # a device torch cannot reach fails here, not at the first Gram
     slow = bf16_warning(device, cfg.runtime.precision, cpu_has_native_bf16())
     if slow and not quiet:
         log.warning(slow)
+    hub = hub_summary(hub_inputs(cfg))  # pins cfg's hub ids to their commits: before its fingerprint
+    if hub and not quiet:
+        log.info(hub)
     key = cfg.fingerprint()
     if key in _just_checked:
-        adapter, warnings = _just_checked.pop(key)
+        checked = _just_checked.pop(key)
     else:
-        check_zero_shot(cfg)
-        adapter = check_checkpoints(cfg)
-        check_head_side(cfg, adapter)
-        check_data(cfg, adapter)
-        check_activation_store(cfg)
-        warnings = setup_warnings(cfg, adapter)  # reads every tensor once: NaN/inf and short data refused here
+        files = localized(cfg)
+        found = check_zero_shot(files)
+        adapter = check_checkpoints(files)
+        check_head_side(files, adapter)
+        found += check_data(files, adapter, {f"{section}.{t}": source.path for section, by_task in (
+            ("calibration.data", cfg.calibration.data), ("evaluation.data", cfg.evaluation.data))
+            for t, source in by_task.items() if hub_ref(source.path)})
+        check_activation_store(files)
+        warnings = setup_warnings(files, adapter)  # reads every tensor once: NaN/inf and short data refused here
         if warnings and cfg.runtime.strict:
             raise strict_refusal(warnings)
+        notice = max_length_notice(files, adapter)
+        checked = Checked(adapter, [notice, *found] if notice else found, warnings)
         _just_checked.clear()
-        _just_checked[key] = adapter, warnings
-    notice = max_length_notice(cfg, adapter)
-    if not quiet:
-        for line in [notice] * bool(notice) + warnings:
-            log.warning(line)
-    return adapter, warnings
+        _just_checked[key] = checked
+    for line in [] if quiet else [*checked.notices, *checked.warnings]:
+        log.warning(line)
+    return checked

@@ -1,4 +1,5 @@
-"""Baselines: RegMean / RegMean++ as pipeline methods, evaluation of a subset of models, Representation Surgery."""
+"""Baselines: RegMean / RegMean++ as pipeline methods, evaluation of a subset of models, Representation Surgery
+(and ProbSurgery on the same tiny BERT; its unit tests are in tests/test_probsurgery.py)."""
 
 import copy
 import json
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from featcal_bench.probsurgery import ProbSurgeryAdapter
 from featcal_bench.surgery import (
     SurgeryAdapter, SurgeryClassifier, features, fit_adapters, surgery_classifier, train_surgery,
 )
@@ -273,3 +275,13 @@ def test_surgery_on_tiny_bert(regmean_runs, one_thread):
         assert float(F.l1_loss(trained.adapter(z), z_t)) < 0.9 * float(F.l1_loss(z, z_t))
         logits = trained(**batch)
     assert logits.shape == (batch["input_ids"].shape[0], expert.config.num_labels)
+    # ProbSurgery through the same loop and features: its own state, its mean path in the evaluation model.
+    prob = train_surgery(run_dir / "merged", cfg.experts, batches, method="probsurgery", steps=40, seed=0,
+                         cache_features=True)
+    assert {k: tuple(v.shape) for k, v in prob[task].items()} == {
+        "down.weight": (128, 64), "mean.weight": (64, 128), "log_var.weight": (64, 128)}
+    with torch.no_grad():
+        trained = surgery_classifier(run_dir / "merged", cfg.experts[task], prob[task], method="probsurgery")
+        assert isinstance(trained.adapter, ProbSurgeryAdapter)
+        assert float(F.l1_loss(trained.adapter(z), z_t)) < 0.9 * float(F.l1_loss(z, z_t))
+        assert trained(**batch).shape == logits.shape

@@ -32,7 +32,7 @@ from tests.clip_fixture import PROJECTION, clip_processor, perturbed_tower, save
 
 TASKS = ["eurosat", "mnist"]  # ten classes each, like the real ones
 ROWS = {"train": 16, "test": 12}
-RUNS = ["ta_featcal", "regmean", "ta_surgery"]
+RUNS = ["ta_featcal", "regmean", "ta_surgery", "ta_probsurgery"]
 
 
 def _mirror(root):
@@ -89,7 +89,8 @@ def test_cost_estimate_counts_every_run(built):
     estimate = clip_cost_estimate(bench, split_sizes(bench, TASKS))
     assert f"featcal plan {bench / 'configs' / 'ta_featcal.yaml'}" in estimate and "RAM (estimate)" in estimate
     rows = {line.split(" | ")[0].strip("| *"): line for line in estimate.splitlines() if line.startswith("| ")}
-    assert {"ta_featcal", "ta_featcal_n008", "regmean_pp", "ta_surgery"} <= rows.keys()
+    assert {"ta_featcal", "ta_featcal_n008", "regmean_pp", "ta_surgery", "ta_probsurgery"} <= rows.keys()
+    assert rows["ta_probsurgery"].split(" | ")[1] == rows["ta_surgery"].split(" | ")[1]  # the same forward passes
     assert "| **all** (`featcal bench run`) |" in estimate
     # ta_featcal: 10.8 passes per calibration example, 4 scored models per test row, 30 + 10 prompts.
     assert rows["ta_featcal"].split(" | ")[1] == f"{10.8 * 32 + 4 * 24 + 40:,.0f}"
@@ -99,16 +100,21 @@ def test_run_reports_our_rows_beside_the_papers(built, ran):
     bench, spec, _ = built
     report = json.loads((bench / "report" / "clip-vit-b32-ta8.json").read_text())
     rows = {r["method"]: r for r in report["methods"]}
-    assert set(rows) == {"experts (individual)", "zero-shot", "task arithmetic", "RegMean", "TA + Surgery", "TA + FeatCal"}
+    assert set(rows) == {"experts (individual)", "zero-shot", "task arithmetic", "RegMean", "TA + Surgery",
+                         "TA + ProbSurgery", "TA + FeatCal"}
     ours = {run: json.loads((bench / "runs" / run / "report.json").read_text())["tasks"] for run in ("ta_featcal", "regmean")}
     for method, run, model in (("experts (individual)", "ta_featcal", "expert"), ("zero-shot", "ta_featcal", "base"),
                                ("task arithmetic", "ta_featcal", "merged"), ("TA + FeatCal", "ta_featcal", "calibrated"),
                                ("RegMean", "regmean", "calibrated")):
         assert rows[method]["accuracy"] == {t: ours[run][t]["accuracy"][model] for t in TASKS}, method
         assert rows[method]["paper"] == pytest.approx(PAPER[method] / 100)
-    surgery = json.loads((bench / "results" / "ta_surgery.json").read_text())
-    assert rows["TA + Surgery"]["accuracy"] == {t: surgery["accuracy"][t]["calibrated"] for t in TASKS}
-    assert surgery["cost"]["cached_merged_features"] and len(surgery["labels"]["mnist"]) == ROWS["test"]
+    for method, run, rank in (("TA + Surgery", "ta_surgery", 16), ("TA + ProbSurgery", "ta_probsurgery", 128)):
+        surgery = json.loads((bench / "results" / f"{run}.json").read_text())
+        assert rows[method]["accuracy"] == {t: surgery["accuracy"][t]["calibrated"] for t in TASKS}
+        assert rows[method]["paper"] == pytest.approx(PAPER[method] / 100)
+        assert surgery["cost"]["cached_merged_features"] and len(surgery["labels"]["mnist"]) == ROWS["test"]
+        assert (surgery["method"], surgery["cost"]["rank"], surgery["cost"]["steps"]) == (run[3:], rank, 1000)
+    assert surgery["cost"]["kl_weight"] == 1e-4 and PAPER["TA + ProbSurgery"] == 78.8
     for row in rows.values():  # each task's own test rows size the standard error
         expected = sum(a * (1 - a) / ROWS["test"] for a in row["accuracy"].values()) ** 0.5 / len(TASKS)
         assert row["standard_error"] == pytest.approx(expected, rel=1e-12)

@@ -153,14 +153,16 @@ def _result(predictions: dict[str, dict[str, list[int]]]) -> dict:
     return {"accuracy": accuracy, "predictions": predictions, "labels": LABELS, "cost": COST, "drift": {}}
 
 
-def _correct(run: str, model: str) -> dict[str, list[bool]]:
-    return {t: [p == y for p, y in zip(PREDICTIONS[run][t][model], LABELS[t])] for t in TASKS}
+def _correct(run: str, model: str, predictions: dict = PREDICTIONS) -> dict[str, list[bool]]:
+    return {t: [p == y for p, y in zip(predictions[run][t][model], LABELS[t])] for t in TASKS}
 
 
 def test_report_pairs_featcal_with_every_method_and_gives_the_gaps():
     results = {run: _result(p) for run, p in PREDICTIONS.items()}
     surgery = _result({"a": {"calibrated": [0, 1, 0, 0]}, "b": {"calibrated": [2, 0, 1, 1, 1]}})
     results["ta_surgery"] = {k: v for k, v in surgery.items() if k not in ("predictions", "labels")}  # an old result
+    predictions = {**PREDICTIONS, "ta_probsurgery": {"a": {"calibrated": [0, 1, 1, 0]}, "b": {"calibrated": [2, 0, 1, 1, 1]}}}
+    results["ta_probsurgery"] = _result(predictions["ta_probsurgery"])
     report = build_report(results, TASKS, {})
     # experts: a 4/4, b 5/5; task arithmetic: a 2/4, b 3/5
     assert report["gaps"] == pytest.approx({"a": 0.5, "b": 0.4}, abs=1e-15)
@@ -168,18 +170,19 @@ def test_report_pairs_featcal_with_every_method_and_gives_the_gaps():
     assert paired["without_predictions"] == ["TA + Surgery"]
     assert (paired["reference"], paired["resamples"], paired["seed"]) == ("TA + FeatCal", 10_000, 0)
     rows = {c["method"]: c for c in paired["comparisons"]}
-    assert list(rows) == ["experts (individual)", "task arithmetic", "RegMean"]
+    assert list(rows) == ["experts (individual)", "task arithmetic", "RegMean", "TA + ProbSurgery"]
     # TA + FeatCal: a 3/4, b 4/5. Discordant rows by hand, p = twice the smaller binomial tail.
     expected = {"experts (individual)": ("ta_featcal", "expert", -0.225, 0, 2, 0.5),
                 "task arithmetic": ("ta_featcal", "merged", 0.225, 2, 0, 0.5),
-                "RegMean": ("regmean", "calibrated", 0.225, 3, 1, 10 / 16)}
+                "RegMean": ("regmean", "calibrated", 0.225, 3, 1, 10 / 16),
+                "TA + ProbSurgery": ("ta_probsurgery", "calibrated", -0.125, 1, 2, 1.0)}  # a 4/4, b 4/5
     for method, (run, model, difference, featcal_only, other_only, p) in expected.items():
         row = rows[method]
         assert (row["run"], row["model"]) == (run, model)
         assert row["difference"] == pytest.approx(difference, abs=1e-12)
         assert (row["featcal_only_right"], row["other_only_right"]) == (featcal_only, other_only)
         assert row["p_value"] == pytest.approx(p, rel=1e-9)
-        assert row["ci"] == paired_bootstrap(_correct("ta_featcal", "calibrated"), _correct(run, model))["ci"]
+        assert row["ci"] == paired_bootstrap(_correct("ta_featcal", "calibrated"), _correct(run, model, predictions))["ci"]
         assert row["ci"][0] <= difference <= row["ci"][1]
     md = markdown(report)
     assert "| *gap (expert − TA)* | *+50.0* | *+40.0* | *+45.0* | | | | |" in md

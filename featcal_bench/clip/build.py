@@ -67,7 +67,7 @@ def _checked(ds: datasets.Dataset, task: str, split: str, source: str) -> datase
 def write_data(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
     """A seeded calibration pool from the train split and the test split (all of it, or a seeded subset)."""
     spec = ClipBenchSpec.load(bench)
-    source = spec.data_source(task)
+    source = spec.data_name(task)
     train, test = (_checked(_split(spec, task, s), task, s, source) for s in SPLITS)
     out = datasets.DatasetDict({
         "calibration": pick_examples(train, spec.calibration, spec.seed, f"{source} train"),

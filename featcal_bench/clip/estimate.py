@@ -14,7 +14,7 @@ from featcal_bench.clip.methods import clip_method_runs
 from featcal_bench.clip.prompts import CLASS_NAMES, TEMPLATES
 from featcal_bench.estimate import (CALIBRATION_PASSES, Passes, Speed, calibration_rows, cost_estimate,
                                     evaluation_passes, per_device, seconds_per_row, test_rows)
-from featcal_bench.method import MethodRun
+from featcal_bench.method import SURGERY_METHODS, MethodRun
 
 SURGERY_PASSES = 2  # the expert's and the merged model's features of each pool image, once (featcal_bench/clip/methods.py)
 TIMED_IMAGES = 16
@@ -23,7 +23,7 @@ TIMED_IMAGES = 16
 def forward_passes(run: MethodRun, rows: dict[str, dict[str, int]]) -> Passes:
     """Image forward passes of one method run (text-tower passes for the zero-shot prompts counted alike): `rows` is
     each task's calibration pool and test split size."""
-    if run.method == "surgery":
+    if run.method in SURGERY_METHODS:
         return Passes(SURGERY_PASSES * calibration_rows(run, rows) + test_rows(rows))
     prompts = sum(len(CLASS_NAMES[t]) * len(TEMPLATES[t]) for t in rows)
     return Passes(CALIBRATION_PASSES * calibration_rows(run, rows) + evaluation_passes(run.models) * test_rows(rows)

@@ -1,6 +1,6 @@
 """The CLIP ViT-B/32 eight-task recipe (`clip-vit-b32-ta8`): the CLIPModel, its vision tower as the base, one dataset
-and one expert per task, from the hub or a local mirror; the paper's method runs and TA + Surgery, scored with
-zero-shot heads; one report with the paper's figures beside ours."""
+and one expert per task, from the hub or a local mirror; the paper's method runs, TA + Surgery and TA + ProbSurgery,
+scored with zero-shot heads; one report with the paper's figures beside ours."""
 
 from __future__ import annotations
 

@@ -14,7 +14,6 @@ A local mirror lays them out under their hub names:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from featcal_bench.mirror import MirroredSpec
 
@@ -61,8 +60,7 @@ class ClipBenchSpec(MirroredSpec):
         return (f"`huggingface-cli download --repo-type dataset {CLIP_TASKS[task].dataset} --local-dir DIR`, or "
                 "load_dataset(...).save_to_disk(DIR)")
 
-    def data_source(self, task: str) -> str:
-        dataset = CLIP_TASKS[task].dataset
-        return str(Path(self.data_from) / dataset) if self.data_from else dataset
+    def dataset_id(self, task: str) -> tuple[str, str | None]:
+        return CLIP_TASKS[task].dataset, CLIP_TASKS[task].config
 
 CLIP_PRESETS = {"clip-vit-b32-ta8": ClipBenchSpec(name="clip-vit-b32-ta8", tasks=sorted(CLIP_TASKS))}

@@ -31,8 +31,8 @@ def _causal_lm(spec: LlmBenchSpec, hub_id: str) -> Any:
     """The hub model in the dtype its files hold (bf16 for MergeBench's: half the disk of float32, which
     transformers 4 would load it in)."""
     source = spec.model_source(hub_id)
-    return from_source(lambda: AutoModelForCausalLM.from_pretrained(
-        source, dtype="auto", local_files_only=bool(spec.models_from)), source, bool(spec.models_from), MODELS_FLAG)
+    return from_source(lambda: AutoModelForCausalLM.from_pretrained(source, dtype="auto", local_files_only=True),
+                       source, bool(spec.models_from), MODELS_FLAG)
 
 
 def write_base(bench: Path) -> tuple[list[str], dict[str, Any]]:
@@ -95,8 +95,9 @@ def held_out_splits(ds: datasets.Dataset, calibration: int, test_rows: int | Non
 def write_data(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
     """The held-out set of domain `task` rendered into text, split into a calibration pool and disjoint held-out rows."""
     spec = LlmBenchSpec.load(bench)
-    source = spec.data_source(task)
-    rows = _checked(dataset_split(source, None, SOURCE_SPLIT, bool(spec.data_from), (SOURCE_SPLIT,)), task, source)
+    source = spec.data_name(task)
+    rows = _checked(dataset_split(spec.data_source(task), None, SOURCE_SPLIT, bool(spec.data_from), (SOURCE_SPLIT,)),
+                    task, source)
     splits = held_out_splits(rendered(rows, task), spec.calibration, spec.test_rows, spec.seed, source)
     out = datasets.DatasetDict(splits)
     with atomic_path(bench / data_dir(task)) as tmp:

@@ -17,7 +17,6 @@ mirror lays them out under their hub names:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from featcal_bench.mirror import MirroredSpec
 
@@ -102,10 +101,8 @@ class LlmBenchSpec(MirroredSpec):
     def data_fill(self, domain: str) -> str:
         return f"load_dataset('{DOMAINS[domain].dataset(domain)}').save_to_disk(DIR)"
 
-    def data_source(self, domain: str) -> str:
-        """A mirror's directory of the domain's held-out set, or its hub id."""
-        hub_id = DOMAINS[domain].dataset(domain)
-        return str(Path(self.data_from) / hub_id) if self.data_from else hub_id
+    def dataset_id(self, domain: str) -> tuple[str, str | None]:
+        return DOMAINS[domain].dataset(domain), None
 
 LLM_PRESETS = {"mergebench-llama-3.2-3b": LlmBenchSpec(name="mergebench-llama-3.2-3b", tasks=sorted(DOMAINS),
                                                        calibration=CALIBRATION)}

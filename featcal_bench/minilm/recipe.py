@@ -45,6 +45,7 @@ def method_runs(spec: BenchSpec | None = None) -> dict[str, MethodRun]:
         "regmean": MethodRun("average", "regmean", models=("merged", "calibrated")),
         "regmean_pp": MethodRun("average", "regmean_plus_plus"),
         "ta_surgery": MethodRun("task_arithmetic", "surgery"),
+        "ta_probsurgery": MethodRun("task_arithmetic", "probsurgery"),
         # FeatCal from a stronger merge: TA at 0.9 (alone far below TA at 0.3) with the CLIP defaults was the
         # best setting of the validation sweep (benchmarks/results/minilm8_tuning.md).
         "ta09_featcal": MethodRun("task_arithmetic", "featcal", models=("merged", "calibrated"), scaling=0.9),

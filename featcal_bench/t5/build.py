@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, T5ForConditionalGeneration
 from featcal_bench.layout import BASE, data_dir
 from featcal_bench.mirror import dataset_split, expert_stage, pretrained, write_pretrained
 from featcal_bench.t5.prompts import LABEL_WORDS, SCORE_FORMAT, TEMPLATES
-from featcal_bench.t5.spec import BASE_MODEL, GLUE, GLUE_TASKS, T5BenchSpec
+from featcal_bench.t5.spec import BASE_MODEL, GLUE_TASKS, T5BenchSpec
 from featcal.data import pick_examples
 from storage.atomic import atomic_path
 
@@ -72,8 +72,7 @@ def write_data(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
     """A seeded calibration pool from the train split and the validation split (all of it, or a seeded subset),
     both rendered into prompts and answers."""
     spec = T5BenchSpec.load(bench)
-    source, validation = spec.data_source(task), GLUE_TASKS[task].validation
-    where = source if spec.data_from else f"{GLUE} {task}"
+    validation, where = GLUE_TASKS[task].validation, spec.data_name(task)
     train, test = (_checked(_split(spec, task, s), task, s, where) for s in ("train", validation))
     out = datasets.DatasetDict({
         "calibration": rendered(pick_examples(train, spec.calibration, spec.seed, f"{where} train"), task),

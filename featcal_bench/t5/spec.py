@@ -15,7 +15,6 @@ mirror lays them out under their hub names:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from featcal_bench.mirror import MirroredSpec
 
@@ -61,8 +60,11 @@ class T5BenchSpec(MirroredSpec):
     def data_fill(self, task: str) -> str:
         return f"load_dataset('{GLUE}', '{task}').save_to_disk(DIR)"
 
-    def data_source(self, task: str) -> str:
-        """A mirror's directory of the task's GLUE configuration, or the hub's GLUE dataset."""
-        return str(Path(self.data_from) / GLUE / task) if self.data_from else GLUE
+    def dataset_id(self, task: str) -> tuple[str, str | None]:
+        return GLUE, task
+
+    def mirror_data_path(self, task: str) -> str:
+        """A mirror holds each task's GLUE configuration in its own directory."""
+        return f"{GLUE}/{task}"
 
 T5_PRESETS = {"flan-t5-base-glue8": T5BenchSpec(name="flan-t5-base-glue8", tasks=sorted(GLUE_TASKS))}
