@@ -225,6 +225,8 @@ class RuntimeConfig(_Strict):
     solve_precision: Literal["float64", "mixed"] = Field(
         "float64", description="mixed: each linear solve factors in fp32 and refines against a float64 residual, "
                                "falling back to float64 when refinement stalls (the solve record says which per module)")
+    strict: bool = Field(False, description="refuse degenerate set-ups (an expert equal to the base, two tasks on one "
+                         "checkpoint, calibration rows among the evaluation rows, ...) instead of warning; --strict")
 
     @field_validator("device")
     @classmethod

@@ -118,9 +118,12 @@ def pick_examples(ds: datasets.Dataset, n: int, seed: int, where: str) -> datase
         raise DataError(f"{where}: the split has no rows")
     if len(ds) < n:
         log.warning("%s: only %d rows available, %d asked for; using all of them", where, len(ds), n)
-        n = len(ds)
-    order = np.random.default_rng(seed).permutation(len(ds))[:n]
-    return ds.select(sorted(order.tolist()))
+    return ds.select(picked_rows(len(ds), n, seed))
+
+
+def picked_rows(size: int, n: int, seed: int) -> list[int]:
+    """The row numbers `pick_examples` takes of `size` rows, without its notice (preflight compares them)."""
+    return sorted(np.random.default_rng(seed).permutation(size)[:n].tolist())
 
 
 class InputBuilder:

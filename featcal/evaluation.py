@@ -282,6 +282,8 @@ def markdown(report: dict[str, Any]) -> str:
     """The report as markdown: one accuracy column per evaluated model (report["models"]), then drift."""
     method = METHOD_NAMES[report["method"]]
     lines = [f"# {method} report", ""]
+    if report.get("warnings"):  # degenerate set-ups (featcal/setup_checks.py): read them before the figures
+        lines += ["## Warnings", "", *(f"- {w}" for w in report["warnings"]), ""]
     if report["method"] != "featcal":
         lines += [f"`calibrated` is the {method} solution; `merged` is the merge it started from.", ""]
     tasks, models = report["tasks"], report["models"]

@@ -64,10 +64,18 @@ def _add_flow_options(p: argparse.ArgumentParser) -> None:
                         "(Prefect then checks each stage against tag concurrency limits: one server round trip each)")
 
 
+def _add_strict(p: argparse.ArgumentParser) -> None:
+    """--strict is `--set runtime.strict=true`: the flow and its deployments read it from the overrides."""
+    p.add_argument("--strict", dest="overrides", action="append_const", const="runtime.strict=true",
+                   help="refuse degenerate set-ups (an expert equal to the base, two tasks on one checkpoint, "
+                        "calibration rows among the evaluation rows, ...) instead of warning about them")
+
+
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="show what a run will do, with RAM/disk estimates; computes nothing")
     p.add_argument("config", help="the run's YAML config (see configs/example.yaml)")
     _add_overrides(p)
+    _add_strict(p)
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
@@ -77,6 +85,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("config", help="the run's YAML config (see configs/example.yaml)")
     r.add_argument("--run-dir", required=True, help="where every output and intermediate goes (one run at a time)")
     _add_overrides(r)
+    _add_strict(r)
     r.add_argument("--no-prefect", action="store_true", help="call the stages directly, without a Prefect flow")
     r.add_argument("--reuse", action="store_true",
                    help="the run directory holds a run of another config: recompute what changed and drop the stages "

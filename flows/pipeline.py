@@ -129,8 +129,9 @@ class Progress:
 
 class Pipeline:
     def __init__(self, run_dir: Path, runner: Runner, on_stage: Callable[[StageCall, Record], None] | None = None,
-                 submit: Submitter | None = None):
+                 submit: Submitter | None = None, warnings: list[str] | None = None):
         self.run_dir = str(run_dir)
+        self.warnings = warnings or []  # degenerate set-ups preflight found: the report lists them
         self.ctx = context(run_dir)
         self.run = self.ctx.run  # with the run's activation store
         self.cfg: RunConfig = self.ctx.cfg
@@ -294,8 +295,9 @@ class Pipeline:
         if cfg.evaluation.enabled:
             out["evaluate"] = self.call(StageCall("evaluate", "evaluate", "evaluate", self.key(
                 "evaluate", out["assemble"]["outputs"]["calibrated"], merged_digest, cfg.slice("evaluation"),
-                cal["seed"], cal["max_length"], self.inputs),
-                needs={"calibrated": "assemble", "merged": "merge"}))
+                cal["seed"], cal["max_length"], self.inputs, *([self.warnings] if self.warnings else [])),
+                needs={"calibrated": "assemble", "merged": "merge"},
+                params={"warnings": self.warnings} if self.warnings else {}))
         return out
 
     def run_all(self, max_rewinds: int = 64) -> dict[str, Record]:
@@ -357,7 +359,7 @@ def run_pipeline(cfg: RunConfig, run_dir: str | Path, runner: Runner = direct_ru
     run = RunDir(run_dir)
     if not reuse:
         check_same_config(cfg, run.root)
-    preflight(cfg)
+    warnings = preflight(cfg).warnings
     # Inside a Prefect flow too: the flow engine installs its own SIGTERM handler, this takes it back.
     with signals.stop_on_signals(), run.lock():
         # Credentials as placeholders (featcal/secrets.py): stages restore them from memory, never from this file.
@@ -366,9 +368,9 @@ def run_pipeline(cfg: RunConfig, run_dir: str | Path, runner: Runner = direct_ru
             write_bytes(run / CONFIG_NAME, resolved)
         manifest: dict[str, Any] = {"config_fingerprint": cfg.fingerprint()}
         try:
-            pipeline = Pipeline(run.root, runner, on_stage, submit)
+            pipeline = Pipeline(run.root, runner, on_stage, submit, warnings)
             manifest.update(code_version=pipeline.code, versions=versions(), inputs=pipeline.inputs, status="running",
-                            started_at=time.time())
+                            started_at=time.time(), **({"warnings": warnings} if warnings else {}))
             write_json(run / "manifest.json", manifest)
             records = pipeline.run_all()
             write_model_cards(cfg, run)

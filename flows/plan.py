@@ -24,7 +24,7 @@ GIB = 1024**3
 
 def plan(cfg: RunConfig) -> dict[str, Any]:
     hub = hub_inputs(cfg)  # fetched (or found in the cache) and pinned; preflight then finds them in the cache
-    adapter, notices = preflight(cfg, quiet=True)  # its warning and notices are lines of the plan
+    adapter, notices, degenerate = preflight(cfg, quiet=True)  # its warning, notices and set-ups are lines of the plan
     skeleton = Skeleton.from_checkpoint(config_directory(local_dir(cfg.experts[cfg.tasks[0]]), local_dir(cfg.base)))
     vision = adapter.text_or_vision_config()
     hidden = vision.hidden_size
@@ -82,6 +82,7 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
         "hub_inputs": {r.field: r.pinned for r in hub},
         "hub_cache_gib": round(sum(r.size for r in hub) / GIB, 3),
         "hub_download_gib": round(sum(r.downloaded for r in hub) / GIB, 3),
+        "setup_warnings": degenerate,
     }
 
 
@@ -128,5 +129,6 @@ def render(p: dict[str, Any]) -> str:
             else f"  (peak device memory estimate {p['estimated_peak_device_gib']} GiB: 2 blocks, Grams, 2 chunks)"),
         *([f"warning           {p['warning']}"] if p["warning"] else []),
         *(f"notice            {notice}" for notice in p["notices"]),
+        *(f"warning           {line}" for line in p["setup_warnings"]),
     ]
     return "\n".join(lines)

@@ -154,7 +154,8 @@ def _text_to_text_scores(ctx: RunContext, task: str, split: _Split, progress: Ev
     return scores.summary()
 
 
-def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
+def run(ctx: RunContext, warnings: list[str] | None = None) -> tuple[list[str], dict[str, Any]]:
+    """`warnings`: the degenerate set-ups preflight found (featcal/setup_checks.py), listed in the report."""
     splits = {task: _split(ctx, task) for task in ctx.tasks}
     progress = EvalProgress({task: len(s.rows) for task, s in splits.items()}, ctx.cfg.evaluation.batch_size)
     tasks = {}
@@ -163,7 +164,7 @@ def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
         log.info("evaluate · %s: %s", task, {k: round(v, 4) for k, v in tasks[task]["accuracy"].items()})
     report = {"method": ctx.cfg.featcal.method, "models": [m for m in MODELS if m in ctx.cfg.evaluation.models],
               "tasks": tasks, "summary": summarize(tasks), "drift_definition": drift_definition(ctx.adapter.pooled_index()),
-              "config_fingerprint": ctx.cfg.fingerprint()}
+              "config_fingerprint": ctx.cfg.fingerprint(), **({"warnings": warnings} if warnings else {})}
     write_json(ctx.run / "report.json", report)
     write_bytes(ctx.run / "report.md", markdown(report).encode())
     with atomic_path(ctx.run / "drift.png") as tmp:

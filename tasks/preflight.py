@@ -17,6 +17,7 @@ from featcal.hub import Resolved, hub_ref, local_dir, resolve
 from featcal.input_checks import (label_names_check, label_range_error, pad_with_eos, safetensors_header_error,
                                   text_length_limit, text_type_error)
 from featcal.devices import bf16_warning, cpu_has_native_bf16, resolve_device
+from featcal.setup_checks import setup_warnings, strict_refusal
 from featcal.t5 import answer_kind
 from featcal.zeroshot import class_names
 from storage.activations import ActivationError, ActivationStore
@@ -314,10 +315,12 @@ def check_activation_store(cfg: RunConfig) -> None:
 
 
 class Checked(NamedTuple):
-    """What preflight found: the architecture's adapter, and one line for each input taken another way than asked."""
+    """What preflight found: the architecture's adapter, one line for each input taken another way than asked, and
+    one for each degenerate set-up (featcal/setup_checks.py: refused with `runtime.strict`)."""
 
     adapter: Adapter
     notices: list[str]
+    warnings: list[str]
 
 
 # The last config checked in this process: `featcal run` checks before Prefect starts, and the flow's pipeline,
@@ -328,8 +331,8 @@ _just_checked: dict[str, Checked] = {}
 
 def preflight(cfg: RunConfig, quiet: bool = False) -> Checked:
     """Every input checked (each failure one line), hub ids first fetched and pinned (`hub_inputs`); what would make
-    the run slow, cut its texts or pad them with EOS is logged unless `quiet` (`featcal plan` prints it in its own
-    text; `featcal run` plans quietly, then its pipeline says it once)."""
+    the run slow, cut its texts or pad them with EOS, and the degenerate set-ups, are logged unless `quiet`
+    (`featcal plan` prints them in its own text; `featcal run` plans quietly, then its pipeline says them once)."""
     device = resolve_device(cfg.runtime.device)  # a device torch cannot reach fails here, not at the first Gram
     slow = bf16_warning(device, cfg.runtime.precision, cpu_has_native_bf16())
     if slow and not quiet:
@@ -350,10 +353,13 @@ def preflight(cfg: RunConfig, quiet: bool = False) -> Checked:
             ("calibration.data", cfg.calibration.data), ("evaluation.data", cfg.evaluation.data))
             for t, source in by_task.items() if hub_ref(source.path)})
         check_activation_store(files)
+        warnings = setup_warnings(files, adapter)  # reads every tensor once: NaN/inf and short data refused here
+        if warnings and cfg.runtime.strict:
+            raise strict_refusal(warnings)
         notice = max_length_notice(files, adapter)
-        checked = Checked(adapter, [notice, *found] if notice else found)
+        checked = Checked(adapter, [notice, *found] if notice else found, warnings)
         _just_checked.clear()
         _just_checked[key] = checked
-    for notice in [] if quiet else checked.notices:
-        log.warning(notice)
+    for line in [] if quiet else [*checked.notices, *checked.warnings]:
+        log.warning(line)
     return checked

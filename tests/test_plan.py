@@ -18,8 +18,11 @@ def _config(root, dtype: torch.dtype, vocab: int = 64):
     torch.manual_seed(0)
     config = LlamaConfig(**{**SHAPE, "vocab_size": vocab}, tie_word_embeddings=True)
     model = LlamaForCausalLM(config).to(dtype)
-    for name in ("base", "e0"):
-        model.save_pretrained(root / name)
+    model.save_pretrained(root / "base")
+    with torch.no_grad():  # an expert equal to its base would be a degenerate set-up, warned about in every plan
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    model.save_pretrained(root / "e0")
     _rows(0).save_to_disk(str(root / "d0"))
     return config_from_dict({
         "base": str(root / "base"), "experts": {"task0": str(root / "e0")},
