@@ -199,17 +199,18 @@ def build_inputs(work: Path, experts: int, examples: int) -> dict[str, float]:
 
 
 # ---- runs -----------------------------------------------------------------------------------------
-def config_file(work: Path, n: int, examples: int, precision: str) -> Path:
+def config_file(work: Path, n: int, examples: int, precision: str, experts: str = "expert") -> Path:
+    """The run's config over `n` experts read from models/{experts}0, models/{experts}1, ..."""
     tasks = [f"task{t}" for t in range(n)]
     raw = {
         "base": str(work / "models" / "base"),
-        "experts": {t: str(work / "models" / f"expert{i}") for i, t in enumerate(tasks)},
+        "experts": {t: str(work / "models" / f"{experts}{i}") for i, t in enumerate(tasks)},
         "calibration": {"data": {t: {"path": str(work / "data" / f"task{i}-{examples}")} for i, t in enumerate(tasks)},
                         "examples_per_task": examples, "batch_size": examples, "max_length": TOKENS},
         "evaluation": {"enabled": False},
         "runtime": {"threads": 1, "precision": precision},
     }
-    path = work / f"config-{n}-{examples}-{precision}.yaml"
+    path = work / f"config-{experts}-{n}-{examples}-{precision}.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
 

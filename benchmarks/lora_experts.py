@@ -26,12 +26,11 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.large_model import GIB, TOKENS, du, llama_config, segment, write_data, write_model  # noqa: E402
+from benchmarks.large_model import GIB, TOKENS, config_file, du, llama_config, segment, write_data, write_model  # noqa: E402
 from flows.pipeline import machine  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -76,22 +75,6 @@ def build(work: Path, layers: int, experts: int, rank: int, examples: int) -> di
     return seconds
 
 
-def config_file(work: Path, kind: str, experts: int, examples: int) -> Path:
-    tasks = [f"task{t}" for t in range(experts)]
-    raw = {
-        "base": str(work / "models" / "base"),
-        "experts": {task: str(work / "models" / f"{kind}{t}") for t, task in enumerate(tasks)},
-        "calibration": {"data": {task: {"path": str(work / "data" / f"task{t}-{examples}")}
-                                 for t, task in enumerate(tasks)},
-                        "examples_per_task": examples, "batch_size": examples, "max_length": TOKENS},
-        "evaluation": {"enabled": False},
-        "runtime": {"threads": 1, "precision": "fp32"},
-    }
-    path = work / f"config-{kind}.yaml"
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return path
-
-
 def compare(a: Path, b: Path) -> dict:
     """Every tensor of checkpoint directories `a` and `b`: how many, how many bit-identical, the largest relative
     difference (Frobenius norm of the difference over the tensor's)."""
@@ -114,7 +97,7 @@ def run(work: Path, kind: str, experts: int, examples: int) -> dict:
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    seg = segment(config_file(work, kind, experts, examples), run_dir, experts, blocks=10**6, min_free_gib=3.0)
+    seg = segment(config_file(work, experts, examples, "fp32", kind), run_dir, experts, blocks=10**6, min_free_gib=3.0)
     seg["peak_run_dir_gib"] = max(s[2] for s in seg["samples"])
     seg["peak_sampled_rss_gib"] = max(s[1] for s in seg["samples"])
     seg["left_gib"] = du(run_dir) / GIB
