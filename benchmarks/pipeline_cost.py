@@ -103,15 +103,16 @@ def child_env(threads: int, code: Path | None) -> dict[str, str]:
     return env
 
 
-def child_cost(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, float]:
-    """(wall seconds, peak RSS GiB) of one child process, its own RSS only; raises with its stderr if it fails."""
+def child_cost(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, float, float]:
+    """(wall seconds, peak RSS GiB, CPU seconds: user + system) of one child process, its own only; raises with its
+    stderr if it fails. On a shared machine the CPU seconds say what the work cost, the wall what it waited too."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     if status != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr.read()}")
-    return wall, usage.ru_maxrss / 1024**2
+    return wall, usage.ru_maxrss / 1024**2, usage.ru_utime + usage.ru_stime
 
 
 def run_once(config: Path, run_dir: Path, threads: int, prefect: bool, code: Path = ROOT) -> dict:
@@ -119,7 +120,7 @@ def run_once(config: Path, run_dir: Path, threads: int, prefect: bool, code: Pat
     cmd = [sys.executable, "-m", "flows.cli", "run", str(config), "--run-dir", str(run_dir)]
     if not prefect:
         cmd.append("--no-prefect")
-    wall, peak_rss_gib = child_cost(cmd, code, child_env(threads, code))
+    wall, peak_rss_gib, cpu = child_cost(cmd, code, child_env(threads, code))
     by_kind: dict[str, float] = defaultdict(float)
     gram_flops = 0
     for path in (run_dir / "records").glob("*.json"):
@@ -127,7 +128,7 @@ def run_once(config: Path, run_dir: Path, threads: int, prefect: bool, code: Pat
         if "stage" in rec:
             by_kind[rec["stage"].split("/")[0]] += rec["seconds"]
             gram_flops += rec.get("info", {}).get("gram_flops", 0) if rec["stage"].startswith("gram/") else 0
-    return {"wall_s": wall, "peak_rss_gib": peak_rss_gib, "stages_s": dict(by_kind),
+    return {"wall_s": wall, "cpu_s": cpu, "peak_rss_gib": peak_rss_gib, "stages_s": dict(by_kind),
             "gram_flops": gram_flops}
 
 
