@@ -92,19 +92,35 @@ def config_file(work: Path, n_experts: int, examples: int, runtime: dict[str, st
     return path
 
 
-def run_once(config: Path, run_dir: Path, threads: int, prefect: bool, code: Path = ROOT) -> dict:
-    """One `featcal run` of the checkout at `code` in a child process: wall time and that child's own peak RSS."""
+def child_env(threads: int, code: Path | None) -> dict[str, str]:
+    """This script's starting environment with `threads` threads, offline, and `code` (when given) first on the
+    import path; with None, no PYTHONPATH at all."""
     env = {**START_ENV, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "flows.cli", "run", str(config), "--run-dir", str(run_dir)]
-    if not prefect:
-        cmd.append("--no-prefect")
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1"}
+    env.pop("PYTHONPATH", None)
+    if code is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")]))
+    return env
+
+
+def child_cost(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, float, float]:
+    """(wall seconds, peak RSS GiB, CPU seconds: user + system) of one child process, its own only; raises with its
+    stderr if it fails. On a shared machine the CPU seconds say what the work cost, the wall what it waited too."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=code, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     if status != 0:
-        raise RuntimeError(f"featcal run failed:\n{proc.stderr.read()}")
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr.read()}")
+    return wall, usage.ru_maxrss / 1024**2, usage.ru_utime + usage.ru_stime
+
+
+def run_once(config: Path, run_dir: Path, threads: int, prefect: bool, code: Path = ROOT) -> dict:
+    """One `featcal run` of the checkout at `code` in a child process: wall time and that child's own peak RSS."""
+    cmd = [sys.executable, "-m", "flows.cli", "run", str(config), "--run-dir", str(run_dir)]
+    if not prefect:
+        cmd.append("--no-prefect")
+    wall, peak_rss_gib, cpu = child_cost(cmd, code, child_env(threads, code))
     by_kind: dict[str, float] = defaultdict(float)
     gram_flops = 0
     for path in (run_dir / "records").glob("*.json"):
@@ -112,7 +128,7 @@ def run_once(config: Path, run_dir: Path, threads: int, prefect: bool, code: Pat
         if "stage" in rec:
             by_kind[rec["stage"].split("/")[0]] += rec["seconds"]
             gram_flops += rec.get("info", {}).get("gram_flops", 0) if rec["stage"].startswith("gram/") else 0
-    return {"wall_s": wall, "peak_rss_gib": usage.ru_maxrss / 1024**2, "stages_s": dict(by_kind),
+    return {"wall_s": wall, "cpu_s": cpu, "peak_rss_gib": peak_rss_gib, "stages_s": dict(by_kind),
             "gram_flops": gram_flops}
 
 
@@ -145,8 +161,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def matmul_rate(threads: int, dtype: torch.dtype, device: str) -> float:
-    """FLOP/s of a Gram-shaped product (one chunk's 16 × 50 rows, in 3072, out 768) at `dtype`, best of 5."""
+def matmul_rate(threads: int, dtype: torch.dtype, device: str, clock=time.perf_counter) -> float:
+    """FLOP/s of a Gram-shaped product (one chunk's 16 × 50 rows, in 3072, out 768) at `dtype`, best of 5; by wall
+    time, or by `clock` (time.process_time: CPU time, for a one-thread rate on a shared machine)."""
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(800, 3072, generator=g).to(device, dtype)
@@ -154,11 +171,11 @@ def matmul_rate(threads: int, dtype: torch.dtype, device: str) -> float:
     best = float("inf")
     for _ in range(6):  # the first is a warm-up
         _sync(device)
-        start = time.perf_counter()
+        start = clock()
         for _ in range(5):
             x.T @ y
         _sync(device)
-        best = min(best, (time.perf_counter() - start) / 5)
+        best = min(best, (clock() - start) / 5)
     return 2 * 800 * 3072 * 768 / best
 
 

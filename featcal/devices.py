@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from featcal.config import DEVICE_FORMS, DEVICE_SPEC
+from featcal_kernels.bf16 import cpu_has_native_bf16  # noqa: F401  (re-exported: plan and preflight ask here)
 
 # runtime.precision -> dtype of block forwards and stored activations (Grams still sum in fp32, then float64).
 STORAGE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -90,12 +91,6 @@ def activation_dtype(precision: str) -> torch.dtype:
     if precision not in STORAGE_DTYPES:
         raise ValueError(f"runtime.precision: expected one of {sorted(STORAGE_DTYPES)}, got {precision!r}")
     return STORAGE_DTYPES[precision]
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); without them torch emulates it."""
-    cpu = torch.cpu
-    return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
 def bf16_warning(device: torch.device, precision: str, native_bf16: bool) -> str | None:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import featcal_kernels
+from featcal_kernels.bf16 import bf16_products, bf16_units_serve
 from featcal.closed_form import LinearMoments, NormMoments
 from featcal.modeling import as_out_in, is_norm, linear_dims, normalized
 
@@ -79,13 +80,22 @@ class LinearStats:
         self.ps = torch.zeros(d_in, d_out, **f64) if product else None
         self.flops = 0
 
-    def add_products(self, xs: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor, y_e: torch.Tensor) -> None:
-        """P_e += Σ w x_s y_eᵀ and P_s += Σ w x_s (W_t x_s)ᵀ, with y_e = W_t x_e (the expert module's output less
-        its bias) and W_t [out, in]."""
-        xs32 = xs.float()
-        wxs = xs32 * w.float()[:, None]
-        self.pe += wxs.T @ y_e.float()
-        self.ps += wxs.T @ (xs32 @ w_t.float().T)
+    def add_products(self, xs: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor, y: torch.Tensor,
+                     bias: torch.Tensor | None) -> None:
+        """P_e += Σ w x_s y_eᵀ and P_s += Σ w x_s (W_t x_s)ᵀ, with y_e = W_t x_e = y − bias (y the expert module's
+        output) and W_t [out, in]. bf16 rows, output and W_t on a CPU with bf16 units: on those units
+        (featcal_kernels.bf16.bf16_products); else in fp32."""
+        w32 = w.float()
+        if y.dtype == w_t.dtype == torch.bfloat16 and bf16_units_serve(xs, y, w32):
+            pe, ps = bf16_products(xs, w32, w_t, y, bias)
+            self.pe += pe
+            self.ps += ps
+        else:
+            xs32 = xs.float()
+            wxs = xs32 * w32[:, None]
+            y_e = y.float() if bias is None else y.float() - bias.float()
+            self.pe += wxs.T @ y_e
+            self.ps += wxs.T @ (xs32 @ w_t.float().T)
         self.flops += 6 * xs.shape[0] * w_t.shape[0] * w_t.shape[1]
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -275,10 +285,7 @@ def accumulate(
             if expert_outputs is None or expert_modules is None:
                 raise ValueError(f"module {name}: product-form statistics need the expert module and its outputs")
             expert = expert_modules[name]
-            y_e = expert_outputs[name].float()
-            if expert.bias is not None:
-                y_e = y_e - expert.bias.float()
-            s.add_products(xs, w, as_out_in(expert, expert.weight), y_e)
+            s.add_products(xs, w, as_out_in(expert, expert.weight), expert_outputs[name], expert.bias)
 
 
 def stats_layout(modules: dict[str, nn.Module], weights: dict[str, torch.Tensor], sides: tuple[dict[str, torch.Tensor], ...],

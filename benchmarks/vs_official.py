@@ -1,0 +1,141 @@
+"""The official FeatCal code and ours, side by side in one invocation, on the same ViT-B/32-shaped model and data,
+the same threads: wall time, calibration time, peak RSS (each run in its own child process) and how far our fp32
+calibrated weights are from the official code's.
+
+    python benchmarks/vs_official.py --official /work/official --experts 8 --examples 32 --threads 1 \
+        --precision fp32 bf16 --out benchmarks/results/vs_official.md
+
+`--official` is a checkout of github.com/egangu/featcal given at run time (never copied here); it runs through
+`official_driver.py` on `pipeline_cost.py`'s synthetic inputs with its own defaults (Task Arithmetic 0.3, λ = 0.05,
+ρ = 2.2, α = 0.25), which are also our config's defaults; ours runs `featcal run` with evaluation off. The official
+code runs first, then ours, back to back (or, with `--concurrent`, all at once, for a machine so busy that one after
+another would not finish in time): the machine may be shared, so the ratios are what to read, CPU seconds first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.pipeline_cost import (  # noqa: E402
+    KINDS, build_inputs, child_cost, child_env, config_file, run_once, weight_gap,
+)
+from benchmarks.solve_precision import cpu_line  # noqa: E402
+from flows.pipeline import machine  # noqa: E402
+
+# Goals of issue 32 §3 (1 thread, 8 experts × 32 examples): speed-up over the official code by our precision, our
+# peak RSS as a fraction of the official code's, and the fp32 weight gap.
+SPEEDUP_GOALS = {"fp32": 1.5, "bf16": 2.5}
+RSS_GOAL = 0.25
+GAP_GOAL = 1e-5
+
+
+def run_official(official: Path, work: Path, run_dir: Path, experts: int, examples: int, threads: int) -> dict:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "official_driver.py"), "--official", str(official),
+           "--work", str(work), "--experts", str(experts), "--examples", str(examples), "--threads", str(threads),
+           "--out", str(run_dir)]
+    run_dir.mkdir(parents=True)
+    wall, rss, cpu = child_cost(cmd, run_dir, child_env(threads, None))
+    timing = json.loads((run_dir / "timing.json").read_text())
+    return {"wall_s": wall, "cpu_s": cpu, "calibration_s": timing["calibration_s"], "peak_rss_gib": rss}
+
+
+def run_ours(work: Path, run_dir: Path, experts: int, examples: int, threads: int, precision: str) -> dict:
+    result = run_once(config_file(work, experts, examples, {"precision": precision, "device": "cpu"}), run_dir,
+                      threads, prefect=False)
+    return {**result, "calibration_s": sum(result["stages_s"].get(k, 0.0) for k in KINDS)}
+
+
+def met(ok: bool) -> str:
+    return "**met**" if ok else "**missed**"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--official", type=Path, required=True, help="checkout of github.com/egangu/featcal")
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--examples", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--precision", choices=sorted(SPEEDUP_GOALS), nargs="+", default=["fp32", "bf16"])
+    parser.add_argument("--concurrent", action="store_true",
+                        help="start all runs at once (on a machine already oversubscribed, so that they share the "
+                             "same load and finish in time; compare CPU seconds then)")
+    parser.add_argument("--shape", default="vit-b32", help="a pipeline_cost.py shape (tiny: a quick check)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/featcal-bench"))
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    if "fp32" not in args.precision:
+        parser.error("--precision must include fp32: the weight gap is measured on our fp32 run")
+    work = args.work / args.shape
+    build_inputs(work, args.shape, args.experts, args.examples)
+    stamp = time.time_ns()
+    dirs = {"official": args.work / f"official-{args.shape}-{stamp}"}
+    jobs = {"official": lambda: run_official(args.official.resolve(), work, dirs["official"], args.experts,
+                                             args.examples, args.threads)}
+    for precision in args.precision:
+        dirs[precision] = args.work / f"ours-{args.shape}-{precision}-{stamp}"
+        jobs[precision] = partial(run_ours, work, dirs[precision], args.experts, args.examples, args.threads,
+                                  precision)
+    loads = [os.getloadavg()[0]]
+    results = {}
+    with ThreadPoolExecutor(max_workers=len(jobs) if args.concurrent else 1) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        for name, future in futures.items():
+            results[name] = future.result()
+            loads.append(os.getloadavg()[0])
+            print(name, json.dumps(results[name]), flush=True)
+    rows = [{"code": "official", "precision": "fp32", **results["official"]}]
+    rows += [{"code": "ours", "precision": p, **results[p]} for p in args.precision]
+    official = rows[0]
+    gap = weight_gap(dirs["fp32"], dirs["official"])
+    order = "all at once" if args.concurrent else "one after another, the official code first"
+    lines = [
+        f"# Ours against the official FeatCal code — {args.shape} shape, {args.experts} experts × {args.examples} "
+        f"examples, {args.threads} thread(s), evaluation off",
+        "",
+        f"Machine: {machine()}. CPU: {cpu_line()}. Date: {time.strftime('%Y-%m-%d %H:%M %Z')}. Runs: {order}. "
+        f"1-minute load average at the start and as each run was collected: "
+        f"{' → '.join(f'{x:.1f}' for x in loads)} (each run adds about {args.threads}). "
+        f"Command: `python benchmarks/vs_official.py {' '.join(sys.argv[1:])}`",
+        "",
+        "| code | precision | CPU (s) | wall (s) | calibration (s) | peak RSS (GiB) | CPU speed-up | wall speed-up "
+        "| RSS / official's | weight matrices vs official |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['code']} | {r['precision']} | {r['cpu_s']:.1f} | {r['wall_s']:.1f} | "
+                     f"{r['calibration_s']:.1f} | {r['peak_rss_gib']:.2f} | {official['cpu_s'] / r['cpu_s']:.2f}× | "
+                     f"{official['wall_s'] / r['wall_s']:.2f}× | {r['peak_rss_gib'] / official['peak_rss_gib']:.2f} | "
+                     + (f"{gap:.1e}" if r["code"] == "ours" and r["precision"] == "fp32" else "–") + " |")
+    lines += ["", "Goals (issue 32 §3), speed on CPU seconds (wall in brackets):"]
+    for r in rows[1:]:
+        speedup = official["cpu_s"] / r["cpu_s"]
+        goal = SPEEDUP_GOALS[r["precision"]]
+        lines.append(f"- {r['precision']} ≥ {goal}× faster than the official code: {speedup:.2f}× "
+                     f"({official['wall_s'] / r['wall_s']:.2f}×) — {met(speedup >= goal)}")
+    rss = max(r["peak_rss_gib"] for r in rows[1:]) / official["peak_rss_gib"]
+    lines += [f"- peak RSS ≤ {RSS_GOAL}× the official code's: {rss:.2f}× (our larger run) — {met(rss <= RSS_GOAL)}",
+              f"- fp32 weights within {GAP_GOAL:.0e} of the official code's: {gap:.1e} — {met(gap <= GAP_GOAL)}",
+              "",
+              "CPU: user + system seconds of the child process (each run is one process, one thread); wall: that",
+              "process from start to exit (interpreter, imports, model loads), which on a shared machine also counts",
+              "the time it waited for a core. Calibration (wall): the official code from its Task Arithmetic merge to",
+              "the saved model (timed in `official_driver.py`); ours, the sum of its stages (merge, prepare, Gram, solve,",
+              "propagate, assemble) from the run's records. Weight gap: the largest relative Frobenius difference over",
+              "the calibrated weight matrices (`pipeline_cost.weight_gap`)."]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines) + "\n")
+    print(args.out.read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""bf16 × bf16 products with fp32 accumulation on a CPU's bf16 units, as two bf16 terms.
+
+CPU torch has no bf16 × bf16 → fp32 product: its bf16 matmul (oneDNN) accumulates in fp32 and rounds the result to
+bf16, which keeps 3 digits. `addmm(hi, a, b, beta=-1)` adds −hi into that same fp32 accumulator before the rounding,
+so it returns hi's rounding error, itself rounded: hi + lo is the fp32-accumulated product to about 2⁻¹⁸ relative
+(measured 2.4e-6 on a 1600-row Gram), for two bf16 products, which on AVX512-BF16 cost less than one fp32 product.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# bf16 inputs take the bf16 units when their token weights take at most this many non-zero values: each value's
+# rows make one product, so no w·x is rounded to bf16 (pooled and padded tokens give 1 to 3 values).
+BF16_WEIGHT_VALUES = 4
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); without them torch emulates it."""
+    cpu = torch.cpu
+    return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def product_terms(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo), bf16 [p, q] each, with hi + lo = aᵀb accumulated in fp32, for bf16 a [N, p] and b [N, q]."""
+    hi = a.T @ b
+    return hi, torch.addmm(hi, a.T, b, beta=-1)
+
+
+def add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> None:
+    """out += scale · aᵀb, out fp32 [p, q], the product from `product_terms`."""
+    hi, lo = product_terms(a, b)
+    out.add_(hi, alpha=scale).add_(lo, alpha=scale)
+
+
+def weight_groups(w: torch.Tensor) -> list[tuple[float, torch.Tensor | None]]:
+    """(value, row indices) of each non-zero value of the token weights w, in increasing order; None: all rows."""
+    values = torch.unique(w)
+    values = values[values != 0]
+    if len(values) == 1 and bool((w == values[0]).all()):
+        return [(float(values[0]), None)]
+    return [(float(v), (w == v).nonzero().squeeze(1)) for v in values]
+
+
+def bf16_units_serve(xs: torch.Tensor, xe: torch.Tensor | None, w32: torch.Tensor) -> bool:
+    """Whether `bf16_dual_gram` takes this chunk: bf16 rows on a CPU with bf16 units, few distinct weights."""
+    return (xs.dtype == torch.bfloat16 and (xe is None or xe.dtype == torch.bfloat16) and xs.device.type == "cpu"
+            and cpu_has_native_bf16() and len(torch.unique(w32[w32 != 0])) <= BF16_WEIGHT_VALUES)
+
+
+def bf16_products(xs: torch.Tensor, w32: torch.Tensor, w_t: torch.Tensor, y: torch.Tensor,
+                  bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P_e, P_s) fp32 [in, out] of one chunk of bf16 rows on the bf16 units: P_e = Σ w x (y − b)ᵀ with y the expert
+    module's bf16 output, as Σ_v v·X_vᵀY_v − (Σ w x) bᵀ (the bias never rounded into y); P_s = Σ w x (W_t x)ᵀ with
+    W_t x as two bf16 terms (hi from `product_terms`, lo its rounding error), X_vᵀ·hi in two terms and X_vᵀ·lo, a
+    2⁻⁹-relative correction, in one."""
+    pe = torch.zeros(xs.shape[1], w_t.shape[0], dtype=torch.float32, device=xs.device)
+    ps = torch.zeros_like(pe)
+    z_hi, z_lo = product_terms(xs.T, w_t.T)
+    for value, picked in weight_groups(w32):
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t if picked is None else t.index_select(0, picked)
+
+        x_v = rows(xs)
+        add_product(pe, x_v, rows(y), value)
+        add_product(ps, x_v, rows(z_hi), value)
+        ps.add_(x_v.T @ rows(z_lo), alpha=value)
+    if bias is not None:
+        pe.sub_(torch.outer(xs.float().T @ w32, bias.float()))
+    return pe, ps
