@@ -46,16 +46,18 @@ def add_files(cache: Path, repo_type: str, repo_id: str, files: Mapping[str, byt
     return snapshot
 
 
-def add_model(cache: Path, repo_id: str, saved: Path, bin_only: bool = False) -> Path:
-    """A `save_pretrained` directory as hub model `repo_id`; `bin_only`: its weights as `pytorch_model.bin` alone,
-    as repositories from before safetensors hold them."""
+def add_model(cache: Path, repo_id: str, saved: Path, weights: str = "safetensors") -> Path:
+    """A `save_pretrained` directory as hub model `repo_id`, its weights as `model.safetensors` ("safetensors"), as
+    `pytorch_model.bin` alone ("bin": repositories from before safetensors), or both ("both": a `.bin` repository
+    that later gained a safetensors copy)."""
     files = {p.relative_to(saved).as_posix(): p.read_bytes() for p in sorted(saved.rglob("*")) if p.is_file()}
-    if bin_only:
+    if weights != "safetensors":
         tmp = saved / "pytorch_model.bin"
         torch.save(load_file(saved / "model.safetensors"), tmp)
-        files.pop("model.safetensors")
         files["pytorch_model.bin"] = tmp.read_bytes()
         tmp.unlink()
+    if weights == "bin":
+        files.pop("model.safetensors")
     return add_files(cache, "model", repo_id, files)
 
 
