@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -61,9 +62,15 @@ def add_model(cache: Path, repo_id: str, saved: Path, weights: str = "safetensor
     return add_files(cache, "model", repo_id, files)
 
 
+def card_glob(data_file: str) -> str:
+    """A data file's pattern as `push_to_hub` writes it into the card's `configs:` (`mnli/validation_matched-*`): the
+    hub's cards name globs, not files."""
+    return re.sub(r"-\d{5}-of-\d{5}\.parquet$", "-*", data_file)
+
+
 def add_dataset(cache: Path, repo_id: str, configs: Mapping[str, datasets.DatasetDict],
                 data_file: Callable[[str, str], str], default: str | None = None) -> Path:
-    """Each configuration's splits as parquet files at `data_file(config, split)`, with the card that maps them;
+    """Each configuration's splits as parquet files at `data_file(config, split)`, with the card that maps them (by glob);
     `default` names the configuration `load_dataset(ID)` picks without one."""
     files, card_configs, infos = {}, [], []
     for config, splits in configs.items():
@@ -72,7 +79,8 @@ def add_dataset(cache: Path, repo_id: str, configs: Mapping[str, datasets.Datase
             ds.to_parquet(str(tmp))
             files[data_file(config, split)] = tmp.read_bytes()
             tmp.unlink()
-        entry = {"config_name": config, "data_files": [{"split": s, "path": data_file(config, s)} for s in splits]}
+        entry = {"config_name": config, "data_files": [{"split": s, "path": card_glob(data_file(config, s))}
+                                                       for s in splits]}
         card_configs.append({**entry, **({"default": True} if config == default else {})})
         first = next(iter(splits.values()))
         infos.append({"config_name": config, "features": first.features._to_yaml_list(),
