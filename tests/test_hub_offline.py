@@ -1,7 +1,7 @@
 """The hub path, offline: a temporary HF_HOME cache holds tiny models and a few rows under the real repository ids,
 file names, configurations, splits and columns (tests/hub_fixture.py; docs/hub-layouts.md), and `featcal run` with
-hub-id inputs, `bench build` of the three hub recipes and `bench run` of MergeBench read them with HF_HUB_OFFLINE=1,
-no --models-from / --data-from."""
+hub-id inputs, `bench build` and `bench run` of the three hub recipes read them with HF_HUB_OFFLINE=1, no
+--models-from / --data-from."""
 
 from __future__ import annotations
 
@@ -315,7 +315,7 @@ def test_clip_and_flan_t5_build_from_the_hub_cache(clip_bench, t5_bench):
     assert built["data/mnli"]["info"]["test_split"] == "validation_matched"
 
 
-def _hub_split(repo: str, config: str, split: str) -> Dataset:
+def _hub_split(repo: str, config: str | None, split: str) -> Dataset:
     return load_split(DataSource(path=repo, config=config, split=split), f"{repo} {split}")
 
 
@@ -341,7 +341,7 @@ def _ran(bench: Path, hub_test: dict[str, Dataset]) -> dict:
     md = (bench / "report" / f"{name}.md").read_text()
     for row in report["methods"]:
         line = next(x for x in md.splitlines() if x.startswith(f"| {row['method']} |")).split(" | ")
-        assert [float(x) for x in line[1:1 + len(hub_test)]] == [round(100 * row["accuracy"][t], 1) for t in hub_test]
+        assert line[1:1 + len(hub_test)] == [f"{100 * row['accuracy'][t]:.1f}" for t in hub_test], row["method"]
     assert "models from the Hugging Face hub, data from the Hugging Face hub" in md
     return {"report": report, "result": result, "md": md}
 
