@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -46,22 +47,30 @@ def add_files(cache: Path, repo_type: str, repo_id: str, files: Mapping[str, byt
     return snapshot
 
 
-def add_model(cache: Path, repo_id: str, saved: Path, bin_only: bool = False) -> Path:
-    """A `save_pretrained` directory as hub model `repo_id`; `bin_only`: its weights as `pytorch_model.bin` alone,
-    as repositories from before safetensors hold them."""
+def add_model(cache: Path, repo_id: str, saved: Path, weights: str = "safetensors") -> Path:
+    """A `save_pretrained` directory as hub model `repo_id`, its weights as `model.safetensors` ("safetensors"), as
+    `pytorch_model.bin` alone ("bin": repositories from before safetensors), or both ("both": a `.bin` repository
+    that later gained a safetensors copy)."""
     files = {p.relative_to(saved).as_posix(): p.read_bytes() for p in sorted(saved.rglob("*")) if p.is_file()}
-    if bin_only:
+    if weights != "safetensors":
         tmp = saved / "pytorch_model.bin"
         torch.save(load_file(saved / "model.safetensors"), tmp)
-        files.pop("model.safetensors")
         files["pytorch_model.bin"] = tmp.read_bytes()
         tmp.unlink()
+    if weights == "bin":
+        files.pop("model.safetensors")
     return add_files(cache, "model", repo_id, files)
+
+
+def card_glob(data_file: str) -> str:
+    """A data file's pattern as `push_to_hub` writes it into the card's `configs:` (`mnli/validation_matched-*`): the
+    hub's cards name globs, not files."""
+    return re.sub(r"-\d{5}-of-\d{5}\.parquet$", "-*", data_file)
 
 
 def add_dataset(cache: Path, repo_id: str, configs: Mapping[str, datasets.DatasetDict],
                 data_file: Callable[[str, str], str], default: str | None = None) -> Path:
-    """Each configuration's splits as parquet files at `data_file(config, split)`, with the card that maps them;
+    """Each configuration's splits as parquet files at `data_file(config, split)`, with the card that maps them (by glob);
     `default` names the configuration `load_dataset(ID)` picks without one."""
     files, card_configs, infos = {}, [], []
     for config, splits in configs.items():
@@ -70,7 +79,8 @@ def add_dataset(cache: Path, repo_id: str, configs: Mapping[str, datasets.Datase
             ds.to_parquet(str(tmp))
             files[data_file(config, split)] = tmp.read_bytes()
             tmp.unlink()
-        entry = {"config_name": config, "data_files": [{"split": s, "path": data_file(config, s)} for s in splits]}
+        entry = {"config_name": config, "data_files": [{"split": s, "path": card_glob(data_file(config, s))}
+                                                       for s in splits]}
         card_configs.append({**entry, **({"default": True} if config == default else {})})
         first = next(iter(splits.values()))
         infos.append({"config_name": config, "features": first.features._to_yaml_list(),

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast, T5Config
+from transformers import PreTrainedTokenizerFast, T5Config, T5ForConditionalGeneration
+
+from featcal_bench.t5.prompts import LABEL_WORDS, SCORE_FORMAT, TEMPLATES
+from featcal_bench.t5.spec import GLUE_TASKS
 
 SPECIAL = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2, as T5's
 WORDS = tuple(f"w{i}" for i in range(3, 64))  # the default vocabulary: "w3" … "w63"
@@ -27,3 +32,35 @@ def t5_tokenizer(words: Sequence[str] = WORDS, split_punctuation: bool = False) 
     tok.pre_tokenizer = pre_tokenizers.Whitespace() if split_punctuation else pre_tokenizers.WhitespaceSplit()
     tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+def glue_words(tasks: Sequence[str], sentence_words: Sequence[str]) -> list[str]:
+    """Every piece a word-level tokenizer meets on GLUE prompts of `tasks` over `sentence_words`: the prompts' words
+    and punctuation, the sentences', the answers' (label words, digits of a score)."""
+    split = pre_tokenizers.Whitespace()
+    texts = [TEMPLATES[t].format(**dict.fromkeys(GLUE_TASKS[t].columns, "")) for t in tasks]
+    texts += [" ".join(sentence_words), "0123456789 . '. \"."]
+    texts += [" ".join(LABEL_WORDS[t]) for t in tasks if t in LABEL_WORDS]
+    pieces = {piece for text in texts for piece, _ in split.pre_tokenize_str(text)}
+    return sorted(pieces | {str(d) for d in range(10)})
+
+
+def fine_tuned_t5(base: T5ForConditionalGeneration, tokenizer: PreTrainedTokenizerFast, rows: Dataset, task: str,
+                  seed: int) -> T5ForConditionalGeneration:
+    """The base trained a few steps on the task's prompts and answers: an expert that answers label words."""
+    columns = GLUE_TASKS[task].columns
+    texts = [TEMPLATES[task].format(**{c: r[c] for c in columns}) for r in rows]
+    targets = [LABEL_WORDS[task][r["label"]] if task in LABEL_WORDS else SCORE_FORMAT.format(r["label"]) for r in rows]
+    inputs = tokenizer(texts, padding=True, return_tensors="pt")
+    labels = tokenizer(text_target=targets, padding=True, return_tensors="pt")["input_ids"]
+    labels[labels == tokenizer.pad_token_id] = -100
+    torch.manual_seed(seed)
+    expert = T5ForConditionalGeneration(base.config)
+    expert.load_state_dict(base.state_dict())
+    optimizer = torch.optim.Adam(expert.parameters(), lr=3e-3)
+    expert.train()
+    for _ in range(40):
+        optimizer.zero_grad()
+        expert(**inputs, labels=labels).loss.backward()
+        optimizer.step()
+    return expert.eval()

@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 import torch
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
-from tokenizers import pre_tokenizers
 from transformers import T5ForConditionalGeneration
 
-from featcal_bench.t5.prompts import LABEL_WORDS, SCORE_FORMAT, TEMPLATES
+from featcal_bench.t5.prompts import LABEL_WORDS, TEMPLATES
 from featcal_bench.method import paper_method_runs
 from featcal_bench.t5.report import PAPER
 from featcal_bench.t5.spec import BASE_MODEL, GLUE, GLUE_TASKS, T5_PRESETS, T5BenchSpec
@@ -25,7 +24,7 @@ from featcal_bench.stages import build_stages, direct_call, run_stages
 from featcal_bench.t5.recipe import t5_estimate
 from flows.pipeline import machine
 from storage.rundir import RunDir
-from tests.t5_fixture import t5_config, t5_tokenizer
+from tests.t5_fixture import fine_tuned_t5, glue_words, t5_config, t5_tokenizer
 
 TASKS = ["cola", "stsb"]  # a ClassLabel task and the float-scored one
 SPLITS = {"train": 24, "validation": 12}
@@ -46,41 +45,11 @@ def _rows(task: str, rng: np.random.Generator, n: int) -> Dataset:
                               "label": np.round(rng.uniform(0, 5, n), 2).tolist()}, features=features)
 
 
-def _words() -> list[str]:
-    """Every piece the tokenizer meets: the prompts' words and punctuation, the sentences', the answers'."""
-    split = pre_tokenizers.Whitespace()
-    texts = [TEMPLATES[t].format(**dict.fromkeys(GLUE_TASKS[t].columns, "")) for t in TASKS]
-    texts += [" ".join(SENTENCE_WORDS), " ".join(LABEL_WORDS["cola"]), "0123456789 . '. \"."]
-    pieces = {piece for text in texts for piece, _ in split.pre_tokenize_str(text)}
-    pieces |= {str(d) for d in range(10)}
-    return sorted(pieces)
-
-
-def _fine_tuned(base: T5ForConditionalGeneration, tokenizer, rows: Dataset, task: str, seed: int):
-    """The base trained a few steps on the task's prompts and answers: an expert that answers label words."""
-    columns = GLUE_TASKS[task].columns
-    texts = [TEMPLATES[task].format(**{c: r[c] for c in columns}) for r in rows]
-    targets = [LABEL_WORDS[task][r["label"]] if task in LABEL_WORDS else SCORE_FORMAT.format(r["label"]) for r in rows]
-    inputs = tokenizer(texts, padding=True, return_tensors="pt")
-    labels = tokenizer(text_target=targets, padding=True, return_tensors="pt")["input_ids"]
-    labels[labels == tokenizer.pad_token_id] = -100
-    torch.manual_seed(seed)
-    expert = T5ForConditionalGeneration(base.config)
-    expert.load_state_dict(base.state_dict())
-    optimizer = torch.optim.Adam(expert.parameters(), lr=3e-3)
-    expert.train()
-    for _ in range(40):
-        optimizer.zero_grad()
-        expert(**inputs, labels=labels).loss.backward()
-        optimizer.step()
-    return expert.eval()
-
-
 def _mirror(root):
     """The tiny base with its tokenizer, one expert fine-tuned from it per task, and each task's GLUE-like data, under
     the hub names."""
     models, data = root / "models", root / "data"
-    words = _words()
+    words = glue_words(TASKS, SENTENCE_WORDS)
     tokenizer = t5_tokenizer(words, split_punctuation=True)
     torch.manual_seed(0)
     base = T5ForConditionalGeneration(t5_config(vocab_size=3 + len(words))).eval()
@@ -90,7 +59,7 @@ def _mirror(root):
         rng = np.random.default_rng(i)
         ds = DatasetDict({split: _rows(task, rng, n) for split, n in SPLITS.items()})
         ds.save_to_disk(str(data / GLUE / task))
-        _fine_tuned(base, tokenizer, ds["train"], task, seed=i).save_pretrained(models / GLUE_TASKS[task].expert(task))
+        fine_tuned_t5(base, tokenizer, ds["train"], task, seed=i).save_pretrained(models / GLUE_TASKS[task].expert(task))
     return models, data
 
 

@@ -1,7 +1,7 @@
 """The hub path, offline: a temporary HF_HOME cache holds tiny models and a few rows under the real repository ids,
 file names, configurations, splits and columns (tests/hub_fixture.py; docs/hub-layouts.md), and `featcal run` with
-hub-id inputs, `bench build` of the three hub recipes and `bench run` of MergeBench read them with HF_HUB_OFFLINE=1,
-no --models-from / --data-from."""
+hub-id inputs, `bench build` and `bench run` of the three hub recipes read them with HF_HUB_OFFLINE=1, no
+--models-from / --data-from."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from featcal_bench.clip.spec import BASE_MODEL as CLIP_BASE, CLIP_PRESETS, CLIP_
 from featcal_bench.llm.spec import BASE_MODEL as LLM_BASE, DOMAINS, LLM_PRESETS
 from featcal_bench.method import run_method
 from featcal_bench.mirror import preset_spec
-from featcal_bench.stages import build_stages, direct_call, run_stages
+from featcal_bench.stages import build_stages, direct_call, recipe_of_spec, run_stages
 from featcal_bench.t5.prompts import LABEL_WORDS
 from flows.plan import plan, render
 from featcal_bench.t5.spec import BASE_MODEL as T5_BASE, GLUE, GLUE_TASKS, T5_PRESETS
@@ -36,10 +36,11 @@ from storage.rundir import Record, RunDir
 from tasks.preflight import preflight
 from tasks.record import recorded
 from tests.clip_fixture import perturbed_tower, save_tiny_clip, solid_images
+from tests.test_architectures import VISION
 from tests.conftest import ROOT
 from tests.hub_fixture import add_dataset, add_model, commit_of
 from tests.llm_fixture import llm_mirror
-from tests.t5_fixture import t5_config, t5_tokenizer
+from tests.t5_fixture import fine_tuned_t5, glue_words, t5_config, t5_tokenizer
 
 LLM_DOMAINS = ["instruction", "math"]
 CLIP_RUN = ["eurosat", "svhn"]  # a default configuration, and SVHN's cropped_digits
@@ -67,9 +68,18 @@ def _llm(cache: Path, root: Path) -> None:
         add_dataset(cache, DOMAINS[d].dataset(d), {"default": rows}, lambda c, s: f"data/{s}-00000-of-00001.parquet")
 
 
+CLIP_SPLITS = {"train": 12, "test": 8, "extra": 5}  # svhn's `extra` too; eurosat has train and test
+# openai/clip-vit-base-patch32's preprocessor_config.json is the old feature-extractor form (sizes as ints), with CLIP's
+# own constants; here at the tiny tower's size.
+CLIP_PREPROCESSOR = {"crop_size": VISION["image_size"], "do_center_crop": True, "do_normalize": True, "do_resize": True,
+                     "feature_extractor_type": "CLIPFeatureExtractor", "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                     "image_std": [0.26862954, 0.26130258, 0.27577711], "resample": 3, "size": VISION["image_size"]}
+
+
 def _clip(cache: Path, root: Path) -> None:
     clip_dir = save_tiny_clip(root / "clip")
-    add_model(cache, CLIP_BASE, clip_dir, bin_only=True)  # openai/clip-vit-base-patch32: pytorch_model.bin only
+    (clip_dir / "preprocessor_config.json").write_text(json.dumps(CLIP_PREPROCESSOR, indent=2))
+    add_model(cache, CLIP_BASE, clip_dir, weights="bin")  # openai/clip-vit-base-patch32: pytorch_model.bin only
     layouts = {"eurosat": ("default", lambda c, s: f"data/{s}-00000-of-00001.parquet"),
                "svhn": ("cropped_digits", lambda c, s: f"{c}/{s}-00000-of-00001.parquet")}
     for i, task in enumerate(CLIP_RUN):
@@ -78,15 +88,23 @@ def _clip(cache: Path, root: Path) -> None:
         add_model(cache, CLIP_TASKS[task].expert, tower)  # config.json and model.safetensors, no processor
         rng = np.random.default_rng(i)
         features = Features(image=Image(), label=ClassLabel(names=CLASS_NAMES[task]))
-        splits = DatasetDict({s: Dataset.from_dict({"image": solid_images(rng, n), "label": rng.integers(0, 10, n).tolist()},
-                                                   features=features) for s, n in (("train", 12), ("test", 8))})
+        sizes = {s: n for s, n in CLIP_SPLITS.items() if task == "svhn" or s != "extra"}
+        # Every class in turn, so that a model's most frequent answer scores on some rows.
+        splits = DatasetDict({s: Dataset.from_dict({"image": solid_images(rng, n), "label": [k % 10 for k in range(n)]},
+                                                   features=features) for s, n in sizes.items()})
         config, layout = layouts[task]
         add_dataset(cache, CLIP_TASKS[task].dataset, {config: splits}, layout)
 
 
+GLUE_WORDS = ("w3", "w4", "w5", "w6", "w7")  # the sentences' words
+# Each split its own size: the row count a task was scored on names the split it came from.
+GLUE_SPLITS = {"cola": {"train": 12, "validation": 8, "test": 6},
+               "mnli": {"train": 12, "validation_matched": 7, "validation_mismatched": 9, "test_matched": 5,
+                        "test_mismatched": 4}}
+
+
 def _glue_rows(task: str, rng: np.random.Generator, n: int) -> Dataset:
-    words = ("w3", "w4", "w5", "w6", "w7")
-    text = lambda: [" ".join(rng.choice(words, 4)) for _ in range(n)]  # noqa: E731
+    text = lambda: [" ".join(rng.choice(GLUE_WORDS, 4)) for _ in range(n)]  # noqa: E731
     names = {"cola": ["unacceptable", "acceptable"], "mnli": ["entailment", "neutral", "contradiction"]}[task]
     columns = {"cola": {"sentence": text()}, "mnli": {"premise": text(), "hypothesis": text()}}[task]
     features = Features({**{c: Value("string") for c in columns}, "label": ClassLabel(names=names), "idx": Value("int32")})
@@ -95,20 +113,22 @@ def _glue_rows(task: str, rng: np.random.Generator, n: int) -> Dataset:
 
 
 def _t5(cache: Path, root: Path) -> None:
-    torch.manual_seed(0)
-    base = root / "t5"
-    T5ForConditionalGeneration(t5_config()).save_pretrained(base)
-    t5_tokenizer().save_pretrained(base)
-    add_model(cache, T5_BASE, base)
-    for task in GLUE_RUN:  # tanganke's experts: config.json, generation_config.json, model.safetensors
-        expert = root / "t5-experts" / task
-        T5ForConditionalGeneration.from_pretrained(base).save_pretrained(expert)
-        add_model(cache, GLUE_TASKS[task].expert(task), expert)
+    """The base with a tokenizer that knows the prompts' words and answers, and experts trained a few steps to
+    answer label words, so the scores come from real answers."""
     rng = np.random.default_rng(0)
-    splits = {"cola": ("train", "validation", "test"),
-              "mnli": ("train", "validation_matched", "validation_mismatched", "test_matched", "test_mismatched")}
-    add_dataset(cache, GLUE, {t: DatasetDict({s: _glue_rows(t, rng, 10) for s in splits[t]}) for t in GLUE_RUN},
-                lambda c, s: f"{c}/{s}-00000-of-00001.parquet")
+    glue = {t: DatasetDict({s: _glue_rows(t, rng, n) for s, n in GLUE_SPLITS[t].items()}) for t in GLUE_RUN}
+    words = glue_words(GLUE_RUN, GLUE_WORDS)
+    tokenizer = t5_tokenizer(words, split_punctuation=True)
+    torch.manual_seed(0)
+    base = T5ForConditionalGeneration(t5_config(vocab_size=3 + len(words))).eval()
+    base.save_pretrained(root / "t5")
+    tokenizer.save_pretrained(root / "t5")
+    add_model(cache, T5_BASE, root / "t5", weights="both")  # google/flan-t5-base: the .bin beside the safetensors
+    for i, task in enumerate(GLUE_RUN):  # tanganke's experts: config.json, generation_config.json, model.safetensors
+        expert = root / "t5-experts" / task
+        fine_tuned_t5(base, tokenizer, glue[task]["train"], task, seed=i).save_pretrained(expert)
+        add_model(cache, GLUE_TASKS[task].expert(task), expert)
+    add_dataset(cache, GLUE, glue, lambda c, s: f"{c}/{s}-00000-of-00001.parquet")
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +183,7 @@ def test_a_hub_dataset_resolves_to_its_cached_configuration_pinned_to_its_commit
     mnli = [p for p in snapshot.rglob("*") if p.is_file() and p.relative_to(snapshot).parts[0] in ("mnli", "README.md")]
     assert got.size == sum(p.stat().st_size for p in mnli)  # the configuration asked for, not cola's files
     ds = load_split(DataSource(path=got.pinned, config="mnli", split="validation_matched"), "evaluation.data.mnli")
-    assert ds.column_names == ["premise", "hypothesis", "label", "idx"] and len(ds) == 10
+    assert ds.column_names == ["premise", "hypothesis", "label", "idx"] and len(ds) == 7
     assert ds.features["label"].names == ["entailment", "neutral", "contradiction"]
     with pytest.raises(DataError, match=r"Unknown split \"validation\""):  # MNLI has no plain `validation`
         load_split(DataSource(path=GLUE, config="mnli", split="validation"), "evaluation.data.mnli")
@@ -257,18 +277,100 @@ def test_mergebench_builds_and_runs_from_the_hub_cache(hub, tmp_path):
     assert ran["report"]["outputs"] and (bench / "report" / "mergebench-llama-3.2-3b.md").is_file()
 
 
-def test_clip_and_flan_t5_build_from_the_hub_cache(hub, tmp_path):
-    clip = preset_spec(CLIP_PRESETS["clip-vit-b32-ta8"], tasks=CLIP_RUN)
+def _built(hub, tmp_path_factory, preset, tasks: list[str]) -> tuple[Path, dict[str, Record]]:
+    """A hub recipe built from the cache as `featcal bench build NAME` does (no --models-from / --data-from): the
+    build graph, then its cost estimate."""
+    spec = preset_spec(preset, tasks=tasks)
+    bench = tmp_path_factory.mktemp(spec.name)
     with one_thread():
-        built = build_stages(tmp_path / "clip", clip, direct_call)
-    svhn = datasets.load_from_disk(str(tmp_path / "clip" / "data" / "svhn"))
-    assert {s: len(svhn[s]) for s in svhn} == {"calibration": 12, "test": 8}
+        records = build_stages(bench, spec, direct_call)
+        recipe_of_spec(spec).estimate(bench, spec)
+    return bench, records
+
+
+@pytest.fixture(scope="module")
+def clip_bench(hub, tmp_path_factory):
+    return _built(hub, tmp_path_factory, CLIP_PRESETS["clip-vit-b32-ta8"], CLIP_RUN)
+
+
+@pytest.fixture(scope="module")
+def t5_bench(hub, tmp_path_factory):
+    return _built(hub, tmp_path_factory, T5_PRESETS["flan-t5-base-glue8"], GLUE_RUN)
+
+
+def test_clip_and_flan_t5_build_from_the_hub_cache(clip_bench, t5_bench):
+    bench, built = clip_bench
+    svhn = datasets.load_from_disk(str(bench / "data" / "svhn"))
+    assert {s: len(svhn[s]) for s in svhn} == {"calibration": 12, "test": 8}  # test, not extra
     assert built["data/svhn"]["info"]["source"] == f"ufldl-stanford/svhn@{commit_of('ufldl-stanford/svhn')} (cropped_digits)"
     # openai/clip-vit-base-patch32 holds pytorch_model.bin only: the build converts it to safetensors.
-    assert (tmp_path / "clip" / "clip" / "model.safetensors").is_file()
-    t5 = preset_spec(T5_PRESETS["flan-t5-base-glue8"], tasks=GLUE_RUN)
-    with one_thread():
-        built = build_stages(tmp_path / "t5", t5, direct_call)
-    mnli = datasets.load_from_disk(str(tmp_path / "t5" / "data" / "mnli"))
-    assert len(mnli["test"]) == 10 and set(mnli["test"]["target"]) <= set(LABEL_WORDS["mnli"])
+    assert (bench / "clip" / "model.safetensors").is_file()
+    processor = json.loads((bench / "base" / "preprocessor_config.json").read_text())
+    assert (processor["size"], processor["crop_size"]) == ({"shortest_edge": VISION["image_size"]},
+                                                           {"height": VISION["image_size"], "width": VISION["image_size"]})
+    bench, built = t5_bench
+    mnli = datasets.load_from_disk(str(bench / "data" / "mnli"))
+    assert len(mnli["test"]) == GLUE_SPLITS["mnli"]["validation_matched"]
+    assert set(mnli["test"]["target"]) <= set(LABEL_WORDS["mnli"])
     assert built["data/mnli"]["info"]["test_split"] == "validation_matched"
+
+
+def _hub_split(repo: str, config: str | None, split: str) -> Dataset:
+    return load_split(DataSource(path=repo, config=config, split=split), f"{repo} {split}")
+
+
+def _ran(bench: Path, hub_test: dict[str, Dataset]) -> dict:
+    """`featcal bench run BENCH --runs ta_featcal` (its method run in this process, no Prefect), checked against the
+    hub rows each task was scored on: the labels are theirs in order, every accuracy is the share of answers that
+    match them, and each report row holds those accuracies, in [0, 1] (percentages in [0, 100] in the Markdown)."""
+    with one_thread():
+        ran = run_stages(bench, ["ta_featcal"], None, _in_process)
+    result = json.loads((bench / "results" / "ta_featcal.json").read_text())
+    for task, rows in hub_test.items():
+        labels = result["labels"][task]
+        assert labels == list(rows["label"]), task
+        for model, answers in result["predictions"][task].items():
+            assert len(answers) == len(rows)
+            hits = sum(a == y for a, y in zip(answers, labels))
+            assert result["accuracy"][task][model] == pytest.approx(hits / len(rows)), (task, model)
+    name = next(Path(o).stem for o in ran["report"]["outputs"] if o.endswith(".json"))
+    report = json.loads((bench / "report" / f"{name}.json").read_text())
+    for row in report["methods"]:
+        assert row["accuracy"] == {t: result["accuracy"][t][row["model"]] for t in hub_test}, row["method"]
+        assert all(0 <= a <= 1 for a in row["accuracy"].values())
+    md = (bench / "report" / f"{name}.md").read_text()
+    for row in report["methods"]:
+        line = next(x for x in md.splitlines() if x.startswith(f"| {row['method']} |")).split(" | ")
+        assert line[1:1 + len(hub_test)] == [f"{100 * row['accuracy'][t]:.1f}" for t in hub_test], row["method"]
+    assert "models from the Hugging Face hub, data from the Hugging Face hub" in md
+    return {"report": report, "result": result, "md": md}
+
+
+def test_clip_runs_from_the_hub_cache_and_reports_its_rows(hub, clip_bench):
+    bench, _ = clip_bench
+    test = {"eurosat": _hub_split(CLIP_TASKS["eurosat"].dataset, None, "test"),
+            "svhn": _hub_split("ufldl-stanford/svhn", "cropped_digits", "test")}
+    got = _ran(bench, test)
+    assert [r["method"] for r in got["report"]["methods"]] == ["experts (individual)", "zero-shot", "task arithmetic",
+                                                               "TA + FeatCal"]
+    assert all(set(p) <= set(range(10)) for t in CLIP_RUN for p in got["result"]["predictions"][t].values())
+    assert got["report"]["methods"][0]["accuracy"]["eurosat"] > 0  # the expert's most frequent class is among the labels
+    assert "- `svhn`: SVHN house-number digits (10); data `ufldl-stanford/svhn`" in got["md"]
+    assert "test 8 rows, calibration pool 12" in got["md"]
+
+
+def test_flan_t5_runs_from_the_hub_cache_and_scores_mnli_on_validation_matched(hub, t5_bench):
+    bench, built = t5_bench
+    matched = _hub_split(GLUE, "mnli", "validation_matched")
+    got = _ran(bench, {"cola": _hub_split(GLUE, "cola", "validation"), "mnli": matched})
+    assert [r["method"] for r in got["report"]["methods"]] == ["experts (individual)", "FLAN-T5-base", "task arithmetic",
+                                                               "TA + FeatCal"]
+    run = json.loads((bench / "runs" / "ta_featcal" / "report.json").read_text())
+    assert run["tasks"]["mnli"]["examples"] == len(matched) == 7  # validation_mismatched has 9, test_matched 5
+    assert built["data/mnli"]["info"]["test_split"] == "validation_matched"
+    assert "validation_matched 7 rows, calibration pool 12; answers entailment / neutral / contradiction" in got["md"]
+    # The experts answer label words (the fixture's labels are random, so not always the right one); the untrained
+    # base never does.
+    answers, accuracy = got["result"]["predictions"], got["result"]["accuracy"]
+    assert all(0 <= a < len(LABEL_WORDS[t]) for t in GLUE_RUN for a in answers[t]["expert"])
+    assert all(accuracy[t]["expert"] > 0 == accuracy[t]["base"] for t in GLUE_RUN)
