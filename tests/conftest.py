@@ -1,5 +1,7 @@
-"""Shared fixtures: one tiny example build per test session, and the uninterrupted reference runs of it."""
+"""Shared fixtures: one tiny example build per test session, and the uninterrupted reference runs of it; a fresh
+console for tests that call `featcal` in-process, and the one error line it ends with."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -15,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from featcal.config import RunConfig, config_from_dict  # noqa: E402
 from featcal.example import example_for_tests  # noqa: E402
 from flows.pipeline import run_pipeline  # noqa: E402
+from tests.tiny_example_inputs import set_key  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -26,12 +29,26 @@ def example_config(root: Path, arch: str, **sections) -> RunConfig:
     """The example's config for one architecture, with whole sections or single keys replaced."""
     raw = yaml.safe_load((root / arch / "example.yaml").read_text())
     for dotted, value in sections.items():
-        node = raw
-        *parents, leaf = dotted.split("__")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+        set_key(raw, dotted, value, sep="__")
     return config_from_dict(raw, root / arch)
+
+
+@pytest.fixture
+def fresh_console():
+    """main() adds a console handler on the stderr of its first call; each test's captured stderr needs its own.
+    Modules that call main() in-process and read its stderr use it for every test (pytestmark usefixtures)."""
+    yield
+    ours = logging.getLogger("featcal")
+    for handler in [h for h in ours.handlers if h.get_name() == "featcal-console"]:
+        ours.removeHandler(handler)
+    ours.propagate = True
+
+
+def one_error_line(err: str) -> str:
+    """The one `featcal: error:` line of a refused command's stderr (and no traceback)."""
+    lines = [line for line in err.splitlines() if line.startswith("featcal: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
 
 
 ROOT = Path(__file__).resolve().parent.parent
