@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from flows.cli import main
-from tests.conftest import one_error_line
+from tests.conftest import one_error_line, plan_or_run_args
 from tests.tiny_example_inputs import (
     copied_bert_example, edit_example_yaml, edit_split, key_setting, own_checkpoint_copy, rewrite_tensors,
 )
@@ -302,9 +302,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny_example, tmp_path, capsys
     capsys.readouterr()
     run_dir = tmp_path / "run"
     sets = [arg for value in case.sets for arg in ("--set", value)]
-    args = ["plan", str(root / "example.yaml"), *sets] if command == "plan" else \
-        ["run", "--no-prefect", str(root / "example.yaml"), "--run-dir", str(run_dir), *sets]
-    assert main(args) == 2
+    assert main([*plan_or_run_args(command, root / "example.yaml", run_dir), *sets]) == 2
     line = one_error_line(capsys.readouterr().err)
     for word in case.words:
         assert word in line, (word, line)
@@ -381,7 +379,7 @@ def _tiny_llama(root: Path, eos: bool = True) -> Path:
     from transformers import LlamaForCausalLM
 
     from tests.llm_fixture import WORDS, llm_config, llm_tokenizer
-    from tests.test_architectures import perturbed
+    from tests.perturbed_experts import perturbed
 
     texts = [" ".join(words) for words in WORDS.values()]
     tokenizer = llm_tokenizer(texts)
@@ -441,9 +439,8 @@ def test_a_tokenizer_without_padding_pads_with_eos_after_one_notice(tmp_path, ca
 def test_a_tokenizer_without_padding_or_eos_is_refused(tmp_path, capsys, command):
     config = _tiny_llama(tmp_path, eos=False)
     run_dir = tmp_path / "run"
-    args = ["plan", str(config)] if command == "plan" else ["run", "--no-prefect", str(config), "--run-dir", str(run_dir)]
     capsys.readouterr()
-    assert main(args) == 2
+    assert main(plan_or_run_args(command, config, run_dir)) == 2
     err = capsys.readouterr().err
     assert err.splitlines() == [f"featcal: error: base: the tokenizer of {tmp_path / 'base'} has no padding token and no "
                                 "EOS token to pad with; expected one (set tokenizer.pad_token and save the tokenizer "

@@ -21,7 +21,7 @@ from featcal.config_diff import config_changes
 from flows import pipeline, signals
 from flows.cli import main
 from storage.rundir import RunDir
-from tests.conftest import one_error_line
+from tests.conftest import one_error_line, torch_threads_restored
 from tests.tiny_example_inputs import key_setting
 
 pytestmark = pytest.mark.usefixtures("fresh_console")  # each test's stderr gets its own console
@@ -107,11 +107,8 @@ RUNTIME_ONLY = [
 def test_runtime_changes_are_allowed(resume_config, reference_run, tmp_path, case, override, again):
     run_dir = _finished(reference_run, tmp_path)
     events = len(RunDir(run_dir).events())
-    threads = torch.get_num_threads()
-    try:
+    with torch_threads_restored():
         assert main(["run", str(resume_config), "--run-dir", str(run_dir), "--no-prefect", "--set", override]) == 0
-    finally:
-        torch.set_num_threads(threads)  # runtime.threads applies to the whole process
     ran = {e["stage"] for e in RunDir(run_dir).events()[events:] if e["event"] == "start"}
     assert ran == set() if again is None else again <= ran, ran
     manifest = json.loads((run_dir / "manifest.json").read_text())

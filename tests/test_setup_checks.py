@@ -17,7 +17,7 @@ from featcal.setup_checks import (
 )
 from flows.cli import main
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
-from tests.conftest import one_error_line
+from tests.conftest import one_error_line, plan_or_run_args
 from tests.tiny_example_inputs import (
     copied_bert_example, edit_example_yaml, edit_split, own_checkpoint_copy, rewrite_tensors,
 )
@@ -129,9 +129,7 @@ def test_strict_refuses_in_one_line_and_writes_nothing(tiny_example, tmp_path, c
     makes(root)
     capsys.readouterr()
     run_dir = tmp_path / "run"
-    args = ["plan", str(root / "example.yaml")] if command == "plan" else \
-        ["run", "--no-prefect", str(root / "example.yaml"), "--run-dir", str(run_dir)]
-    assert main([*args, "--strict"]) == 2
+    assert main([*plan_or_run_args(command, root / "example.yaml", run_dir), "--strict"]) == 2
     line = one_error_line(capsys.readouterr().err)
     if not refused:
         assert "runtime.strict (--strict) refuses degenerate set-ups: " in line
