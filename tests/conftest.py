@@ -1,8 +1,12 @@
-"""Shared fixtures: one tiny example build per test session, and the uninterrupted reference runs of it."""
+"""Shared fixtures: one tiny example build per test session, and the uninterrupted reference runs of it; a fresh
+console for tests that call `featcal` in-process, and the one error line it ends with."""
 
+import contextlib
+import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,8 +17,10 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from featcal.config import RunConfig, config_from_dict  # noqa: E402
+from featcal.devices import one_thread  # noqa: E402
 from featcal.example import example_for_tests  # noqa: E402
 from flows.pipeline import run_pipeline  # noqa: E402
+from tests.tiny_example_inputs import set_key  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -26,12 +32,33 @@ def example_config(root: Path, arch: str, **sections) -> RunConfig:
     """The example's config for one architecture, with whole sections or single keys replaced."""
     raw = yaml.safe_load((root / arch / "example.yaml").read_text())
     for dotted, value in sections.items():
-        node = raw
-        *parents, leaf = dotted.split("__")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+        set_key(raw, dotted, value, sep="__")
     return config_from_dict(raw, root / arch)
+
+
+@pytest.fixture
+def fresh_console():
+    """main() adds a console handler on the stderr of its first call; each test's captured stderr needs its own.
+    Modules that call main() in-process and read its stderr use it for every test (pytestmark usefixtures)."""
+    yield
+    ours = logging.getLogger("featcal")
+    for handler in [h for h in ours.handlers if h.get_name() == "featcal-console"]:
+        ours.removeHandler(handler)
+    ours.propagate = True
+
+
+def plan_or_run_args(command: str, config: Path, run_dir: Path) -> list[str]:
+    """The arguments of `featcal plan CONFIG` or of `featcal run` of it into `run_dir` (in-process, no Prefect)."""
+    if command == "plan":
+        return ["plan", str(config)]
+    return ["run", "--no-prefect", str(config), "--run-dir", str(run_dir)]
+
+
+def one_error_line(err: str) -> str:
+    """The one `featcal: error:` line of a refused command's stderr (and no traceback)."""
+    lines = [line for line in err.splitlines() if line.startswith("featcal: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,10 +97,24 @@ def one_thread_run(tiny_example, tmp_path_factory) -> Path:
     worker processes (Dask, the pool) must reproduce bit for bit, each worker using one thread too (another thread
     count may round differently)."""
     run_dir = tmp_path_factory.mktemp("one-thread")
+    with torch_threads_restored():
+        run_pipeline(example_config(tiny_example, "bert", evaluation={"enabled": False}, runtime={"threads": 1}), run_dir)
+    return run_dir
+
+
+@contextlib.contextmanager
+def torch_threads_restored() -> Iterator[None]:
+    """runtime.threads applies to the whole process: a run in-process may set it; the count is put back after."""
     before = torch.get_num_threads()
     try:
-        run_pipeline(example_config(tiny_example, "bert", evaluation={"enabled": False}, runtime={"threads": 1}), run_dir)
+        yield
     finally:
-        torch.set_num_threads(before)  # runtime.threads applies to the whole process
-    return run_dir
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
+def torch_on_one_thread():
+    """Tiny training loops are many small ops: one thread, or they wait on a busy machine's second core."""
+    with one_thread():
+        yield
 

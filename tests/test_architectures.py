@@ -12,6 +12,7 @@ from transformers import CLIPConfig, CLIPVisionConfig, OPTConfig, OPTModel, ViTC
 from featcal.adapters import UnsupportedModelError
 from featcal.config import config_from_dict
 from flows.pipeline import run_pipeline
+from tests.perturbed_experts import perturbed
 
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=8)
 CASES = {
@@ -20,13 +21,6 @@ CASES = {
     "clip-model": ("CLIPModel", lambda: CLIPConfig(vision_config=VISION, text_config=dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=50))),
 }
-
-
-def perturbed(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """`model`'s state with seeded noise of 10 % of each float tensor's spread: a stand-in for a fine-tuned expert."""
-    g = torch.Generator().manual_seed(seed)
-    return {k: v + 0.1 * v.std().nan_to_num(0.0) * torch.randn(v.shape, generator=g)
-            if v.is_floating_point() and v.numel() > 1 else v for k, v in model.state_dict().items()}
 
 
 def _build(root, arch: str, experts: int):

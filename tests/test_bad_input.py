@@ -15,59 +15,13 @@ import torch
 from safetensors.torch import load_file
 
 from flows.cli import main
+from tests.conftest import one_error_line, plan_or_run_args
+from tests.tiny_example_inputs import (
+    copied_bert_example, edit_example_yaml, edit_split, key_setting, own_checkpoint_copy, rewrite_tensors,
+)
 
 datasets.disable_progress_bars()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_console():
-    """main() adds a console handler on the stderr of its first call; each test's captured stderr needs its own."""
-    yield
-    ours = logging.getLogger("featcal")
-    for handler in [h for h in ours.handlers if h.get_name() == "featcal-console"]:
-        ours.removeHandler(handler)
-    ours.propagate = True
-
-
-def _copy(tiny_example: Path, tmp_path: Path) -> Path:
-    """The BERT example's config and data copied (checkpoints linked: cases that break one copy it first)."""
-    root = tmp_path / "ex"
-    src = tiny_example / "bert"
-    root.mkdir()
-    shutil.copy(src / "example.yaml", root / "example.yaml")
-    shutil.copytree(src / "data", root / "data")
-    for name in ("base", "experts"):
-        (root / name).symlink_to(src / name)
-    return root
-
-
-def _edit_yaml(root: Path, change: Callable[[dict], None]) -> None:
-    raw = yaml.safe_load((root / "example.yaml").read_text())
-    change(raw)
-    (root / "example.yaml").write_text(yaml.safe_dump(raw))
-
-
-def _edit_split(root: Path, task: str, split: str, change: Callable[[datasets.Dataset], datasets.Dataset]) -> None:
-    path = root / "data" / task
-    dd = datasets.load_from_disk(str(path))
-    fresh = path.with_name(f"{task}.new")
-    datasets.DatasetDict({**dd, split: change(dd[split])}).save_to_disk(str(fresh))
-    shutil.rmtree(path)
-    fresh.rename(path)
-
-
-def _own_checkpoint(root: Path, field: str) -> Path:
-    """Replace the linked checkpoint `field` (base or experts/TASK) with a copy of its own, to break."""
-    link = root / field
-    if field.startswith("experts/"):
-        target = (root / "experts").resolve()
-        (root / "experts").unlink()
-        shutil.copytree(target, root / "experts", symlinks=False)
-        return root / field
-    target = link.resolve()
-    link.unlink()
-    shutil.copytree(target, link)
-    return link
+pytestmark = pytest.mark.usefixtures("fresh_console")
 
 
 def _labels(value):
@@ -79,12 +33,12 @@ def _labels(value):
 
 
 def _truncate_header(root: Path, field: str) -> None:
-    path = _own_checkpoint(root, field) / "model.safetensors"
+    path = own_checkpoint_copy(root, field) / "model.safetensors"
     path.write_bytes(path.read_bytes()[:100])
 
 
 def _garbage_header(root: Path, field: str) -> None:
-    path = _own_checkpoint(root, field) / "model.safetensors"
+    path = own_checkpoint_copy(root, field) / "model.safetensors"
     data = bytearray(path.read_bytes())
     data[8:20] = b"not json at!"
     path.write_bytes(bytes(data))
@@ -92,79 +46,68 @@ def _garbage_header(root: Path, field: str) -> None:
 
 def _empty_evaluation_file(root: Path) -> None:
     (root / "empty.csv").write_text("text,label\n")
-    _edit_yaml(root, lambda raw: raw["evaluation"]["data"]["topic"].update(path="empty.csv", split="train"))
+    edit_example_yaml(root, lambda raw: raw["evaluation"]["data"]["topic"].update(path="empty.csv", split="train"))
 
 
 def _empty_calibration_jsonl(root: Path) -> None:
     (root / "empty.jsonl").write_text("\n")
-    _edit_yaml(root, lambda raw: raw["calibration"]["data"]["negation"].update(path="empty.jsonl", split="train"))
+    edit_example_yaml(root, lambda raw: raw["calibration"]["data"]["negation"].update(path="empty.jsonl", split="train"))
 
 
 def _checkpoint_is_file(root: Path) -> None:
     (root / "a_file").write_text("x")
-    _edit_yaml(root, lambda raw: raw["experts"].__setitem__("count", "a_file"))
+    edit_example_yaml(root, lambda raw: raw["experts"].__setitem__("count", "a_file"))
 
 
 def _set(dotted: str, value) -> Callable[[Path], None]:
     """Set one key of the copied example.yaml (a dotted path)."""
-    def change(raw: dict) -> None:
-        *parents, leaf = dotted.split(".")
-        node = raw
-        for key in parents:
-            node = node[key]
-        node[leaf] = value
-    return lambda root: _edit_yaml(root, change)
+    return lambda root: edit_example_yaml(root, key_setting(dotted, value))
 
 
 def _split(task: str, split: str, change: Callable[[datasets.Dataset], datasets.Dataset]) -> Callable[[Path], None]:
-    return lambda root: _edit_split(root, task, split, change)
+    return lambda root: edit_split(root, task, split, change)
 
 
 def _data_file(name: str, text: str, section: str = "calibration", task: str = "topic") -> Callable[[Path], None]:
     """Write a data file next to the config and point one task's data at it."""
     def breaks(root: Path) -> None:
         (root / name).write_text(text)
-        _edit_yaml(root, lambda raw: raw[section]["data"][task].update(path=name, split="train"))
+        edit_example_yaml(root, lambda raw: raw[section]["data"][task].update(path=name, split="train"))
     return breaks
 
 
-def _tensors(field: str, change: Callable[[dict], None]) -> Callable[[Path], None]:
+def _tensors(field: str, change: Callable[[dict, dict], dict]) -> Callable[[Path], None]:
     """Rewrite the tensors of a copied checkpoint."""
-    def breaks(root: Path) -> None:
-        from safetensors.torch import save_file
-
-        path = _own_checkpoint(root, field) / "model.safetensors"
-        tensors = load_file(path)
-        change(tensors)
-        save_file(tensors, path)
-    return breaks
+    return lambda root: rewrite_tensors(root, field, change)
 
 
-def _drop_query_bias(tensors: dict) -> None:
+def _drop_query_bias(tensors: dict, _base: dict) -> dict:
     del tensors[next(n for n in tensors if n.endswith("layer.1.attention.self.query.bias"))]
+    return tensors
 
 
-def _widen_query_bias(tensors: dict) -> None:
+def _widen_query_bias(tensors: dict, _base: dict) -> dict:
     name = next(n for n in tensors if n.endswith("layer.1.attention.self.query.bias"))
     tensors[name] = torch.zeros(tensors[name].shape[0] + 1)
+    return tensors
 
 
 def _remove(field: str, *names: str) -> Callable[[Path], None]:
     def breaks(root: Path) -> None:
-        directory = _own_checkpoint(root, field)
+        directory = own_checkpoint_copy(root, field)
         for name in names:
             (directory / name).unlink()
     return breaks
 
 
 def _write_in(field: str, name: str, text: str) -> Callable[[Path], None]:
-    return lambda root: (_own_checkpoint(root, field) / name).write_text(text)
+    return lambda root: (own_checkpoint_copy(root, field) / name).write_text(text)
 
 
 def _other_architecture(root: Path) -> None:
     """experts.count pointed at the example's CLIP expert (a vision model) while the base is BERT."""
     clip = (root / "base").resolve().parent.parent / "clip" / "experts"
-    _edit_yaml(root, lambda raw: raw["experts"].__setitem__("count", str(sorted(clip.iterdir())[0])))
+    edit_example_yaml(root, lambda raw: raw["experts"].__setitem__("count", str(sorted(clip.iterdir())[0])))
 
 
 def _no_experts(raw: dict) -> None:
@@ -190,7 +133,7 @@ def _given_merge(change: Callable[[dict], None] | None) -> Callable[[Path], None
     def breaks(root: Path) -> None:
         from safetensors.torch import save_file
 
-        _edit_yaml(root, lambda raw: raw.__setitem__("merge", {"method": "given", "path": "elsewhere"}))
+        edit_example_yaml(root, lambda raw: raw.__setitem__("merge", {"method": "given", "path": "elsewhere"}))
         if change is None:
             return
         shutil.copytree((root / "base").resolve(), root / "elsewhere")
@@ -227,7 +170,7 @@ CASES = [
          ["example.yaml is not valid YAML at line 2"]),
     Case("config-not-a-mapping", "config", lambda r: (r / "example.yaml").write_text("- base\n"),
          ["example.yaml: expected a mapping at the top level, got list"]),
-    Case("config-unknown-section", "config", lambda r: _edit_yaml(r, lambda raw: raw.__setitem__("mergee", {})),
+    Case("config-unknown-section", "config", lambda r: edit_example_yaml(r, lambda raw: raw.__setitem__("mergee", {})),
          ["mergee: Extra inputs are not permitted", "from /", "example.yaml"]),
     Case("set-unknown-section", "config", _unchanged, ["nope: Extra inputs are not permitted", "from --set nope.x=1)"],
          ("nope.x=1",)),
@@ -242,13 +185,15 @@ CASES = [
     Case("lambda-negative", "config", _set("featcal.lambda", -1), ["featcal.lambda", "must be >= 0", "-1"]),
     Case("examples-per-task-zero", "config", _set("calibration.examples_per_task", 0),
          ["calibration.examples_per_task", "greater than or equal to 1", "got 0"]),
-    Case("experts-empty", "config", lambda r: _edit_yaml(r, _no_experts), ["experts:", "needs at least one task"]),
-    Case("task-name-with-slash", "config", lambda r: _edit_yaml(r, _slash_task), ["experts", "'a/b'", "without '/'"]),
+    Case("experts-empty", "config", lambda r: edit_example_yaml(r, _no_experts), ["experts:", "needs at least one task"]),
+    Case("task-name-with-slash", "config", lambda r: edit_example_yaml(r, _slash_task),
+         ["experts", "'a/b'", "without '/'"]),
     Case("calibration-data-missing-task", "config",
-         lambda r: _edit_yaml(r, lambda raw: raw["calibration"]["data"].pop("count")),
+         lambda r: edit_example_yaml(r, lambda raw: raw["calibration"]["data"].pop("count")),
          ["calibration.data has no entry for task(s) ['count']"]),
     Case("evaluation-data-unknown-task", "config",
-         lambda r: _edit_yaml(r, lambda raw: raw["evaluation"]["data"].__setitem__("extra", {"path": "data/topic"})),
+         lambda r: edit_example_yaml(
+             r, lambda raw: raw["evaluation"]["data"].__setitem__("extra", {"path": "data/topic"})),
          ["evaluation.data names task(s) ['extra']", "not in experts"]),
     Case("device-unknown", "config", _set("runtime", {"device": "tpu"}), ["runtime.device", "'tpu' is not a device"]),
     Case("activation-store-relative", "config", _set("runtime", {"activation_store": "acts"}),
@@ -352,19 +297,15 @@ CASES = [
 @pytest.mark.parametrize("command", ["plan", "run"])
 @pytest.mark.parametrize("case", CASES, ids=[c.kind for c in CASES])
 def test_bad_input_is_one_line_and_writes_nothing(tiny_example, tmp_path, capsys, command, case):
-    root = _copy(tiny_example, tmp_path)
+    root = copied_bert_example(tiny_example, tmp_path)
     case.breaks(root)
     capsys.readouterr()
     run_dir = tmp_path / "run"
     sets = [arg for value in case.sets for arg in ("--set", value)]
-    args = ["plan", str(root / "example.yaml"), *sets] if command == "plan" else \
-        ["run", "--no-prefect", str(root / "example.yaml"), "--run-dir", str(run_dir), *sets]
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("featcal: error: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err
+    assert main([*plan_or_run_args(command, root / "example.yaml", run_dir), *sets]) == 2
+    line = one_error_line(capsys.readouterr().err)
     for word in case.words:
-        assert word in lines[0], (word, lines[0])
+        assert word in line, (word, line)
     assert not run_dir.exists()
 
 
@@ -378,8 +319,8 @@ def test_the_table_holds_every_kind_once():
 
 def test_class_names_other_than_the_heads_are_said_and_scored_by_position(tiny_example, tmp_path, capsys):
     """Names that differ in more than order may be wording only ('neg' for 'negative'): one notice, not a refusal."""
-    root = _copy(tiny_example, tmp_path)
-    _edit_split(root, "negation", "test", _class_names(["no", "yes"]))
+    root = copied_bert_example(tiny_example, tmp_path)
+    edit_split(root, "negation", "test", _class_names(["no", "yes"]))
     assert main(["plan", str(root / "example.yaml")]) == 0
     out = capsys.readouterr().out
     said = [line for line in out.splitlines() if "names its classes" in line]
@@ -401,8 +342,8 @@ def test_max_length_beyond_positions_is_clamped_with_one_notice(tiny_example, tm
     from flows.plan import plan, render
     from tasks.preflight import preflight
 
-    root = _copy(tiny_example, tmp_path)
-    _edit_split(root, "topic", "calibration", lambda ds: ds.map(lambda r: {"text": " ".join([r["text"]] * 12)}))
+    root = copied_bert_example(tiny_example, tmp_path)
+    edit_split(root, "topic", "calibration", lambda ds: ds.map(lambda r: {"text": " ".join([r["text"]] * 12)}))
     cfg = load_config(root / "example.yaml", ["calibration.max_length=128"])
     notice = ("calibration.max_length 128 exceeds the 32 positions the base accepts; texts are truncated to 32 "
               "tokens (calibration and evaluation)")
@@ -421,9 +362,9 @@ def test_max_length_beyond_positions_is_clamped_with_one_notice(tiny_example, tm
 
 def test_a_run_on_texts_longer_than_the_model_takes_completes(tiny_example, tmp_path):
     """End to end, the crash the clamp replaces: the whole run on those texts, evaluation included."""
-    root = _copy(tiny_example, tmp_path)
-    _edit_split(root, "negation", "calibration", lambda ds: ds.map(lambda r: {"text": " ".join([r["text"]] * 12)}))
-    _edit_split(root, "negation", "test", lambda ds: ds.map(lambda r: {"text": " ".join([r["text"]] * 12)}))
+    root = copied_bert_example(tiny_example, tmp_path)
+    edit_split(root, "negation", "calibration", lambda ds: ds.map(lambda r: {"text": " ".join([r["text"]] * 12)}))
+    edit_split(root, "negation", "test", lambda ds: ds.map(lambda r: {"text": " ".join([r["text"]] * 12)}))
     run_dir = tmp_path / "run"
     assert main(["run", "--no-prefect", str(root / "example.yaml"), "--run-dir", str(run_dir),
                  "--set", "calibration.max_length=128"]) == 0
@@ -438,7 +379,7 @@ def _tiny_llama(root: Path, eos: bool = True) -> Path:
     from transformers import LlamaForCausalLM
 
     from tests.llm_fixture import WORDS, llm_config, llm_tokenizer
-    from tests.test_architectures import perturbed
+    from tests.perturbed_experts import perturbed
 
     texts = [" ".join(words) for words in WORDS.values()]
     tokenizer = llm_tokenizer(texts)
@@ -498,9 +439,8 @@ def test_a_tokenizer_without_padding_pads_with_eos_after_one_notice(tmp_path, ca
 def test_a_tokenizer_without_padding_or_eos_is_refused(tmp_path, capsys, command):
     config = _tiny_llama(tmp_path, eos=False)
     run_dir = tmp_path / "run"
-    args = ["plan", str(config)] if command == "plan" else ["run", "--no-prefect", str(config), "--run-dir", str(run_dir)]
     capsys.readouterr()
-    assert main(args) == 2
+    assert main(plan_or_run_args(command, config, run_dir)) == 2
     err = capsys.readouterr().err
     assert err.splitlines() == [f"featcal: error: base: the tokenizer of {tmp_path / 'base'} has no padding token and no "
                                 "EOS token to pad with; expected one (set tokenizer.pad_token and save the tokenizer "

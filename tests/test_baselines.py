@@ -27,15 +27,6 @@ from tests.conftest import example_config
 D_IN, D_OUT = 7, 5
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny training loops are many small ops: one thread, or they wait on a busy machine's second core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---- the RegMean closed form ---------------------------------------------------------------------
 def _task(seed: int, n: int):
     g = torch.Generator().manual_seed(seed)
@@ -235,7 +226,7 @@ def test_surgery_adapter_starts_as_identity():
     assert 0.8 * bound < float(adapter.down.weight.detach().abs().max()) <= bound
 
 
-def test_surgery_training_removes_a_low_rank_distortion(one_thread, caplog):
+def test_surgery_training_removes_a_low_rank_distortion(torch_on_one_thread, caplog):
     z, target = _distorted()
     with caplog.at_level("INFO", logger="featcal"):
         fit = fit_adapters({"x": z.__getitem__}, {"x": target}, seed=0)  # original protocol: 1000 steps, Adam 1e-3
@@ -251,7 +242,7 @@ def test_surgery_training_removes_a_low_rank_distortion(one_thread, caplog):
     assert not torch.equal(fit["x"].down.weight, other.down.weight)
 
 
-def test_surgery_on_tiny_bert(regmean_runs, one_thread):
+def test_surgery_on_tiny_bert(regmean_runs, torch_on_one_thread):
     cfg, run_dir = regmean_runs["regmean"]
     ctx = context(run_dir)
     names = ctx.adapter.model_input_names()

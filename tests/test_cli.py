@@ -1,6 +1,7 @@
 """The `featcal` command line: plan computes nothing, bad input exits 2 with the field named."""
 
 from flows.cli import main
+from tests.conftest import torch_threads_restored
 
 
 def test_plan_lists_blocks_modules_and_estimates(tiny_example, tmp_path, capsys):
@@ -33,13 +34,10 @@ def test_run_prints_where_the_results_are(tiny_example, tmp_path, capsys):
 def test_runtime_threads_is_applied(tiny_example, tmp_path):
     import torch
 
-    before = torch.get_num_threads()
-    try:
+    with torch_threads_restored():
         assert main(["run", str(tiny_example / "bert" / "example.yaml"), "--run-dir", str(tmp_path / "r"), "--no-prefect",
                      "--set", "evaluation.enabled=false", "--set", "runtime.threads=1"]) == 0
         assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_errors_are_one_line_unless_debug_asks_for_the_traceback(tiny_example, tmp_path, capsys):

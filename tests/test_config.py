@@ -3,6 +3,7 @@
 import pytest
 
 from featcal.config import ConfigError, config_from_dict, load_config
+from tests.tiny_example_inputs import set_key
 
 GOOD = {
     "base": "base",
@@ -14,11 +15,7 @@ GOOD = {
 def _with(**changes):
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in GOOD.items()}
     for dotted, value in changes.items():
-        node = raw
-        *parents, leaf = dotted.split("__")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+        set_key(raw, dotted, value, sep="__")
     return raw
 
 

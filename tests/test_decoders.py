@@ -19,7 +19,7 @@ from featcal.statistics import accumulate, captured_inputs, new_stats
 from flows.pipeline import run_pipeline
 from storage.checkpoint import INDEX_NAME, CanonicalCheckpoint
 from tasks.calibration import token_weights
-from tests.test_architectures import perturbed
+from tests.perturbed_experts import perturbed
 
 EXAMPLES = 16
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

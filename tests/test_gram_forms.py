@@ -13,7 +13,7 @@ from featcal.statistics import (
     stats_layout,
 )
 from flows.pipeline import run_pipeline
-from tests.conftest import example_config
+from tests.conftest import example_config, torch_threads_restored
 
 
 class SharedInputBlock(nn.Module):
@@ -109,11 +109,8 @@ def product_run(tiny_example, tmp_path_factory):
         run_dir = tmp_path_factory.mktemp("forms-product")
         cfg = example_config(tiny_example, "bert", runtime={"keep_activations": True, "threads": 1},
                              evaluation={"enabled": False})
-        before = torch.get_num_threads()
-        try:
+        with torch_threads_restored():
             run_pipeline(cfg, run_dir)
-        finally:
-            torch.set_num_threads(before)  # runtime.threads applies to the whole process
     return run_dir
 
 

@@ -41,6 +41,7 @@ from tests.conftest import ROOT
 from tests.hub_fixture import add_dataset, add_model, commit_of
 from tests.llm_fixture import llm_mirror
 from tests.t5_fixture import fine_tuned_t5, glue_words, t5_config, t5_tokenizer
+from tests.tiny_example_inputs import set_key
 
 LLM_DOMAINS = ["instruction", "math"]
 CLIP_RUN = ["eurosat", "svhn"]  # a default configuration, and SVHN's cropped_digits
@@ -158,11 +159,7 @@ def _run_config(tmp: Path, **change) -> Path:
                        "data": {d: {"path": DOMAINS[d].dataset(d), "column": DOMAINS[d].response} for d in LLM_DOMAINS}},
     }
     for dotted, value in change.items():
-        node = raw
-        *parents, leaf = dotted.split("__")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
+        set_key(raw, dotted, value, sep="__")
     path = tmp / "hub.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from featcal.config import ConfigError
 from flows.pipeline import Pipeline, direct_runner, run_pipeline
-from tests.conftest import example_config
+from tests.conftest import example_config, torch_threads_restored
 
 
 def test_given_merge_equal_to_our_ta_merge_gives_the_same_weights_bit_for_bit(tiny_example, one_thread_run, tmp_path):
@@ -16,11 +16,8 @@ def test_given_merge_equal_to_our_ta_merge_gives_the_same_weights_bit_for_bit(ti
     given = one_thread_run / "merged"
     cfg = example_config(tiny_example, "bert", evaluation={"enabled": False}, runtime={"threads": 1},
                          merge={"method": "given", "path": str(given)})
-    before = torch.get_num_threads()
-    try:
+    with torch_threads_restored():
         run_pipeline(cfg, tmp_path / "given")
-    finally:
-        torch.set_num_threads(before)
     for rel in ("merged/model.safetensors", "calibrated/model.safetensors"):
         assert (tmp_path / "given" / rel).read_bytes() == (one_thread_run / rel).read_bytes(), rel
     heads = sorted(p.name for p in (given / "heads").iterdir())

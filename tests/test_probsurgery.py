@@ -11,14 +11,6 @@ from featcal_bench.probsurgery import KL_WEIGHT, RANK, ProbSurgeryAdapter, probs
 from featcal_bench.surgery import SurgeryAdapter, fit_adapters, train_surgery
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _tensors(seed: int, b: int = 3, d: int = 4) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(b, d, generator=g, dtype=torch.float64) for _ in range(5)]
@@ -102,7 +94,7 @@ def _distorted(seed: int = 0):
     return z, z - torch.relu(z @ down.T) @ up.T
 
 
-def test_training_lowers_the_feature_distance_and_is_seeded(one_thread, caplog):
+def test_training_lowers_the_feature_distance_and_is_seeded(torch_on_one_thread, caplog):
     z, target = _distorted()
     with caplog.at_level("INFO", logger="featcal"):
         fit = fit_adapters({"x": z.__getitem__}, {"x": target}, method="probsurgery", seed=0)

@@ -21,7 +21,10 @@ from featcal.config_diff import config_changes
 from flows import pipeline, signals
 from flows.cli import main
 from storage.rundir import RunDir
-from tests.test_bad_input import _fresh_console  # noqa: F401 (autouse: each test's stderr gets its own console)
+from tests.conftest import one_error_line, torch_threads_restored
+from tests.tiny_example_inputs import key_setting
+
+pytestmark = pytest.mark.usefixtures("fresh_console")  # each test's stderr gets its own console
 
 TASKS = ["count", "negation", "topic"]  # the tiny BERT example's
 
@@ -46,27 +49,10 @@ def _finished(reference_run: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(reference_run, tmp_path / "run"))
 
 
-def _error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("featcal: error: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
 def _drop(task: str) -> Callable[[dict[str, Any]], None]:
     def edit(raw: dict[str, Any]) -> None:
         for section in (raw["experts"], raw["calibration"]["data"], raw["evaluation"]["data"]):
             section.pop(task, None)
-    return edit
-
-
-def _set(dotted: str, value: Any) -> Callable[[dict[str, Any]], None]:
-    def edit(raw: dict[str, Any]) -> None:
-        *parents, leaf = dotted.split(".")
-        node = raw
-        for key in parents:
-            node = node[key]
-        node[leaf] = value
     return edit
 
 
@@ -80,14 +66,15 @@ def _all(*edits: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]],
 # (id, the change, what the one line says changed, run options)
 NO_PREFECT = ["--no-prefect"]
 REFUSED = [
-    ("merge-scaling", _set("merge.scaling", 0.5), "(merge.scaling 0.3 → 0.5)", NO_PREFECT),
-    ("merge-scaling-prefect", _set("merge.scaling", 0.5), "(merge.scaling 0.3 → 0.5)", []),  # before Prefect starts
+    ("merge-scaling", key_setting("merge.scaling", 0.5), "(merge.scaling 0.3 → 0.5)", NO_PREFECT),
+    ("merge-scaling-prefect", key_setting("merge.scaling", 0.5), "(merge.scaling 0.3 → 0.5)",
+     []),  # refused before Prefect starts
     ("dropped-task", _drop("count"), "(tasks: dropped count)", NO_PREFECT),
-    ("precision", _set("runtime.precision", "bf16"), "(runtime.precision fp32 → bf16)", NO_PREFECT),
-    ("featcal-lambda", _set("featcal.lambda", 0.2), "(featcal.lambda 0.05 → 0.2)", NO_PREFECT),
-    ("evaluation-on", _set("evaluation.enabled", True), "(evaluation.enabled false → true)", NO_PREFECT),
-    ("five-changes", _all(_drop("count"), _set("merge.scaling", 0.5), _set("featcal.alpha", 0.5),
-                          _set("featcal.rho", 2.0), _set("calibration.seed", 7)),
+    ("precision", key_setting("runtime.precision", "bf16"), "(runtime.precision fp32 → bf16)", NO_PREFECT),
+    ("featcal-lambda", key_setting("featcal.lambda", 0.2), "(featcal.lambda 0.05 → 0.2)", NO_PREFECT),
+    ("evaluation-on", key_setting("evaluation.enabled", True), "(evaluation.enabled false → true)", NO_PREFECT),
+    ("five-changes", _all(_drop("count"), key_setting("merge.scaling", 0.5), key_setting("featcal.alpha", 0.5),
+                          key_setting("featcal.rho", 2.0), key_setting("calibration.seed", 7)),
      "(tasks: dropped count, merge.scaling 0.3 → 0.5, calibration.seed 42 → 7 and 2 more)", NO_PREFECT),
 ]
 
@@ -100,7 +87,7 @@ def test_another_config_is_refused_with_what_changed_and_the_directory_untouched
     before = _snapshot(run_dir)
     config = _config(resume_config, tmp_path, edit)
     assert main(["run", str(config), "--run-dir", str(run_dir), *options]) == 2
-    assert _error_line(capsys) == (
+    assert one_error_line(capsys.readouterr().err) == (
         f"featcal: error: run directory {run_dir} holds a run of another config {changed}; use a new --run-dir, or "
         "--reuse to recompute what changed and drop what no longer belongs")
     assert _snapshot(run_dir) == before
@@ -120,11 +107,8 @@ RUNTIME_ONLY = [
 def test_runtime_changes_are_allowed(resume_config, reference_run, tmp_path, case, override, again):
     run_dir = _finished(reference_run, tmp_path)
     events = len(RunDir(run_dir).events())
-    threads = torch.get_num_threads()
-    try:
+    with torch_threads_restored():
         assert main(["run", str(resume_config), "--run-dir", str(run_dir), "--no-prefect", "--set", override]) == 0
-    finally:
-        torch.set_num_threads(threads)  # runtime.threads applies to the whole process
     ran = {e["stage"] for e in RunDir(run_dir).events()[events:] if e["event"] == "start"}
     assert ran == set() if again is None else again <= ran, ran
     manifest = json.loads((run_dir / "manifest.json").read_text())
@@ -142,9 +126,9 @@ def test_runtime_changes_are_allowed(resume_config, reference_run, tmp_path, cas
 
 def test_reuse_drops_a_task_and_matches_a_fresh_run(resume_config, reference_run, tmp_path, capsys):
     run_dir = _finished(reference_run, tmp_path)
-    config = _config(resume_config, tmp_path, _all(_drop("count"), _set("merge.scaling", 0.5)))
+    config = _config(resume_config, tmp_path, _all(_drop("count"), key_setting("merge.scaling", 0.5)))
     assert main(["run", str(config), "--run-dir", str(run_dir), "--no-prefect"]) == 2
-    assert "(tasks: dropped count, merge.scaling 0.3 → 0.5)" in _error_line(capsys)
+    assert "(tasks: dropped count, merge.scaling 0.3 → 0.5)" in one_error_line(capsys.readouterr().err)
     assert main(["run", str(config), "--run-dir", str(run_dir), "--no-prefect", "--reuse"]) == 0
     assert main(["run", str(config), "--run-dir", str(tmp_path / "fresh"), "--no-prefect"]) == 0
 
@@ -182,7 +166,7 @@ def test_a_failed_run_says_so_in_its_manifest_and_resumes(resume_config, referen
     with monkeypatch.context() as patch:
         patch.setitem(pipeline.STAGES, kind, _raising(kind, exc))
         assert main(["run", str(resume_config), "--run-dir", str(run_dir), "--no-prefect"]) == code
-    _error_line(capsys)
+    one_error_line(capsys.readouterr().err)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert (manifest["status"], manifest["reason"]) == (status, reason)
     assert "stages" not in manifest and manifest["finished_at"] >= manifest["started_at"]

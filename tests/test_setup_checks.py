@@ -10,23 +10,21 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from featcal.setup_checks import (
     NEAR_ZERO, expected_head, identical_pairs, overlap_count, row_digests, scan_checkpoints, squared_distance, task_vector_warnings,
 )
 from flows.cli import main
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
-from tests.test_bad_input import _copy, _edit_split, _edit_yaml, _fresh_console, _own_checkpoint  # noqa: F401
+from tests.conftest import one_error_line, plan_or_run_args
+from tests.tiny_example_inputs import (
+    copied_bert_example, edit_example_yaml, edit_split, own_checkpoint_copy, rewrite_tensors,
+)
+
+pytestmark = pytest.mark.usefixtures("fresh_console")
 
 PROBE = "bert.encoder.layer.2.output.dense.weight"  # a body tensor late in the file: the scan reads all before it
-
-
-def _rewrite(root: Path, field: str, change) -> None:
-    """The checkpoint `field` (its own copy) with its tensors passed through `change(tensors, base tensors)`."""
-    path = _own_checkpoint(root, field) / "model.safetensors"
-    base = load_file(root / "base" / "model.safetensors")
-    save_file(change(load_file(path), base), path, metadata={"format": "pt"})
 
 
 def _body_of_base(scale: float):
@@ -48,49 +46,50 @@ def _nan(tensors, _base):
 
 def _truncate_data(root: Path, field: str) -> None:
     """The header intact, the tensor data cut short: the header check passes, the first full read fails."""
-    path = _own_checkpoint(root, field) / "model.safetensors"
+    path = own_checkpoint_copy(root, field) / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-4096])
 
 
 def _same_content(root: Path) -> None:
     """experts.negation: a copy of experts.count under another path."""
-    _own_checkpoint(root, "experts/count")
+    own_checkpoint_copy(root, "experts/count")
     (root / "experts" / "count2").mkdir()
     for f in (root / "experts" / "count").iterdir():
         (root / "experts" / "count2" / f.name).write_bytes(f.read_bytes())
-    _edit_yaml(root, lambda raw: raw["experts"].__setitem__("negation", "experts/count2"))
+    edit_example_yaml(root, lambda raw: raw["experts"].__setitem__("negation", "experts/count2"))
 
 
 def _calibration_rows_in_test(n: int):
     """The test split with the first `n` calibration rows added."""
     def change(root: Path) -> None:
         cal = datasets.load_from_disk(str(root / "data" / "negation"))["calibration"].select(range(n))
-        _edit_split(root, "negation", "test", lambda ds: datasets.concatenate_datasets([ds, cal.cast(ds.features)]))
+        edit_split(root, "negation", "test", lambda ds: datasets.concatenate_datasets([ds, cal.cast(ds.features)]))
     return change
 
 
 # (id, how the set-up is made, the words its line holds, refused even without --strict)
 CASES = [
-    ("expert-is-base", lambda r: _edit_yaml(r, lambda raw: raw["experts"].__setitem__("topic", "base")),
+    ("expert-is-base", lambda r: edit_example_yaml(r, lambda raw: raw["experts"].__setitem__("topic", "base")),
      ["experts.topic:", "is the base checkpoint itself", "task vector is zero"], False),
-    ("zero-task-vector", lambda r: _rewrite(r, "experts/topic", _body_of_base(0.0)),
+    ("zero-task-vector", lambda r: rewrite_tensors(r, "experts/topic", _body_of_base(0.0)),
      ["experts.topic:", "its body equals the base's", "task vector is zero"], False),
-    ("near-zero-task-vector", lambda r: _rewrite(r, "experts/negation", _body_of_base(1e-6)),
+    ("near-zero-task-vector", lambda r: rewrite_tensors(r, "experts/negation", _body_of_base(1e-6)),
      ["experts.negation:", "near-zero task vector, ‖θ_t − θ0‖/‖θ0‖ = ", f"below {NEAR_ZERO:g}"], False),
-    ("two-tasks-one-path", lambda r: _edit_yaml(r, lambda raw: raw["experts"].__setitem__("negation", "experts/count")),
+    ("two-tasks-one-path",
+     lambda r: edit_example_yaml(r, lambda raw: raw["experts"].__setitem__("negation", "experts/count")),
      ["experts.count and experts.negation are the same checkpoint", "counts twice"], False),
     ("two-tasks-same-content", _same_content,
      ["experts.count and experts.negation are checkpoints of identical content", "count2"], False),
-    ("calibration-is-evaluation", lambda r: _edit_yaml(
+    ("calibration-is-evaluation", lambda r: edit_example_yaml(
         r, lambda raw: raw["evaluation"]["data"]["topic"].update(split="calibration")),
      ["evaluation.data.topic:", "64 of its 64 rows are also calibration rows"], False),
     ("calibration-rows-in-evaluation", _calibration_rows_in_test(10),
      ["evaluation.data.negation:", "10 of its 210 rows are also calibration rows"], False),
-    ("expert-without-head", lambda r: _rewrite(r, "experts/topic", _without_head),
+    ("expert-without-head", lambda r: rewrite_tensors(r, "experts/topic", _without_head),
      ["experts.topic:", "lacks the head tensors ['classifier.bias', 'classifier.weight']", "chance"], True),
-    ("expert-nan", lambda r: _rewrite(r, "experts/count", _nan),
+    ("expert-nan", lambda r: rewrite_tensors(r, "experts/count", _nan),
      ["experts.count: tensor encoder.layer.2.output.dense.weight holds 1 NaN/inf value(s)", "experts/count"], True),
-    ("base-nan", lambda r: _rewrite(r, "base", lambda t, _: {**t, "encoder.layer.0.output.dense.bias":
+    ("base-nan", lambda r: rewrite_tensors(r, "base", lambda t, _: {**t, "encoder.layer.0.output.dense.bias":
                                                             torch.full_like(t["encoder.layer.0.output.dense.bias"], math.inf)}),
      ["base: tensor encoder.layer.0.output.dense.bias holds", "NaN/inf"], True),
     ("expert-data-truncated", lambda r: _truncate_data(r, "experts/negation"),
@@ -99,23 +98,17 @@ CASES = [
 WARNED = [c for c in CASES if not c[3]]
 
 
-def _error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.startswith("featcal: error: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
 @pytest.mark.parametrize("case,makes,words,refused", CASES, ids=[c[0] for c in CASES])
 def test_plan_names_each_degenerate_set_up(tiny_example, tmp_path, capsys, case, makes, words, refused):
     """Without --strict: a warning line of the plan, exit 0; or, where the result would be meaningless, one line."""
-    root = _copy(tiny_example, tmp_path)
+    root = copied_bert_example(tiny_example, tmp_path)
     makes(root)
     capsys.readouterr()
     code = main(["plan", str(root / "example.yaml")])
     out, err = capsys.readouterr()
     if refused:
         assert code == 2
-        line = _error_line(err)
+        line = one_error_line(err)
     else:
         assert code == 0, err
         warned = [line for line in out.splitlines() if line.startswith("warning           ")]
@@ -132,14 +125,12 @@ def test_plan_names_each_degenerate_set_up(tiny_example, tmp_path, capsys, case,
 @pytest.mark.parametrize("case,makes,words,refused", CASES, ids=[c[0] for c in CASES])
 def test_strict_refuses_in_one_line_and_writes_nothing(tiny_example, tmp_path, capsys, command, case, makes, words,
                                                        refused):
-    root = _copy(tiny_example, tmp_path)
+    root = copied_bert_example(tiny_example, tmp_path)
     makes(root)
     capsys.readouterr()
     run_dir = tmp_path / "run"
-    args = ["plan", str(root / "example.yaml")] if command == "plan" else \
-        ["run", "--no-prefect", str(root / "example.yaml"), "--run-dir", str(run_dir)]
-    assert main([*args, "--strict"]) == 2
-    line = _error_line(capsys.readouterr().err)
+    assert main([*plan_or_run_args(command, root / "example.yaml", run_dir), "--strict"]) == 2
+    line = one_error_line(capsys.readouterr().err)
     if not refused:
         assert "runtime.strict (--strict) refuses degenerate set-ups: " in line
     for word in words:
@@ -151,12 +142,12 @@ def test_strict_refuses_in_one_line_and_writes_nothing(tiny_example, tmp_path, c
 def test_a_refused_run_writes_nothing(tiny_example, tmp_path, capsys, case, makes, words, refused):
     """Before issue 29 §4 a NaN expert or a truncated file was refused by the merge stage, after .lock,
     manifest.json, run.yaml and records/ existed."""
-    root = _copy(tiny_example, tmp_path)
+    root = copied_bert_example(tiny_example, tmp_path)
     makes(root)
     capsys.readouterr()
     run_dir = tmp_path / "run"
     assert main(["run", "--no-prefect", str(root / "example.yaml"), "--run-dir", str(run_dir)]) == 2
-    line = _error_line(capsys.readouterr().err)
+    line = one_error_line(capsys.readouterr().err)
     for word in words:
         assert word in line, (word, line)
     assert not run_dir.exists()
@@ -164,10 +155,10 @@ def test_a_refused_run_writes_nothing(tiny_example, tmp_path, capsys, case, make
 
 def test_a_run_with_degenerate_set_ups_lists_them_in_its_report(tiny_example, tmp_path, capsys, caplog):
     """Without --strict the run completes, and the log, report.md, report.json and manifest.json name each one."""
-    root = _copy(tiny_example, tmp_path)
-    _rewrite(root, "experts/topic", _body_of_base(0.0))
-    _edit_yaml(root, lambda raw: raw["experts"].__setitem__("negation", "experts/count"))
-    _edit_yaml(root, lambda raw: raw["evaluation"]["data"]["count"].update(split="calibration"))
+    root = copied_bert_example(tiny_example, tmp_path)
+    rewrite_tensors(root, "experts/topic", _body_of_base(0.0))
+    edit_example_yaml(root, lambda raw: raw["experts"].__setitem__("negation", "experts/count"))
+    edit_example_yaml(root, lambda raw: raw["evaluation"]["data"]["count"].update(split="calibration"))
     run_dir = tmp_path / "run"
     assert main(["run", "--no-prefect", str(root / "example.yaml"), "--run-dir", str(run_dir)]) == 0
     expected = [

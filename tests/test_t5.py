@@ -17,7 +17,7 @@ from featcal.t5 import decoder_batches, first_number, greedy_targets, normalised
 from flows.pipeline import run_pipeline
 from storage.checkpoint import CanonicalCheckpoint
 from tests.t5_fixture import t5_config, t5_tokenizer
-from tests.test_architectures import perturbed
+from tests.perturbed_experts import perturbed
 
 EXAMPLES = 16
 
