@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from featcal_bench.llm.build import rendered
 from featcal_bench.llm.spec import BASE_MODEL, DOMAINS, HEADER
+from tests.perturbed_experts import trained_copy
 
 SPECIAL = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2
 # Each domain's words; its text walks them in order (from a random start), which its expert learns.
@@ -62,16 +63,7 @@ def _fine_tuned(base: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, text
     inputs = torch.tensor([r + [0] * (width - len(r)) for r in ids])
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids])
     labels = inputs.masked_fill(mask == 0, -100)
-    torch.manual_seed(seed)
-    expert = LlamaForCausalLM(base.config)
-    expert.load_state_dict(base.state_dict())
-    optimizer = torch.optim.Adam(expert.parameters(), lr=3e-3)
-    expert.train()
-    for _ in range(30):
-        optimizer.zero_grad()
-        expert(input_ids=inputs, attention_mask=mask, labels=labels).loss.backward()
-        optimizer.step()
-    return expert.eval()
+    return trained_copy(base, 30, seed, input_ids=inputs, attention_mask=mask, labels=labels)
 
 
 def llm_mirror(root: Path, domains: list[str], rows: int) -> tuple[Path, Path]:

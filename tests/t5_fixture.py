@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, T5Config, T5ForConditionalGeneration
 
 from featcal_bench.t5.prompts import LABEL_WORDS, SCORE_FORMAT, TEMPLATES
 from featcal_bench.t5.spec import GLUE_TASKS
+from tests.perturbed_experts import trained_copy
 
 SPECIAL = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2, as T5's
 WORDS = tuple(f"w{i}" for i in range(3, 64))  # the default vocabulary: "w3" … "w63"
@@ -54,13 +54,4 @@ def fine_tuned_t5(base: T5ForConditionalGeneration, tokenizer: PreTrainedTokeniz
     inputs = tokenizer(texts, padding=True, return_tensors="pt")
     labels = tokenizer(text_target=targets, padding=True, return_tensors="pt")["input_ids"]
     labels[labels == tokenizer.pad_token_id] = -100
-    torch.manual_seed(seed)
-    expert = T5ForConditionalGeneration(base.config)
-    expert.load_state_dict(base.state_dict())
-    optimizer = torch.optim.Adam(expert.parameters(), lr=3e-3)
-    expert.train()
-    for _ in range(40):
-        optimizer.zero_grad()
-        expert(**inputs, labels=labels).loss.backward()
-        optimizer.step()
-    return expert.eval()
+    return trained_copy(base, 40, seed, **inputs, labels=labels)
