@@ -177,7 +177,7 @@ def test_evaluating_only_the_calibrated_model_reruns_only_evaluate(regmean_runs)
     run = RunDir(run_dir)
     before = {s: run.record(s)["key"] for s in ("solve/l02", "assemble", "evaluate")}
     only = cfg.model_copy(update={"evaluation": cfg.evaluation.model_copy(update={"models": ["calibrated"]})})
-    run_pipeline(only, run_dir)
+    run_pipeline(only, run_dir, reuse=True)  # another evaluation config: the directory is taken over knowingly
     after = {s: run.record(s)["key"] for s in before}
     assert after["solve/l02"] == before["solve/l02"] and after["assemble"] == before["assemble"]
     assert after["evaluate"] != before["evaluate"]
