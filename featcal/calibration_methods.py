@@ -150,7 +150,8 @@ class FeatCal(CalibrationMethod):
     stream, anchored at ρ·θ_m + (1−ρ)·θ0; λ and ρ fixed or chosen per module on held-out rows ("auto")."""
 
     name = "featcal"
-    keys = ("lambda", "rho", "lambda_grid", "rho_grid", "holdout_every", "alpha", "eps", "calibrate_bias",
+    keys = ("lambda", "rho", "lambda_grid", "rho_grid", "shrinkage", "shrinkage_target", "shrinkage_grid",
+            "holdout_every", "alpha", "eps", "calibrate_bias",
             "calibrate_norm", "pooled_token_weight", "task_weight_power", "trust", "calibrate_head_side")
 
     def __init__(self, settings: Mapping[str, Any], solve_precision: str = "float64") -> None:
@@ -158,9 +159,11 @@ class FeatCal(CalibrationMethod):
         s = settings
         self.lams: list[float] = s["lambda_grid"] if s["lambda"] == "auto" else [s["lambda"]]
         self.rhos: list[float] = s["rho_grid"] if s["rho"] == "auto" else [s["rho"]]
-        self.choosing = "auto" in (s["lambda"], s["rho"])
-        # With a choice, the solve runs at the module's chosen (λ, ρ); the first grid point otherwise.
-        self.hyper = Hyper(lam=self.lams[0], rho=self.rhos[0], alpha=s["alpha"], eps=s["eps"], trust=s["trust"])
+        self.shrinks: list[float] = s["shrinkage_grid"] if s["shrinkage"] == "auto" else [s["shrinkage"]]
+        self.choosing = "auto" in (s["lambda"], s["rho"], s["shrinkage"])
+        # With a choice, the solve runs at the module's chosen (λ, ρ, γ); the first grid point otherwise.
+        self.hyper = Hyper(lam=self.lams[0], rho=self.rhos[0], alpha=s["alpha"], eps=s["eps"], trust=s["trust"],
+                           shrink=self.shrinks[0], shrink_target=s["shrinkage_target"])
 
     @property
     def statistics(self) -> StatisticsPlan:
@@ -175,7 +178,10 @@ class FeatCal(CalibrationMethod):
     def _chosen(self, choice: Choice | None) -> tuple[Hyper, dict[str, Any]]:
         if choice is None:
             return self.hyper, {}
-        return replace(self.hyper, lam=choice.lam, rho=choice.rho), {"lambda": choice.lam, "rho": choice.rho}
+        report: dict[str, Any] = {"lambda": choice.lam, "rho": choice.rho}
+        if self.settings["shrinkage"] == "auto":
+            report["shrinkage"] = choice.shrink
+        return replace(self.hyper, lam=choice.lam, rho=choice.rho, shrink=choice.shrink), report
 
     def solve_linear(self, module: ModuleData) -> Solved:
         where, weights = module.where, module.task_weights
@@ -189,7 +195,7 @@ class FeatCal(CalibrationMethod):
                            replace(linear_moments(held, where), weight=c), module.expert(t, "weight"))
 
             choice = choose_linear_hyper(split_tasks(), w_merged, module.base("weight"), self.hyper, self.lams,
-                                         self.rhos)
+                                         self.rhos, self.shrinks)
         hp, report = self._chosen(choice)
         bias_terms: list[BiasTerm] = []
 
@@ -225,6 +231,7 @@ class FeatCal(CalibrationMethod):
             held = [replace(norm_moments(h, where), weight=c) for (_, h), c in zip(parts, weights, strict=True)]
             choice = choose_norm_hyper(fit, held, *affine, self.hyper, self.lams, self.rhos)
         hp, report = self._chosen(choice)
+        report.pop("shrinkage", None)  # a norm's moments are per dimension: nothing off the diagonal to shrink
         moms = [replace(norm_moments(s, where), weight=c) for s, c in zip(stats, weights, strict=True)]
         gamma, beta = solve_norm_affine(moms, *affine, hp)
         return Solved({"weight": gamma} if beta is None else {"weight": gamma, "bias": beta}, report=report)

@@ -17,6 +17,8 @@ class Hyper:
     alpha: float
     eps: float
     trust: float = 0.0  # μ: each task's term also pulls W·x_s towards the merged W_m·x_s on that task's rows
+    shrink: float = 0.0  # γ: each task's C_ss and C_st shrunk towards T_t (docs/design.md §2.8)
+    shrink_target: str = "identity"  # T_t = tr(C_ss)/d·I ("identity") or diag(C_ss) ("diagonal")
 
 
 @dataclass
@@ -44,6 +46,28 @@ class LinearMoments:
             raise ValueError("these moments keep no expert side (C_se or its products): RegMean statistics?")
         c_st = torch.mul(self.c_se, alpha).add_(self.c_ss, alpha=1.0 - alpha)
         return out.addmm_(c_st, w_t.double().T, alpha=scale)
+
+    def shrink_target(self, kind: str) -> torch.Tensor:
+        """The diagonal of T_t, the shrinkage target of C_ss: tr(C_ss)/d everywhere ("identity") or diag(C_ss)."""
+        diag = self.c_ss.diagonal().double()
+        if kind == "identity":
+            return torch.full_like(diag, float(diag.mean()))
+        if kind == "diagonal":
+            return diag.clone()
+        raise ValueError(f"featcal.shrinkage_target: {kind!r} is not a target; expected identity or diagonal")
+
+    def add_shrunk(self, a: torch.Tensor, b: torch.Tensor, hp: Hyper, w_t: torch.Tensor, scale: float) -> None:
+        """a += scale·C̃_ss and b += scale·C̃_st·W_tᵀ in place, with C̃ = (1−γ)·C + γ·T_t for both (γ = hp.shrink).
+
+        The cross term takes the same target as the Gram: in the directions the rows leave unseen the shrunk data term
+        reads x_t as x_s, so its γ part is γ‖(W − W_t)T_t^½‖², a pull towards the task's own expert (as RegMean's
+        diagonal shrinkage). Shrinking C_ss alone would pull W towards zero instead. γ = 0 adds exactly C_ss and C_st."""
+        a.add_(self.c_ss, alpha=scale * (1.0 - hp.shrink))
+        self.add_target(b, hp.alpha, w_t, scale * (1.0 - hp.shrink))
+        if hp.shrink:
+            t = self.shrink_target(hp.shrink_target).mul_(scale * hp.shrink)
+            a.diagonal().add_(t)
+            b.add_(t[:, None] * w_t.double().T)
 
     def mu_t(self, alpha: float) -> torch.Tensor:
         return alpha * self.mu_e + (1.0 - alpha) * self.mu_s
@@ -90,16 +114,15 @@ def solve_linear_weight(
     tasks: Iterable[tuple[LinearMoments, torch.Tensor]], merged: torch.Tensor, base: torch.Tensor, hp: Hyper,
     mixed: bool = False,
 ) -> LinearSolution:
-    """Wᵀ = (Σ_t C_ss/n_t + (λ+ε)I)⁻¹ (Σ_t (C_st/n_t) W_tᵀ + λ A(W)ᵀ); weights are [out, in].
+    """Wᵀ = (Σ_t C̃_ss/n_t + (λ+ε)I)⁻¹ (Σ_t (C̃_st/n_t) W_tᵀ + λ A(W)ᵀ); weights are [out, in]. C̃ = C unless
+    hp.shrink (γ) > 0: then (1−γ)·C + γ·T_t for C_ss and C_st alike (LinearMoments.add_shrunk); n_t stays ‖C_ss‖_F.
 
     `tasks` yields (moments, W_t) one task at a time, so only one task's d×d moments are ever held."""
     d = merged.shape[1]
     a = torch.zeros(d, d, dtype=torch.float64, device=merged.device)
     b = hp.lam * anchor(merged, base, hp.rho).T
     for mom, w_t in tasks:
-        n = mom.normaliser()
-        a.add_(mom.c_ss, alpha=1.0 / n)
-        mom.add_target(b, hp.alpha, w_t, 1.0 / n)
+        mom.add_shrunk(a, b, hp, w_t, 1.0 / mom.normaliser())
     if hp.trust:  # + μ Σ_t E‖W x_s − W_m x_s‖²/n_t: the data Gram again, with the merged weight as target
         b += hp.trust * a @ merged.double().T
         a *= 1.0 + hp.trust
@@ -109,54 +132,78 @@ def solve_linear_weight(
 
 @dataclass(frozen=True)
 class Choice:
-    """The (λ, ρ) a module's held-out rows chose, with the held-out data term of every grid point ([λ, ρ])."""
+    """The (λ, ρ, γ) a module's held-out rows chose, with the held-out data term of every grid point ([γ, λ, ρ])."""
 
     lam: float
     rho: float
     scores: torch.Tensor
+    shrink: float = 0.0
 
 
-def _best(scores: torch.Tensor, lams: Sequence[float], rhos: Sequence[float]) -> Choice:
-    """The lowest score; ties go to the first grid point in (λ, ρ) order, so the choice is fixed."""
+def _best(scores: torch.Tensor, lams: Sequence[float], rhos: Sequence[float],
+          shrinks: Sequence[float] = (0.0,)) -> Choice:
+    """The lowest score; ties go to the first grid point in (γ, λ, ρ) order, so the choice is fixed."""
     flat = int(torch.argmin(scores.reshape(-1)))
-    return Choice(lam=float(lams[flat // len(rhos)]), rho=float(rhos[flat % len(rhos)]), scores=scores)
+    k, rest = divmod(flat, len(lams) * len(rhos))
+    return Choice(lam=float(lams[rest // len(rhos)]), rho=float(rhos[rest % len(rhos)]), scores=scores,
+                  shrink=float(shrinks[k]))
 
 
 def choose_linear_hyper(
     tasks: Iterable[tuple[LinearMoments, LinearMoments, torch.Tensor]], merged: torch.Tensor, base: torch.Tensor,
-    hp: Hyper, lams: Sequence[float], rhos: Sequence[float],
+    hp: Hyper, lams: Sequence[float], rhos: Sequence[float], shrinks: Sequence[float] | None = None,
 ) -> Choice:
-    """The (λ, ρ) of the grid whose weight, fitted on each task's fit rows, has the smallest data term on its
-    held-out rows: Σ_t ‖X_h,t Wᵀ − X̃_h,t W_tᵀ‖²/n_t up to a constant, as the solve's own objective weighs it.
+    """The (λ, ρ, γ) of the grid whose weight, fitted on each task's fit rows, has the smallest data term on its
+    held-out rows: Σ_t ‖X_h,t Wᵀ − X̃_h,t W_tᵀ‖²/n_t up to a constant, as the solve's own objective weighs it (the
+    held-out term is never shrunk: γ is scored by how well the shrunk fit predicts rows it did not see).
 
-    `tasks` yields (fit moments, held-out moments, W_t). One eigendecomposition of the fit system serves the
-    whole grid: in its eigenbasis V, Wᵀ = V·(R_0 + λ(R_base + ρ·R_delta)) / (e + λ + ε), and for each λ the
-    held-out score is a quadratic in ρ, so each λ costs two products with the rotated held-out Gram."""
+    `tasks` yields (fit moments, held-out moments, W_t); `shrinks` is the γ grid (default: hp.shrink alone). The fit
+    system at γ is (1−γ)·A + γ·D with A = Σ_t C_ss/n_t and D = Σ_t T_t/n_t diagonal, its right side (1−γ)·B + γ·E.
+    One eigendecomposition per γ serves the λ × ρ grid (one in all for the identity target: D is then a multiple of
+    I, so every γ shares A's eigenvectors): in its eigenbasis V, Wᵀ = V·(R_0 + λ(R_base + ρ·R_delta)) / (e + λ + ε),
+    and for each λ the held-out score is a quadratic in ρ, so each (γ, λ) costs two products with the rotated
+    held-out Gram: the joint grid costs |γ| times the λ grid's products."""
+    shrinks = [hp.shrink] if shrinks is None else list(shrinks)
     d, f64 = merged.shape[1], {"dtype": torch.float64, "device": merged.device}
     a = torch.zeros(d, d, **f64)
     h = torch.zeros(d, d, **f64)
     b0 = torch.zeros(d, merged.shape[0], **f64)
     g = torch.zeros_like(b0)
+    shrinking = any(shrinks)
+    diag = torch.zeros(d, **f64)  # D's diagonal
+    e_rhs = torch.zeros_like(b0) if shrinking else b0  # E = Σ_t T_t W_tᵀ / n_t (unused without a γ > 0)
     for fit, held, w_t in tasks:
         n_fit, n_held = fit.normaliser(), held.normaliser()
         a.add_(fit.c_ss, alpha=1.0 / n_fit)
         fit.add_target(b0, hp.alpha, w_t, 1.0 / n_fit)
         h.add_(held.c_ss, alpha=1.0 / n_held)
         held.add_target(g, hp.alpha, w_t, 1.0 / n_held)
-    evals, v = torch.linalg.eigh(a)
-    evals = evals.clamp_min(0) + hp.eps
-    r0, r_base, r_delta = v.T @ b0, v.T @ base.double().T, v.T @ (merged.double() - base.double()).T
-    h_rot, g_rot = v.T @ h @ v, v.T @ g
+        if shrinking:
+            t = fit.shrink_target(hp.shrink_target).div_(n_fit)
+            diag.add_(t)
+            e_rhs.add_(t[:, None] * w_t.double().T)
+    shared = hp.shrink_target == "identity"  # D = c·I: every γ has A's eigenvectors
+    delta = merged.double() - base.double()
     rho = torch.tensor(rhos, **f64)
-    scores = torch.empty(len(lams), len(rhos), **f64)
-    for i, lam in enumerate(lams):
-        scale = 1.0 / (evals + lam)[:, None]
-        y0, y1 = scale * (r0 + lam * r_base), scale * (lam * r_delta)  # Wᵀ in the eigenbasis: y0 + ρ·y1
-        hy0, hy1 = h_rot @ y0, h_rot @ y1
-        q00, q01, q11 = (hy0 * y0).sum(), (hy0 * y1).sum(), (hy1 * y1).sum()
-        l0, l1 = (g_rot * y0).sum(), (g_rot * y1).sum()
-        scores[i] = q00 + 2 * rho * q01 + rho**2 * q11 - 2 * (l0 + rho * l1)
-    return _best(scores, lams, rhos)
+    scores = torch.empty(len(shrinks), len(lams), len(rhos), **f64)
+    basis: tuple[torch.Tensor, ...] = ()
+    for k, gamma in enumerate(shrinks):
+        if not basis or not shared:
+            evals, v = torch.linalg.eigh((1.0 - gamma) * a + torch.diag(gamma * diag) if gamma and not shared else a)
+            basis = (evals.clamp_min(0), v, v.T @ h @ v, v.T @ g, v.T @ base.double().T, v.T @ delta.T)
+        evals, v, h_rot, g_rot, r_base, r_delta = basis
+        if gamma and shared:
+            evals = (1.0 - gamma) * evals + gamma * float(diag[0])
+        evals = evals + hp.eps
+        r0 = v.T @ ((1.0 - gamma) * b0 + gamma * e_rhs) if gamma else v.T @ b0
+        for i, lam in enumerate(lams):
+            scale = 1.0 / (evals + lam)[:, None]
+            y0, y1 = scale * (r0 + lam * r_base), scale * (lam * r_delta)  # Wᵀ in the eigenbasis: y0 + ρ·y1
+            hy0, hy1 = h_rot @ y0, h_rot @ y1
+            q00, q01, q11 = (hy0 * y0).sum(), (hy0 * y1).sum(), (hy1 * y1).sum()
+            l0, l1 = (g_rot * y0).sum(), (g_rot * y1).sum()
+            scores[k, i] = q00 + 2 * rho * q01 + rho**2 * q11 - 2 * (l0 + rho * l1)
+    return _best(scores, lams, rhos, shrinks)
 
 
 def choose_norm_hyper(
@@ -182,7 +229,7 @@ def choose_norm_hyper(
                     term = term + 2 * dg * db * mom.m + db**2
                 total += term.sum()
             scores[i, j] = total
-    return _best(scores, lams, rhos)
+    return _best(scores[None], lams, rhos, [hp.shrink])
 
 
 @dataclass

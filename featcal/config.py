@@ -90,8 +90,14 @@ class FeatCalConfig(_Strict):
     lambda_grid: list[float] = Field(default_factory=lambda: [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0],
                                      min_length=1)
     rho_grid: list[float] = Field(default_factory=lambda: [1.0, 1.5, 2.2, 3.0, 4.0], min_length=1)
-    holdout_every: int = Field(4, ge=2, description="with lambda or rho auto: every Nth calibration example of each "
+    holdout_every: int = Field(4, ge=2, description="with lambda, rho or shrinkage auto: every Nth calibration example of each "
                                                     "task is held out to score the grid")
+    shrinkage: float | Literal["auto"] = Field(
+        0.0, description="γ: each task's Gram C_ss and cross term C_st become (1−γ)·C + γ·T, T from shrinkage_target "
+                         "(docs/design.md §2.8); 0: off; auto: chosen from shrinkage_grid with lambda and rho")
+    shrinkage_target: Literal["identity", "diagonal"] = Field(
+        "identity", description="T = tr(C_ss)/d·I (identity) or diag(C_ss) (diagonal)")
+    shrinkage_grid: list[float] = Field(default_factory=lambda: [0.0, 0.05, 0.1, 0.2, 0.4], min_length=1)
     alpha: float = Field(0.25, ge=0, le=1)
     eps: float = Field(1.0e-8, gt=0, description="initial Cholesky damping; grows ×10 on failure")
     calibrate_bias: bool = True
@@ -112,6 +118,20 @@ class FeatCalConfig(_Strict):
         if lam != "auto" and lam < 0:
             raise ValueError(f"must be >= 0 or 'auto', got {lam}")
         return lam
+
+    @field_validator("shrinkage")
+    @classmethod
+    def _a_fraction(cls, gamma: float | str) -> float | str:
+        if gamma != "auto" and not 0 <= gamma <= 1:
+            raise ValueError(f"must be in [0, 1] or 'auto', got {gamma}")
+        return gamma
+
+    @field_validator("shrinkage_grid")
+    @classmethod
+    def _fractions(cls, grid: list[float]) -> list[float]:
+        if min(grid) < 0 or max(grid) > 1:
+            raise ValueError(f"every value must be in [0, 1], got {grid}")
+        return grid
 
     @field_validator("lambda_grid")
     @classmethod

@@ -54,7 +54,7 @@ def test_linear_choice_scores_equal_brute_force_up_to_a_constant(problem):
     brute = torch.tensor([[_held_error(solve_linear_weight(
         [(_moments(*f), w) for f, w in zip(fit, w_t)], w_m, w_0, Hyper(lam, rho, hp.alpha, hp.eps)).weight,
         held, w_t, hp) for rho in RHOS] for lam in LAMS], dtype=torch.float64)
-    offset = brute - choice.scores  # the targets' own energy, the same at every grid point
+    offset = brute - choice.scores[0]  # the targets' own energy, the same at every grid point
     torch.testing.assert_close(offset, torch.full_like(offset, float(offset[0, 0])), rtol=0, atol=1e-9)
     best = int(brute.argmin())
     assert (choice.lam, choice.rho) == (LAMS[best // len(RHOS)], RHOS[best % len(RHOS)])
@@ -94,7 +94,7 @@ def test_norm_choice_scores_equal_brute_force_up_to_a_constant():
             gamma, beta = solve_norm_affine(moms(z_fit), gam, bet, gm, g0, bm, b0, Hyper(lam, rho, 0.25, 1e-12))
             brute[i, j] = sum(float(((z * gamma + beta - z * gt - bt) ** 2).sum(1).mean())
                               for z, gt, bt in zip(z_held, gam, bet))
-    torch.testing.assert_close(choice.scores, brute, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(choice.scores[0], brute, rtol=1e-10, atol=1e-10)  # [γ, λ, ρ], one γ
     best = int(brute.argmin())
     assert (choice.lam, choice.rho) == (LAMS[best // len(RHOS)], RHOS[best % len(RHOS)])
 
