@@ -13,6 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from featcal.config import ConfigError, RunConfig
+from featcal.hub import hub_ref
 from featcal.secrets import NAME_MAPS
 from storage.rundir import CONFIG_NAME
 
@@ -46,11 +47,21 @@ def _shown(value: Any) -> str:
 def _differences(old: Any, new: Any, path: tuple[str, ...], tasks: set[str]) -> list[str]:
     """`field old → new` per differing leaf; the entries of added or dropped `tasks` are left to the tasks line."""
     if not (isinstance(old, dict) and isinstance(new, dict)):
-        return [] if old == new else [f"{'.'.join(path)} {_shown(old)} → {_shown(new)}"]
+        same = old == new or _pinned_from(old, new)
+        return [] if same else [f"{'.'.join(path)} {_shown(old)} → {_shown(new)}"]
     skip = tasks if path in NAME_MAPS else set()
     keys = [*new, *(k for k in old if k not in new)]
     return [line for k in keys if k not in skip
             for line in _differences(old.get(k, _UNSET), new.get(k, _UNSET), (*path, k), tasks)]
+
+
+def _pinned_from(old: Any, new: Any) -> bool:
+    """Whether `old` is hub id `new` as run.yaml records it, pinned to the commit preflight resolved: the same input,
+    as a local path is the same input when its files change (a newer commit reruns the stages that read it)."""
+    if not (isinstance(old, str) and isinstance(new, str)):
+        return False
+    ref = hub_ref(new)
+    return ref is not None and ref[1] is None and old.startswith(f"{new}@") and hub_ref(old) == (new, old[len(new) + 1:])
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

@@ -213,6 +213,12 @@ def test_featcal_plan_and_run_read_hub_ids_and_record_them_pinned_without_the_to
     assert f"base_model: {LLM_BASE}\n" in card
     written = [p for p in run_dir.rglob("*") if p.is_file() and p.suffix in (".yaml", ".json", ".md", ".log", ".txt")]
     assert written and not [p for p in written if FAKE_TOKEN in p.read_text(errors="replace")]
+    # The same command again (a resume after a crash): the config's hub ids pin to the commits run.yaml holds, so
+    # the run directory is its own and every stage is a cache hit.
+    weights = sorted(p.read_bytes() for p in (run_dir / "calibrated").glob("*.safetensors"))
+    again = _featcal(hub, "run", str(config), "--run-dir", str(run_dir), "--no-prefect")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert sorted(p.read_bytes() for p in (run_dir / "calibrated").glob("*.safetensors")) == weights
 
 
 def test_a_given_merge_on_the_hub_is_pinned_and_checked_like_the_base(hub, tmp_path):

@@ -206,4 +206,10 @@ def test_config_changes_name_fields_and_leave_dropped_tasks_to_one_line():
     assert config_changes(old, {**old, "runtime": {"threads": 1, "solve_groups": 4, "keep_activations": True}}) == \
         ["runtime.precision fp32 → unset"]
     assert config_changes(old, json.loads(json.dumps(old))) == []
+    # A hub id as run.yaml records it (pinned to the commit resolved) is the config's unpinned id: a resume; another
+    # commit asked for, or another repository, is a change.
+    pinned = {**old, "base": "org/base@" + "a" * 40}
+    assert config_changes(pinned, {**old, "base": "org/base"}) == []
+    assert config_changes(pinned, {**old, "base": "org/base@" + "b" * 40}) == [f"base …{'a' * 40} → …{'b' * 40}"]
+    assert config_changes(pinned, {**old, "base": "org/other"}) == [f"base …{'a' * 40} → org/other"]
 
