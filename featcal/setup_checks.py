@@ -17,9 +17,8 @@ from typing import Any
 
 import datasets
 import torch
-import transformers
 
-from featcal.adapters import Adapter, adapter_for
+from featcal.adapters import Adapter
 from featcal.config import ConfigError, DataSource, MergeConfig, RunConfig
 from featcal.data import InputBuilder, load_split, picked_rows
 from featcal.merging import chunk_rows
@@ -156,13 +155,10 @@ def task_vector_warnings(base: str, experts: dict[str, str], norms: dict[str, fl
     return out
 
 
-def expected_head(config: Any) -> list[str]:
-    """The head tensors of the expert's class (its config's `architectures`), from a skeleton on the meta device:
+def expected_head(skeleton: Skeleton) -> list[str]:
+    """The head tensors of the expert's class (its config's `architectures`), from its skeleton on the meta device:
     those from_pretrained would initialise at random where the checkpoint lacks them."""
-    adapter = adapter_for(config)
-    with torch.device("meta"):
-        model = getattr(transformers, adapter.architecture)(config)
-    return sorted(n for n in model.state_dict() if adapter.is_head(n))
+    return sorted(n for n in skeleton.model.state_dict() if skeleton.adapter.is_head(n))
 
 
 def head_warning(task: str, path: str, expected: list[str], ckpt: CanonicalCheckpoint, adapter: Adapter) -> str | None:
@@ -236,9 +232,9 @@ def setup_warnings(cfg: RunConfig, adapter: Adapter) -> list[str]:
     """Every degenerate set-up of the run, in one pass over the checkpoints; refuses (SetupError, CheckpointError)
     what would make the result meaningless, and NaN/inf or truncated tensors."""
     base = CanonicalCheckpoint(cfg.base, adapter)
+    skeletons = {t: Skeleton.from_checkpoint(config_directory(cfg.experts[t], cfg.base)) for t in cfg.tasks}
     # A LoRA expert is read as base + ΔW (storage/lora.py), tensor by tensor like a full one.
-    experts = {t: expert_checkpoint(cfg.experts[t], cfg.base, Skeleton.from_checkpoint(
-        config_directory(cfg.experts[t], cfg.base))) for t in cfg.tasks}
+    experts = {t: expert_checkpoint(cfg.experts[t], cfg.base, skeletons[t]) for t in cfg.tasks}
     by_owner = scan_checkpoints(base, {f"experts.{t}": c for t, c in experts.items()}, adapter.is_head)
     scans = {t: by_owner[f"experts.{t}"] for t in cfg.tasks}
     out = task_vector_warnings(cfg.base, {t: cfg.experts[t] for t in cfg.tasks},
@@ -246,9 +242,7 @@ def setup_warnings(cfg: RunConfig, adapter: Adapter) -> list[str]:
     # Zero-shot experts are head-less by design (the heads come from the CLIPModel); LMs have no per-task head.
     if cfg.zero_shot is None and adapter.head_prefixes:
         for task in cfg.tasks:
-            config = transformers.AutoConfig.from_pretrained(config_directory(cfg.experts[task], cfg.base),
-                                                             local_files_only=True)
-            warning = head_warning(task, cfg.experts[task], expected_head(config), experts[task], adapter)
+            warning = head_warning(task, cfg.experts[task], expected_head(skeletons[task]), experts[task], adapter)
             out += [warning] if warning else []
     return out + overlap_warnings(cfg, adapter)
 

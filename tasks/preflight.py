@@ -17,11 +17,11 @@ from featcal.hub import Resolved, hub_ref, local_dir, resolve
 from featcal.input_checks import (label_names_check, label_range_error, pad_with_eos, safetensors_header_error,
                                   text_length_limit, text_type_error)
 from featcal.devices import bf16_warning, cpu_has_native_bf16, resolve_device
+from featcal.modeling import Skeleton, expert_checkpoint
 from featcal.setup_checks import setup_warnings, strict_refusal
 from featcal.t5 import answer_kind
 from featcal.zeroshot import class_names
 from storage.activations import ActivationError, ActivationStore
-from featcal.modeling import Skeleton, expert_checkpoint
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
 from storage.lora import LoraCheckpoint, config_directory, is_lora_adapter
 
@@ -286,9 +286,8 @@ def _check_source(cfg: RunConfig, adapter: Adapter, section: str, task: str, sou
         if wrong:
             raise DataError(wrong)
         if cfg.zero_shot is None:  # zero-shot heads are made from the class names themselves
-            field = f"experts.{task}"
-            wrong, differ = label_names_check(ds, source.label_column, _config(cfg.experts[task], field).id2label,
-                                              num_labels, where, field)
+            wrong, differ = label_names_check(ds, source.label_column, _expert_config(cfg, task).id2label, num_labels,
+                                              where, f"experts.{task}")
             if wrong:
                 raise DataError(wrong)
             notices += [differ] if differ else []

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from featcal.modeling import Skeleton
 from featcal.setup_checks import (
     NEAR_ZERO, expected_head, identical_pairs, overlap_count, row_digests, scan_checkpoints, squared_distance, task_vector_warnings,
 )
@@ -288,8 +289,8 @@ def test_expected_head_is_what_the_class_holds(tiny_example):
     expert = AutoConfig.from_pretrained(tiny_example / "bert" / "experts" / "topic")
     base = AutoConfig.from_pretrained(tiny_example / "bert" / "base")
     brute = sorted(n for n in BertForSequenceClassification(expert).state_dict() if n.startswith("classifier."))
-    assert expected_head(expert) == brute == ["classifier.bias", "classifier.weight"]
-    assert expected_head(base) == [n for n in BertModel(base).state_dict() if n.startswith("classifier.")] == []
+    assert expected_head(Skeleton(expert)) == brute == ["classifier.bias", "classifier.weight"]
+    assert expected_head(Skeleton(base)) == [n for n in BertModel(base).state_dict() if n.startswith("classifier.")] == []
 
 
 def test_row_digests_of_images_are_their_bytes():
