@@ -113,9 +113,7 @@ def merged_tensor(base: torch.Tensor, experts: ExpertTensors, cfg: MergeConfig,
 
 def drop_masks(cfg: MergeConfig, tasks: Sequence[str], name: str, shape: tuple[int, ...]) -> DropMasks:
     """DARE's keep masks of tensor `name` by rows, expert t being `tasks[t]` (a 0-d tensor is one row of one)."""
-    row = 1
-    for d in shape[1:]:
-        row *= d
+    row = math.prod(shape[1:])
     return lambda t, start, stop: dare_kept(cfg.seed, cfg.density, tasks[t], name, start * row, (stop - start) * row)
 
 
@@ -129,9 +127,7 @@ def chunk_rows(shape: tuple[int, ...], cfg: MergeConfig, max_elements: int = CHU
     masks are drawn per entry, `dare_kept`), so merging by rows gives the whole tensor's values bit for bit."""
     if cfg.method == "ties" or len(shape) < 2 or shape[0] < 2:
         return None
-    numel = 1
-    for d in shape:
-        numel *= d
+    numel = math.prod(shape)
     if numel <= max_elements:
         return None
     return max(1, max_elements // (numel // shape[0]))
