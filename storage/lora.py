@@ -57,12 +57,16 @@ def _pattern_value(patterns: dict, module: str, default: float) -> float:
 
 def _same_base(recorded: str, base: Path) -> bool:
     """Whether the adapter's `base_model_name_or_path` names `base`: the same directory where it exists here, else a
-    hub id or a path from another machine whose trailing components are the base directory's."""
+    hub id or a path from another machine whose trailing components are the base directory's, or, for a base read
+    from the hub cache (…/models--org--name/snapshots/<commit>), its hub id."""
     if Path(recorded).exists():
         return Path(recorded).resolve() == base.resolve()
     parts = Path(recorded).parts
     tail = parts[-1:] if Path(recorded).is_absolute() else parts
-    return len(tail) > 0 and base.resolve().parts[-len(tail):] == tail
+    cached = base.parts[-3:-1]
+    hub_id = tuple(cached[0].split("--")[1:]) if len(cached) == 2 and cached[0].startswith("models--") and \
+        cached[1] == "snapshots" else None
+    return len(tail) > 0 and (base.resolve().parts[-len(tail):] == tail or hub_id == tail)
 
 
 @dataclass(frozen=True)

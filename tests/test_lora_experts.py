@@ -267,3 +267,19 @@ def test_unsupported_adapters_refused_in_one_line(tmp_path):
         expert_checkpoint(tmp_path / "e0", tmp_path / "base", skeleton)
     assert str(missing.value) == (f"LoRA adapter {tmp_path / 'e0'}: module model.layers.1.mlp.side_proj has no weight "
                                   f"in the base {tmp_path / 'base'}")
+
+
+def test_an_adapter_names_its_base_by_path_tail_or_by_the_hub_id_of_a_cached_snapshot(tmp_path):
+    """`base_model_name_or_path` as written on another machine: a path whose trailing parts are the base directory's,
+    or the hub id of a base that preflight resolved to its snapshot in the hub cache."""
+    from storage.lora import _same_base
+
+    snapshot = tmp_path / "hub" / "models--meta-llama--Llama-3.2-3B" / "snapshots" / ("c" * 40)
+    snapshot.mkdir(parents=True)
+    assert _same_base("meta-llama/Llama-3.2-3B", snapshot)
+    assert not _same_base("meta-llama/Llama-3.2-1B", snapshot)
+    local = tmp_path / "models" / "base"
+    local.mkdir(parents=True)
+    assert _same_base("/elsewhere/models/base", local) and _same_base("models/base", local)
+    assert not _same_base("meta-llama/Llama-3.2-3B", local)
+    assert _same_base(str(local), local) and not _same_base(str(snapshot), local)
