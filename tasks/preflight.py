@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -29,36 +30,38 @@ log = logging.getLogger("featcal")
 GIB = 1024**3
 
 
+def _inputs(cfg: RunConfig) -> list[tuple[str, str, str, DataSource | None, Callable[[str], None]]]:
+    """Every input path of `cfg` that may be a hub id: (field, value, repo type, data source or None, setter)."""
+    def setter(obj: Any, attr: str) -> Callable[[str], None]:
+        return lambda value: setattr(obj, attr, value)
+
+    def expert(task: str) -> Callable[[str], None]:
+        return lambda value: cfg.experts.__setitem__(task, value)
+
+    found = [("base", cfg.base, "model", None, setter(cfg, "base")),
+             *((f"experts.{t}", cfg.experts[t], "model", None, expert(t)) for t in cfg.tasks)]
+    if cfg.zero_shot is not None:
+        found.append(("zero_shot.clip_model", cfg.zero_shot.clip_model, "model", None,
+                      setter(cfg.zero_shot, "clip_model")))
+    if cfg.merge.path is not None:
+        found.append(("merge.path", cfg.merge.path, "model", None, setter(cfg.merge, "path")))
+    sections = [("calibration.data", cfg.calibration.data)]
+    if cfg.evaluation.enabled:
+        sections.append(("evaluation.data", cfg.evaluation.data))
+    found += [(f"{section}.{task}.path", source.path, "dataset", source, setter(source, "path"))
+              for section, by_task in sections for task, source in by_task.items()]
+    return found
+
+
 def hub_inputs(cfg: RunConfig) -> list[Resolved]:
     """Every hub id among the inputs fetched (or found in the cache), checked to hold what the run reads, and pinned
     in `cfg` to the commit resolved (`org/name@<commit>`), so run.yaml and the cache keys name the exact revision."""
     resolved = []
-    models = [("base", cfg.base), *((f"experts.{t}", cfg.experts[t]) for t in cfg.tasks)]
-    if cfg.zero_shot is not None:
-        models.append(("zero_shot.clip_model", cfg.zero_shot.clip_model))
-    if cfg.merge.path is not None:
-        models.append(("merge.path", cfg.merge.path))
-    for field, value in models:
-        hit = resolve(value, field)
+    for field, value, repo_type, source, pin in _inputs(cfg):
+        hit = resolve(value, field, repo_type, source.config if source else None)
         if hit is not None:
             resolved.append(hit)
-            if field == "base":
-                cfg.base = hit.pinned
-            elif field == "zero_shot.clip_model":
-                cfg.zero_shot.clip_model = hit.pinned
-            elif field == "merge.path":
-                cfg.merge.path = hit.pinned
-            else:
-                cfg.experts[field.split(".", 1)[1]] = hit.pinned
-    sources = [("calibration.data", cfg.calibration.data)]
-    if cfg.evaluation.enabled:
-        sources.append(("evaluation.data", cfg.evaluation.data))
-    for section, by_task in sources:
-        for task, source in by_task.items():
-            hit = resolve(source.path, f"{section}.{task}.path", "dataset", source.config)
-            if hit is not None:
-                resolved.append(hit)
-                source.path = hit.pinned
+            pin(hit.pinned)
     return resolved
 
 
@@ -74,14 +77,8 @@ def hub_summary(resolved: list[Resolved]) -> str | None:
 def localized(cfg: RunConfig) -> RunConfig:
     """A copy of `cfg` whose hub inputs are their snapshot directories: what the checks read."""
     local = cfg.model_copy(deep=True)
-    local.base = local_dir(local.base)
-    local.experts = {t: local_dir(p) for t, p in local.experts.items()}
-    if local.zero_shot is not None:
-        local.zero_shot.clip_model = local_dir(local.zero_shot.clip_model)
-    if local.merge.path is not None:
-        local.merge.path = local_dir(local.merge.path)
-    for source in [*local.calibration.data.values(), *local.evaluation.data.values()]:
-        source.path = local_dir(source.path, "dataset")
+    for _, value, repo_type, _, set_path in _inputs(local):
+        set_path(local_dir(value, repo_type))
     return local
 
 
