@@ -17,12 +17,13 @@
 # The whole stays within GPU_CHECK_SECONDS (default 500 s; under 9 minutes with the kill grace): each step has a
 # time limit and the benchmark gets what the earlier steps left (skipped with under 60 s left). A failed or
 # timed-out step is reported and the next still runs, so one GPU session yields both the tests and the table;
-# the exit status is non-zero when any step failed. Everything printed also goes to benchmarks/results/gpu_check.log.
+# the exit status is non-zero when any step failed. Everything printed also goes to $GPU_CHECK_LOG (default
+# benchmarks/results/gpu_check.log); GPU_CHECK_THREADS (default 16) is the cost step's --threads.
 set -euo pipefail
 shopt -s inherit_errexit
 cd "$(dirname "$0")/.."
 mkdir -p benchmarks/results
-LOG=benchmarks/results/gpu_check.log
+LOG=${GPU_CHECK_LOG:-benchmarks/results/gpu_check.log}
 BUDGET=${GPU_CHECK_SECONDS:-500}
 VENV=${FEATCAL_GPU_VENV:-/tmp/featcal-gpu-venv}
 SITE=${FEATCAL_GPU_SITE:-/tmp/featcal-gpu-site}
@@ -88,7 +89,7 @@ main() {
       FAILED+=("pipeline_cost (skipped: ${left}s of the ${BUDGET}s left)")
     else
       step pipeline_cost "$left" "$py" benchmarks/pipeline_cost.py --shape vit-b32 --experts 8 --examples 256 \
-        --threads 16 --device cuda --precision fp32 bf16 --out benchmarks/results/pipeline_cost_gpu.md
+        --threads "${GPU_CHECK_THREADS:-16}" --device cuda --precision fp32 bf16 --out benchmarks/results/pipeline_cost_gpu.md
     fi
   fi
   if [ ${#FAILED[@]} -gt 0 ]; then
