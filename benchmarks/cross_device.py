@@ -54,10 +54,10 @@ def finished(proc: subprocess.Popen, what: str) -> None:
         raise SystemExit(f"{what} failed (rc={proc.returncode}):\n{out[-4000:]}")
 
 
-def killed_after(run_dir: Path, config: Path, device: str, block: int) -> float:
+def killed_after(run_dir: Path, config: Path, device: str, block: int, *extra: str) -> float:
     """Start a run on `device` and SIGKILL it once block `block` is solved; the seconds it ran."""
     started = time.monotonic()
-    proc = featcal(run_dir, config, device, "--no-prefect")
+    proc = featcal(run_dir, config, device, "--no-prefect", *extra)
     while proc.poll() is None and f"solve/l{block:02d}" not in records(run_dir):
         time.sleep(0.05)
     if proc.poll() is not None:
@@ -104,7 +104,7 @@ def main() -> None:
     runs: dict[str, Path] = {name: work / name for name in ("reference", "uninterrupted", "resumed", "gpus")}
     finished(featcal(runs["reference"], config, args.then, "--no-prefect", *config_args), "the reference run")
     finished(featcal(runs["uninterrupted"], config, args.first, "--no-prefect", *config_args), "the uninterrupted run")
-    seconds = killed_after(runs["resumed"], config, args.first, args.kill_after_block)
+    seconds = killed_after(runs["resumed"], config, args.first, args.kill_after_block, *config_args)
     first_half = devices_used(runs["resumed"])
     finished(featcal(runs["resumed"], config, args.then, "--no-prefect", *config_args), "the resumed run")
     rows = [("reference", f"`{args.then}`", devices_used(runs["reference"]), runs["reference"]),
