@@ -100,7 +100,8 @@ def ordered_runs(names: list[str], known: dict[str, MethodRun]) -> list[str]:
             if start not in known:
                 raise ValueError(f"run {name}: start {start!r} is no run of this recipe; known: {sorted(known)}")
             if start in after:
-                raise ValueError(f"run {name}: start {start!r} starts from it in turn ({' → '.join((*after, start))})")
+                chain = " → ".join((*after, start))
+                raise ValueError(f"run {name}: start {start!r} starts from it in turn ({chain})")
             if known[start].method in SURGERY_METHODS:
                 raise ValueError(f"run {name}: start {start!r} is a {known[start].method} run, which writes no "
                                  "calibrated checkpoint; expected a pipeline run")
@@ -207,8 +208,8 @@ def timed_result(bench: Path, name: str, run: MethodRun, compute: Callable[[], d
     `bench/results/{name}.json` (the file `bench run` caches)."""
     started = time.perf_counter()
     result = compute()
-    result.update(run=name, merge=run.merge, scaling=run.scaling, method=run.method, examples=run.examples, start=run.start,
-                  process_seconds=round(time.perf_counter() - started, 2),
+    result.update(run=name, merge=run.merge, scaling=run.scaling, method=run.method, examples=run.examples,
+                  start=run.start, process_seconds=round(time.perf_counter() - started, 2),
                   process_peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
     write_json(bench / "results" / f"{name}.json", result)
     return result

@@ -1,7 +1,8 @@
 """The benchmark report: one table of methods, the sample-efficiency curve, costs, and plots.
 
 Gap closed = (method − TA) / (experts − TA), on the task-averaged accuracy. Where the runs kept their per-example
-predictions, TA + FeatCal is compared with every other method on the same test rows (featcal_bench.paired).
+predictions, TA + FeatCal is compared with every other method on the same test rows (featcal_bench.paired), and each
+calibrated row with the row it started from (its merge, or the run whose calibrated model it calibrated).
 The rows and curves are the MiniLM benchmark's unless a caller (featcal_bench/clip/report.py) names its own; rows
 carrying a published figure (`paper`) get a column of their own.
 """
@@ -160,7 +161,8 @@ def _add_changes_against_start(methods: list[dict[str, Any]], starts: dict[str, 
             continue
         change = {t: row["accuracy"][t] - start["accuracy"][t] for t in row["accuracy"]}
         worst = min(change, key=change.get)
-        row.update(change_vs_merge=change, merge_row=start["method"], worst_task={"task": worst, "change": change[worst]})
+        row.update(change_vs_merge=change, merge_row=start["method"],
+                   worst_task={"task": worst, "change": change[worst]})
 
 
 def _seconds_from_experts(results: dict[str, dict[str, Any]], run: str) -> float:

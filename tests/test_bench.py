@@ -178,7 +178,8 @@ def test_runs_with_a_start_come_after_it_and_are_keyed_on_its_result(built) -> N
 
 
 def test_a_start_must_be_a_known_pipeline_run_and_given_needs_one() -> None:
-    runs = {"ta_featcal": MethodRun("task_arithmetic", "featcal"), "ta_surgery": MethodRun("task_arithmetic", "surgery"),
+    runs = {"ta_featcal": MethodRun("task_arithmetic", "featcal"),
+            "ta_surgery": MethodRun("task_arithmetic", "surgery"),
             "a": MethodRun("given", "featcal", start="b"), "b": MethodRun("given", "featcal", start="a")}
     assert ordered_runs(["ta_featcal"], runs) == ["ta_featcal"]
     for start, message in (("nope", r"run x: start 'nope' is no run of this recipe; known: \['a', 'b', 'ta_featcal', "

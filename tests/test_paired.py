@@ -208,7 +208,8 @@ def test_each_calibrated_row_is_paired_with_the_row_it_started_from():
     """TA + FeatCal against task arithmetic (its merge), RegMean + FeatCal against RegMean (its `start` run's
     calibrated model); RegMean's own merge (the average) was not scored, so RegMean has no start row. Values by hand;
     the composed row's time includes RegMean's."""
-    predictions = {**PREDICTIONS, "regmean_featcal": {"a": {"calibrated": [0, 1, 0, 0]}, "b": {"calibrated": [2, 0, 1, 0, 0]}}}
+    predictions = {**PREDICTIONS,
+                   "regmean_featcal": {"a": {"calibrated": [0, 1, 0, 0]}, "b": {"calibrated": [2, 0, 1, 0, 0]}}}
     results = {run: _result(p) for run, p in predictions.items()}
     results["ta_featcal"].update(merge="task_arithmetic", scaling=0.3)
     results["regmean"].update(merge="average", scaling=0.3)
@@ -219,8 +220,9 @@ def test_each_calibrated_row_is_paired_with_the_row_it_started_from():
     rows = {c["method"]: c for c in starts["comparisons"]}
     assert list(rows) == ["TA + FeatCal", "RegMean + FeatCal"]
     # RegMean + FeatCal: a 3/4 vs RegMean's 2/4, b 4/5 vs 3/5; right where RegMean was wrong on a[0] and b[2] only.
-    expected = {"TA + FeatCal": ("task arithmetic", ("ta_featcal", "calibrated"), ("ta_featcal", "merged"), 0.225, 2, 0),
-                "RegMean + FeatCal": ("RegMean", ("regmean_featcal", "calibrated"), ("regmean", "calibrated"), 0.225, 2, 0)}
+    expected = {
+        "TA + FeatCal": ("task arithmetic", ("ta_featcal", "calibrated"), ("ta_featcal", "merged"), 0.225, 2, 0),
+        "RegMean + FeatCal": ("RegMean", ("regmean_featcal", "calibrated"), ("regmean", "calibrated"), 0.225, 2, 0)}
     for method, (start, ours, theirs, difference, only_ours, only_start) in expected.items():
         row = rows[method]
         assert row["start"] == start and row["difference"] == pytest.approx(difference, abs=1e-12)

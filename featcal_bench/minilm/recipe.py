@@ -34,8 +34,8 @@ from storage.rundir import Record
 FEATCAL = {"lambda": 0.5, "rho": 3.0, "alpha": 0.25}
 
 def method_runs(spec: BenchSpec | None = None) -> dict[str, MethodRun]:
-    """The MiniLM benchmarks' runs: the validation-tuned FeatCal on TA, TIES and the RegMean checkpoints, the baselines, the paper's and the
-    label-free settings, and the sample-size curves (the same runs for every task set)."""
+    """The MiniLM benchmarks' runs: the validation-tuned FeatCal on TA, TIES and the RegMean checkpoints, the baselines,
+    the paper's and the label-free settings, and the sample-size curves (the same runs for every task set)."""
     runs = {
         # One run yields experts, base + head, TA and TA + FeatCal, and the per-block drift plot.
         "ta_featcal": MethodRun("task_arithmetic", "featcal", models=("base", "merged", "calibrated", "expert"),

@@ -56,7 +56,8 @@ def tinyllama_report(results: dict[str, dict[str, Any]], spec: TinyLlamaSpec, me
     report = language_model_report(results, spec.tasks, meta, ROWS)
     by_run = {(r["run"], r["model"]): r["average_loss"] for r in report["methods"]}
     experts = by_run.get(("ta_featcal", "expert"))
-    starts = {run: (res["start"], "calibrated") if res.get("start") else (run, "merged") for run, res in results.items()}
+    starts = {run: (res["start"], "calibrated") if res.get("start") else (run, "merged")
+              for run, res in results.items()}
     report["run_gap_closed"] = {
         run: (by_run[start] - by_run[run, "calibrated"]) / (by_run[start] - experts)
         for run, start in starts.items()
@@ -101,8 +102,9 @@ def markdown(report: dict[str, Any], spec: TinyLlamaSpec) -> str:
     lines += ["", "*gap closed (loss)*: (TA − row) / (TA − experts) on the average loss: 0 at task arithmetic, 100 % at "
                   "the experts (each on its own domain). *time*: the merge, plus calibration where there is one.", ""]
     if report.get("run_gap_closed"):
-        lines.append("Each calibrated run against its own merge (or, for RegMean + FeatCal and RegMean++ + FeatCal, the "
-                     "RegMean model it calibrated), (start − calibrated) / (start − experts) on the average loss: " + ", ".join(f"`{r}` {100 * g:.1f} %" for r, g in report["run_gap_closed"].items()) + ".")
+        lines.append("Each calibrated run against its own merge (or, for RegMean + FeatCal and RegMean++ + FeatCal, "
+                     "the RegMean model it calibrated), (start − calibrated) / (start − experts) on the average loss: "
+                     + ", ".join(f"`{r}` {100 * g:.1f} %" for r, g in report["run_gap_closed"].items()) + ".")
     lines += ["", f"Run time (every method run's pipeline stages, as recorded when they ran, sum): "
                   f"{report['run_seconds']:.0f} s."]
     return "\n".join(lines) + "\n"
