@@ -23,6 +23,7 @@ import torch
 from featcal.config import config_from_dict
 from featcal_bench.layout import BASE, expert_dir
 from storage.atomic import read_json, write_json
+from tasks.assemble import CALIBRATED
 
 log = logging.getLogger("featcal")
 
@@ -35,13 +36,21 @@ SURGERY_METHODS = ("surgery", "probsurgery")  # adapters trained outside the pip
 class MethodRun:
     """One process: a merge, optionally a calibration method, and which of its models to evaluate."""
 
-    merge: str  # task_arithmetic | ties | average | dare_linear | dare_ties
+    merge: str  # task_arithmetic | ties | average | dare_linear | dare_ties | given (the checkpoint of run `start`)
     method: str | None  # featcal | regmean | regmean_plus_plus | surgery | probsurgery | None (merge only)
     examples: int = FULL
     models: tuple[str, ...] = ("calibrated",)
     featcal: dict[str, Any] = field(default_factory=dict)
     scaling: float = 0.3  # task arithmetic's (and TIES') scale s; 0.3 is the published default
     density: float | None = None  # DARE's keep probability (merge.density); None for the other merges
+    # Another run of the same recipe whose calibrated checkpoint is this run's merge (merge given): FeatCal from the
+    # best merge (RegMean + FeatCal). `bench run` runs it first and keys this run on its result.
+    start: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.merge == "given") != (self.start is not None):
+            raise ValueError(f"MethodRun: merge given reads run `start`'s calibrated checkpoint, and only it does "
+                             f"(merge {self.merge}, start {self.start!r})")
 
 
 # The paper's setting for its CLIP ViT-B/32 and FLAN-T5 benchmarks (the pipeline's defaults, docs/design.md §2.8).
@@ -70,12 +79,50 @@ def paper_method_runs() -> dict[str, MethodRun]:
     return runs
 
 
+def run_dir(bench: Path, name: str) -> Path:
+    """Where method run `name` of the benchmark built in `bench` keeps its pipeline run."""
+    return bench / "runs" / name
+
+
+def start_checkpoint(bench: Path, start: str) -> Path:
+    """The calibrated checkpoint of run `start`: a full checkpoint of the base's architecture (the merged body with
+    its blocks calibrated, the experts' heads under heads/), which a run starting from it reads as a given merge."""
+    return run_dir(bench, start) / CALIBRATED
+
+
+def ordered_runs(names: list[str], known: dict[str, MethodRun]) -> list[str]:
+    """`names` with every run one of them starts from placed before it, added where it was not asked for."""
+    ordered: list[str] = []
+
+    def add(name: str, after: tuple[str, ...]) -> None:  # `after`: the runs that start from `name`, then name
+        start = known[name].start
+        if start is not None and start not in ordered:
+            if start not in known:
+                raise ValueError(f"run {name}: start {start!r} is no run of this recipe; known: {sorted(known)}")
+            if start in after:
+                chain = " → ".join((*after, start))
+                raise ValueError(f"run {name}: start {start!r} starts from it in turn ({chain})")
+            if known[start].method in SURGERY_METHODS:
+                raise ValueError(f"run {name}: start {start!r} is a {known[start].method} run, which writes no "
+                                 "calibrated checkpoint; expected a pipeline run")
+            add(start, (*after, start))
+        if name not in ordered:
+            ordered.append(name)
+
+    for name in names:
+        add(name, (name,))
+    return ordered
+
+
 def model_sections(bench: Path, tasks: list[str], run: MethodRun) -> dict[str, Any]:
-    """The pipeline config's base, experts, merge and calibration method of a run on a built benchmark."""
+    """The pipeline config's base, experts, merge and calibration method of a run on a built benchmark; a run with a
+    `start` calibrates that run's calibrated checkpoint (merge given)."""
+    merge = ({"method": "given", "path": str(start_checkpoint(bench, run.start))} if run.start is not None else
+             {"method": run.merge, "scaling": run.scaling, **({"density": run.density} if run.density else {})})
     return {
         "base": str(bench / BASE),
         "experts": {t: str(bench / expert_dir(t)) for t in tasks},
-        "merge": {"method": run.merge, "scaling": run.scaling, **({"density": run.density} if run.density else {})},
+        "merge": merge,
         "featcal": {"method": run.method if run.method in ("regmean", "regmean_plus_plus") else "featcal", **run.featcal},
     }
 
@@ -115,11 +162,11 @@ def pipeline_result(bench: Path, name: str, raw: dict[str, Any]) -> dict[str, An
     from flows.pipeline import run_pipeline
 
     cfg = config_from_dict(raw, root=bench, source=f"bench run {name}")
-    run_dir = bench / "runs" / name
-    run_pipeline(cfg, run_dir, reuse=True)  # the directory is the named run's, whatever its recipe says today
-    report = read_json(run_dir / "report.json")
+    directory = run_dir(bench, name)
+    run_pipeline(cfg, directory, reuse=True)  # the directory is the named run's, whatever its recipe says today
+    report = read_json(directory / "report.json")
     tasks, summary = report["tasks"], report["summary"]
-    result = {"run_dir": str(run_dir), "cost": _stage_cost(run_dir), "chosen": chosen_hyper(run_dir),
+    result = {"run_dir": str(directory), "cost": _stage_cost(directory), "chosen": chosen_hyper(directory),
               "accuracy": {t: s["accuracy"] for t, s in tasks.items()},
               "predictions": {t: s["predictions"] for t, s in tasks.items() if "predictions" in s},
               "labels": {t: s["labels"] for t, s in tasks.items() if "labels" in s},
@@ -141,6 +188,9 @@ def run_method(bench: Path, name: str) -> dict[str, Any]:
     if name not in runs:
         raise ValueError(f"unknown {spec.name} run {name!r}; known: {sorted(runs)}")
     run = runs[name]
+    if run.start is not None and not (bench / "results" / f"{run.start}.json").is_file():
+        raise FileNotFoundError(f"run {name} starts from run {run.start}, which has not run here "
+                                f"({bench / 'results' / f'{run.start}.json'} is missing); run it first")
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
     raw = recipe.run_config(bench, spec, run)
@@ -159,7 +209,7 @@ def timed_result(bench: Path, name: str, run: MethodRun, compute: Callable[[], d
     started = time.perf_counter()
     result = compute()
     result.update(run=name, merge=run.merge, scaling=run.scaling, method=run.method, examples=run.examples,
-                  process_seconds=round(time.perf_counter() - started, 2),
+                  start=run.start, process_seconds=round(time.perf_counter() - started, 2),
                   process_peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
     write_json(bench / "results" / f"{name}.json", result)
     return result

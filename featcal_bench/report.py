@@ -1,7 +1,8 @@
 """The benchmark report: one table of methods, the sample-efficiency curve, costs, and plots.
 
 Gap closed = (method − TA) / (experts − TA), on the task-averaged accuracy. Where the runs kept their per-example
-predictions, TA + FeatCal is compared with every other method on the same test rows (featcal_bench.paired).
+predictions, TA + FeatCal is compared with every other method on the same test rows (featcal_bench.paired), and each
+calibrated row with the row it started from (its merge, or the run whose calibrated model it calibrated).
 The rows and curves are the MiniLM benchmark's unless a caller (featcal_bench/clip/report.py) names its own; rows
 carrying a published figure (`paper`) get a column of their own.
 """
@@ -50,6 +51,8 @@ METHOD_ROWS = (
     ("TA + ProbSurgery", "ta_probsurgery", "calibrated", "total"),
     ("TA + FeatCal", "ta_featcal", "calibrated", "total"),
     ("TIES + FeatCal", "ties_featcal", "calibrated", "total"),
+    ("RegMean + FeatCal", "regmean_featcal", "calibrated", "total"),
+    ("RegMean++ + FeatCal", "regmean_pp_featcal", "calibrated", "total"),
     ("DARE-TIES", "dare_ties_featcal", "merged", "merge"),
     ("DARE-TIES + FeatCal", "dare_ties_featcal", "calibrated", "total"),
     ("TA + FeatCal (λ 0.05, ρ 2.2: the paper's)", "ta_featcal_paper", "calibrated", "total"),
@@ -82,24 +85,64 @@ def _correct(result: dict[str, Any], model: str, tasks: list[str]) -> dict[str, 
     return {t: [p == y for p, y in zip(predictions[t][model], labels[t], strict=True)] for t in tasks}
 
 
-def _paired(results: dict[str, dict[str, Any]], tasks: list[str], rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """TA + FeatCal against every other method row on the same test rows: the task-averaged accuracy difference
-    with its paired-bootstrap interval, and McNemar's test on the rows of all tasks pooled. Rows without
-    per-example predictions (TA + FeatCal's own included) are listed under `without_predictions`."""
-    correct = {r["method"]: _correct(results[r["run"]], r["model"], tasks) for r in rows}
+def _compared(a: dict[str, list[bool]], b: dict[str, list[bool]], tasks: list[str]) -> dict[str, Any]:
+    """a's task-averaged accuracy minus b's with its paired-bootstrap interval, and McNemar's test on the rows of
+    all tasks pooled (`only_a_right`, `only_b_right`, `p_value`)."""
+    test = mcnemar([c for t in tasks for c in a[t]], [c for t in tasks for c in b[t]])
+    return {**paired_bootstrap(a, b, RESAMPLES, SEED), **test}
+
+
+def _paired(correct: dict[str, dict[str, list[bool]] | None], tasks: list[str],
+            rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """TA + FeatCal against every other method row on the same test rows (`_compared`). Rows without per-example
+    predictions (TA + FeatCal's own included) are listed under `without_predictions`."""
     reference = correct.get(PAIRED_REFERENCE)
     comparisons = []
     for row in rows:
         other = correct[row["method"]]
         if row["method"] == PAIRED_REFERENCE or reference is None or other is None:
             continue
-        boot = paired_bootstrap(reference, other, RESAMPLES, SEED)
-        test = mcnemar([c for t in tasks for c in reference[t]], [c for t in tasks for c in other[t]])
-        comparisons.append({"method": row["method"], "run": row["run"], "model": row["model"], **boot,
-                            "p_value": test["p_value"], "featcal_only_right": test["only_a_right"],
-                            "other_only_right": test["only_b_right"]})
+        c = _compared(reference, other, tasks)
+        comparisons.append({"method": row["method"], "run": row["run"], "model": row["model"],
+                            "difference": c["difference"], "ci": c["ci"], "p_value": c["p_value"],
+                            "featcal_only_right": c["only_a_right"], "other_only_right": c["only_b_right"]})
     return {"reference": PAIRED_REFERENCE, "resamples": RESAMPLES, "seed": SEED, "comparisons": comparisons,
             "without_predictions": [m for m, c in correct.items() if c is None]}
+
+
+def _starting_rows(methods: list[dict[str, Any]], results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each calibrated row's starting point, by its label: the calibrated model of the run it started from (a run
+    with a `start`, e.g. RegMean + FeatCal from RegMean), else the merged model with its merge method and scale."""
+    def merge_of(run: str) -> tuple[Any, Any]:
+        return results[run].get("merge"), results[run].get("scaling")
+
+    merges = {merge_of(r["run"]): r for r in methods if r["model"] == "merged"}
+    calibrated = {r["run"]: r for r in methods if r["model"] == "calibrated"}
+    starts = {}
+    for row in methods:
+        if row["model"] != "calibrated":
+            continue
+        start = results[row["run"]].get("start")
+        found = calibrated.get(start) if start is not None else merges.get(merge_of(row["run"]))
+        if found is not None:
+            starts[row["method"]] = found
+    return starts
+
+
+def _paired_with_start(correct: dict[str, dict[str, list[bool]] | None], tasks: list[str],
+                       starts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each calibrated row against the row it started from (`_starting_rows`), on the same test rows: what the
+    calibration itself changed (`_compared`); pairs missing per-example predictions under `without_predictions`."""
+    comparisons, missing = [], []
+    for method, start in starts.items():
+        if correct[method] is None or correct[start["method"]] is None:
+            missing.append(method)
+            continue
+        c = _compared(correct[method], correct[start["method"]], tasks)
+        comparisons.append({"method": method, "start": start["method"], "difference": c["difference"], "ci": c["ci"],
+                            "p_value": c["p_value"], "calibrated_only_right": c["only_a_right"],
+                            "start_only_right": c["only_b_right"]})
+    return {"resamples": RESAMPLES, "seed": SEED, "comparisons": comparisons, "without_predictions": missing}
 
 
 # sample-efficiency curve → (its 256-example run, its label); run `{run}_n{n:03d}` has n examples per task
@@ -109,20 +152,25 @@ CURVES: Curves = {"featcal": ("ta_featcal", "TA + FeatCal"), "regmean_pp": ("reg
                   "featcal_auto": ("ta_featcal_auto", "TA + FeatCal (λ auto)")}
 
 
-def _add_changes_against_merge(methods: list[dict[str, Any]], results: dict[str, dict[str, Any]]) -> None:
-    """Each calibrated row's per-task change against the merge it started from (the row of the merged model with the
-    same merge method and scale), and its worst task: a task below 0 is one the calibration left behind."""
-    def merge_of(run: str) -> tuple[Any, Any]:
-        return results[run].get("merge"), results[run].get("scaling")
-
-    merges = {merge_of(r["run"]): r for r in methods if r["model"] == "merged"}
+def _add_changes_against_start(methods: list[dict[str, Any]], starts: dict[str, dict[str, Any]]) -> None:
+    """Each calibrated row's per-task change against the row it started from (`_starting_rows`: its merge, or the run
+    it calibrated), and its worst task: a task below 0 is one the calibration left behind."""
     for row in methods:
-        merge = merges.get(merge_of(row["run"])) if row["model"] == "calibrated" else None
-        if merge is None:
+        start = starts.get(row["method"])
+        if start is None:
             continue
-        change = {t: row["accuracy"][t] - merge["accuracy"][t] for t in row["accuracy"]}
+        change = {t: row["accuracy"][t] - start["accuracy"][t] for t in row["accuracy"]}
         worst = min(change, key=change.get)
-        row.update(change_vs_merge=change, merge_row=merge["method"], worst_task={"task": worst, "change": change[worst]})
+        row.update(change_vs_merge=change, merge_row=start["method"],
+                   worst_task={"task": worst, "change": change[worst]})
+
+
+def _seconds_from_experts(results: dict[str, dict[str, Any]], run: str) -> float:
+    """A calibrated model's time from the experts: its run's merge and calibration, and those of the run it started
+    from, if any (RegMean + FeatCal costs RegMean too)."""
+    cost, start = results[run]["cost"], results[run].get("start")
+    own = cost["merge_seconds"] + cost["calibration_seconds"]
+    return own + (_seconds_from_experts(results, start) if start is not None else 0.0)
 
 
 def _sample_run(run: str, n: int) -> str:
@@ -159,11 +207,12 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
             row["gap_closed"] = (avg - ta_avg) / (expert_avg - ta_avg)
         if cost_kind is not None:
             cost = results[run]["cost"]
-            row["seconds"] = cost["merge_seconds"] if cost_kind == "merge" else cost["merge_seconds"] + cost["calibration_seconds"]
+            row["seconds"] = cost["merge_seconds"] if cost_kind == "merge" else _seconds_from_experts(results, run)
             row["calibration_seconds"] = 0.0 if cost_kind == "merge" else cost["calibration_seconds"]
             row["peak_rss_mib"] = cost["merge_peak_rss_mib"] if cost_kind == "merge" else cost["peak_rss_mib"]
         methods.append(row)
-    _add_changes_against_merge(methods, results)
+    starts = _starting_rows(methods, results)
+    _add_changes_against_start(methods, starts)
     curve = {}
     for name, (run, _) in curves.items():
         points = {}
@@ -176,8 +225,11 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
     out: dict[str, Any] = {**meta, "tasks": tasks, "methods": methods, "sample_efficiency": curve}
     if experts and ta:
         out["gaps"] = {t: experts[t] - ta[t] for t in tasks}
+    correct = {r["method"]: _correct(results[r["run"]], r["model"], tasks) for r in methods}
     if any(row["method"] == PAIRED_REFERENCE for row in methods):
-        out["paired"] = _paired(results, tasks, methods)
+        out["paired"] = _paired(correct, tasks, methods)
+    if starts:
+        out["paired_with_start"] = _paired_with_start(correct, tasks, starts)
     kept = {name: (points[8] - ta_avg) / (points[FULL] - ta_avg) for name, points in curve.items()
             if name != "regmean_pp" and ta_avg is not None and 8 in points and FULL in points and points[FULL] != ta_avg}
     if "featcal" in kept:
@@ -208,6 +260,7 @@ def language_model_report(results: dict[str, dict[str, Any]], tasks: list[str], 
     has no right or wrong rows to pair, and these benchmarks have no sample curves."""
     report = build_report(results, tasks, meta, rows=rows, curves={})
     report.pop("paired", None)
+    report.pop("paired_with_start", None)
     report.pop("sample_efficiency")
     for row in report["methods"]:
         lm = results[row["run"]]["language_model"]
@@ -252,6 +305,7 @@ def markdown(report: dict[str, Any], curves: Curves = CURVES) -> str:
                   + ("; the paired comparisons below test the differences themselves." if compared else ".")]
     lines += changes_markdown(report)
     lines += paired_markdown(report)
+    lines += start_markdown(report)
     lines += ["", "## Sample efficiency (average accuracy, %)", "", "| examples/task | " + " | ".join(str(n) for n in SAMPLE_SIZES) + " |",
               "|---|" + "---:|" * len(SAMPLE_SIZES)]
     curve_rows = [(curves[name][1], points) for name, points in report["sample_efficiency"].items()]
@@ -291,7 +345,7 @@ def changes_markdown(report: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     tasks = report["tasks"]
-    lines = ["", "## Change against the merge, per task (points)", "",
+    lines = ["", "## Change against the merge (or the run it calibrated), per task (points)", "",
              "| method | from | " + " | ".join(tasks) + " | tasks below their merge |", "|---|---|" + "---:|" * (len(tasks) + 1)]
     for r in rows:
         below = [t for t in tasks if r["change_vs_merge"][t] < 0]
@@ -324,6 +378,27 @@ def paired_markdown(report: dict[str, Any]) -> list[str]:
                       "test rows of all tasks pooled."]
     if paired["without_predictions"]:
         lines += ["", "No per-example predictions for: " + ", ".join(paired["without_predictions"]) + "."]
+    return lines
+
+
+def start_markdown(report: dict[str, Any]) -> list[str]:
+    """The calibrated-against-its-start section: one row per calibrated method, Δ = that method − its start."""
+    paired = report.get("paired_with_start")
+    if not paired or not paired["comparisons"]:
+        return []
+    lines = ["", "## Paired comparisons: each calibrated method against its starting point", "",
+             "| method | starting point | Δ accuracy (points) [95 % CI] | McNemar p |", "|---|---|---:|---:|"]
+    for c in paired["comparisons"]:
+        low, high = c["ci"]
+        lines.append(f"| {c['method']} | {c['start']} | {100 * c['difference']:+.1f} [{100 * low:+.1f}, "
+                     f"{100 * high:+.1f}] | {_p_value(c['p_value'])} |")
+    lines += ["", "Δ is the method's task-averaged accuracy minus that of the model it calibrated (its merge, or the "
+                  "calibrated model of the run it started from), on the same test rows; the CI from a paired bootstrap "
+                  f"of each task's rows ({paired['resamples']:,} resamples, seed {paired['seed']}), McNemar's exact "
+                  "test on the rows of all tasks pooled."]
+    if paired["without_predictions"]:
+        lines += ["", "No per-example predictions for (or for the start of): "
+                  + ", ".join(paired["without_predictions"]) + "."]
     return lines
 
 

@@ -221,7 +221,8 @@ def built_outputs(bench: Path, stages: list[str]) -> list[dict[str, str]]:
 
 def run_stages(bench: Path, runs: list[str] | None, out_dir: str | None, stage: Call) -> dict[str, Record]:
     """Every method run `runs` (default: all the recipe's), each in its own process and cached on the built inputs
-    and the code, then the report from their results."""
+    and the code, then the report from their results. A run with a `start` comes after that run (added where not
+    asked for) and is cached on its result too: a start that changes reruns it."""
     bench = bench.resolve()
     recipe = recipe_of(bench)
     spec = recipe.spec.load(bench)
@@ -232,7 +233,12 @@ def run_stages(bench: Path, runs: list[str] | None, out_dir: str | None, stage: 
     unknown = sorted(set(names) - set(known))
     if unknown:
         raise ValueError(f"--runs: unknown {spec.name} runs {unknown}; known: {sorted(known)}")
-    records = {r: stage(bench, "method", f"method/{r}", digest_of([code, r, inputs]), run=r) for r in names}
+    names = method.ordered_runs(names, known)
+    records: dict[str, Record] = {}
+    for r in names:
+        start = known[r].start
+        after = [] if start is None else [records[start]["outputs"][f"results/{start}.json"]]
+        records[r] = stage(bench, "method", f"method/{r}", digest_of([code, r, inputs, *after]), run=r)
     digests = [records[r]["outputs"][f"results/{r}.json"] for r in names]
     report_code = code_digest(Path(m.__file__) for m in {bench_report, sys.modules[__name__], *recipe.report.modules})
     records["report"] = stage(bench, "report", "report", digest_of([report_code, names, digests, out_dir]),

@@ -11,14 +11,15 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, BertForSequenceClassification
 
 from featcal_bench.finetune import FineTune, Selection, _train, accuracy
 from featcal_bench.minilm.probe import L2_GRID, fitted_probe
 from featcal_bench.minilm import competence
 from featcal_bench.minilm.competence import IncompetentExperts, failures, figures, mix_table
-from featcal_bench.method import MethodRun
-from featcal_bench.minilm.recipe import method_runs, pipeline_config
+from featcal_bench.method import MethodRun, ordered_runs
+from featcal_bench.minilm.recipe import FEATCAL, method_runs, pipeline_config
 from featcal_bench.report import METHOD_ROWS
 from featcal_bench.sources import SourceMissing, Sources, general_inquirer, moral_foundations, roget, spam_mails, synsets
 from featcal_bench.minilm.presets import PRESETS
@@ -152,6 +153,74 @@ def test_method_runs_and_report(built) -> None:
     assert paired["RegMean"]["difference"] == pytest.approx(rows["TA + FeatCal"]["average"] - rows["RegMean"]["average"])
     assert "predictions" not in report["runs"]["regmean"]
     assert "## Paired comparisons: TA + FeatCal against each method" in (bench / "report" / "fixture.md").read_text()
+
+
+def test_runs_with_a_start_come_after_it_and_are_keyed_on_its_result(built) -> None:
+    """`regmean_pp_featcal` asked alone: `regmean_pp` runs first (added), and the composed run's key holds the start's
+    recorded result digest: a changed RegMean++ result changes it, and nothing else's. A stand-in stage records the
+    calls (nothing runs)."""
+    bench, _, _ = built
+
+    def calls(start_digest: str) -> list[tuple[str, str]]:
+        seen = []
+
+        def stage(bench_dir, kind, name, key, **params):
+            seen.append((name, key))
+            return {"outputs": {f"results/{params['run']}.json": start_digest}} if kind == "method" else {}
+
+        run_stages(bench, ["regmean_pp_featcal", "ta_featcal"], None, stage)
+        return seen
+
+    first, second = calls("d1"), calls("d2")
+    assert [n for n, _ in first] == ["method/regmean_pp", "method/regmean_pp_featcal", "method/ta_featcal", "report"]
+    keys = [a == b for (_, a), (_, b) in zip(first, second)]
+    assert keys == [True, False, True, False]  # the report reads every digest
+
+
+def test_a_start_must_be_a_known_pipeline_run_and_given_needs_one() -> None:
+    runs = {"ta_featcal": MethodRun("task_arithmetic", "featcal"),
+            "ta_surgery": MethodRun("task_arithmetic", "surgery"),
+            "a": MethodRun("given", "featcal", start="b"), "b": MethodRun("given", "featcal", start="a")}
+    assert ordered_runs(["ta_featcal"], runs) == ["ta_featcal"]
+    for start, message in (("nope", r"run x: start 'nope' is no run of this recipe; known: \['a', 'b', 'ta_featcal', "
+                                     r"'ta_surgery', 'x'\]$"),
+                           ("ta_surgery", r"run x: start 'ta_surgery' is a surgery run, which writes no calibrated "
+                                          r"checkpoint; expected a pipeline run$"),
+                           ("a", r"run b: start 'a' starts from it in turn \(x → a → b → a\)$")):
+        with pytest.raises(ValueError, match=message):
+            ordered_runs(["x"], {**runs, "x": MethodRun("given", "featcal", start=start)})
+    for merge, start in (("given", None), ("ties", "ta_featcal")):
+        with pytest.raises(ValueError, match=rf"^MethodRun: merge given reads run `start`'s calibrated checkpoint, "
+                                             rf"and only it does \(merge {merge}, start {start!r}\)$"):
+            MethodRun(merge, "featcal", start=start)
+
+
+def test_featcal_from_regmean_calibrates_regmeans_checkpoint(built) -> None:
+    """RegMean + FeatCal: a given merge of the `regmean` run's calibrated/ (a full checkpoint of the base's
+    architecture), so the composed run's merged body is RegMean's calibrated body, tensor for tensor; the report
+    has its row, and each calibrated row paired with the row it started from on the same test rows."""
+    bench, spec, _ = built
+    run = method_runs()["regmean_featcal"]
+    assert (run.start, run.models, run.featcal) == ("regmean", ("calibrated",), FEATCAL)
+    cfg = config_from_dict(pipeline_config(bench, spec, run), root=bench)
+    assert (cfg.merge.method, cfg.merge.path) == ("given", str(bench / "runs" / "regmean" / "calibrated"))
+    records = run_stages(bench, ["ta_featcal", "regmean_featcal"], None, direct_call)
+    assert list(records) == ["ta_featcal", "regmean", "regmean_featcal", "report"]
+    start, merged = (load_file(bench / "runs" / r / d / "model.safetensors")
+                     for r, d in (("regmean", "calibrated"), ("regmean_featcal", "merged")))
+    assert start.keys() == merged.keys() and all(torch.equal(start[k], merged[k]) for k in start)
+    composed = load_file(bench / "runs" / "regmean_featcal" / "calibrated" / "model.safetensors")
+    assert any(not torch.equal(composed[k], start[k]) for k in start)  # FeatCal moved it
+    report = json.loads((bench / "report" / "fixture.json").read_text())
+    rows = {r["method"]: r for r in report["methods"]}
+    result = json.loads((bench / "results" / "regmean_featcal.json").read_text())
+    assert result["start"] == "regmean" and rows["RegMean + FeatCal"]["merge_row"] == "RegMean"
+    pairs = {c["method"]: c for c in report["paired_with_start"]["comparisons"]}
+    assert {m: c["start"] for m, c in pairs.items()} == {
+        "RegMean": "average", "TA + FeatCal": "task arithmetic", "RegMean + FeatCal": "RegMean"}
+    assert pairs["RegMean + FeatCal"]["difference"] == pytest.approx(
+        rows["RegMean + FeatCal"]["average"] - rows["RegMean"]["average"], abs=1e-12)
+    assert "| RegMean + FeatCal | RegMean | " in (bench / "report" / "fixture.md").read_text()
 
 
 def test_demo_preset_uses_pypi_data_only_and_its_config_validates(tmp_path) -> None:

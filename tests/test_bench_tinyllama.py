@@ -139,3 +139,23 @@ def test_run_reports_per_domain_losses(built, tmp_path: Path) -> None:
     finished = RunDir(bench).record("method/ta_featcal")["finished_at"]
     assert run_stages(bench, ["ta_featcal"], str(tmp_path / "out"), direct_call) == records
     assert RunDir(bench).record("method/ta_featcal")["finished_at"] == finished
+
+
+def test_featcal_from_regmean_pp_is_read_against_regmean_pp(built, tmp_path: Path) -> None:
+    """RegMean++ + FeatCal: `regmean_pp` runs first, its calibrated checkpoint is the composed run's given merge
+    (tensor for tensor), and the run's own gap closed is measured from RegMean++'s loss, not from a merge."""
+    import torch
+
+    bench, spec, _ = built
+    records = run_stages(bench, ["ta_featcal", "regmean_pp_featcal"], str(tmp_path / "out"), direct_call)
+    assert list(records) == ["ta_featcal", "regmean_pp", "regmean_pp_featcal", "report"]
+    start, merged = (load_file(bench / "runs" / r / d / "model.safetensors")
+                     for r, d in (("regmean_pp", "calibrated"), ("regmean_pp_featcal", "merged")))
+    assert start.keys() == merged.keys() and all(torch.equal(start[k], merged[k]) for k in start)
+    report = json.loads((tmp_path / "out" / "tinyllama_domains.json").read_text())
+    rows = {r["method"]: r for r in report["methods"]}
+    assert set(rows["RegMean++ + FeatCal"]["loss"]) == set(spec.tasks)
+    start_loss, ours = rows["RegMean++"]["average_loss"], rows["RegMean++ + FeatCal"]["average_loss"]
+    experts = rows["experts (each on its own domain)"]["average_loss"]
+    assert report["run_gap_closed"]["regmean_pp_featcal"] == pytest.approx((start_loss - ours) / (start_loss - experts))
+    assert "| RegMean++ + FeatCal |" in (tmp_path / "out" / "tinyllama_domains.md").read_text()

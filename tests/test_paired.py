@@ -202,3 +202,40 @@ def test_report_without_any_predictions_names_the_methods_and_draws_no_table():
                                                        "TA + FeatCal"]
     md = markdown(report)
     assert "| method | Δ accuracy" not in md and "No per-example predictions for: experts (individual)" in md
+
+
+def test_each_calibrated_row_is_paired_with_the_row_it_started_from():
+    """TA + FeatCal against task arithmetic (its merge), RegMean + FeatCal against RegMean (its `start` run's
+    calibrated model); RegMean's own merge (the average) was not scored, so RegMean has no start row. Values by hand;
+    the composed row's time includes RegMean's."""
+    predictions = {**PREDICTIONS,
+                   "regmean_featcal": {"a": {"calibrated": [0, 1, 0, 0]}, "b": {"calibrated": [2, 0, 1, 0, 0]}}}
+    results = {run: _result(p) for run, p in predictions.items()}
+    results["ta_featcal"].update(merge="task_arithmetic", scaling=0.3)
+    results["regmean"].update(merge="average", scaling=0.3)
+    results["regmean_featcal"].update(merge="given", scaling=0.3, start="regmean")
+    report = build_report(results, TASKS, {})
+    starts = report["paired_with_start"]
+    assert starts["without_predictions"] == [] and (starts["resamples"], starts["seed"]) == (10_000, 0)
+    rows = {c["method"]: c for c in starts["comparisons"]}
+    assert list(rows) == ["TA + FeatCal", "RegMean + FeatCal"]
+    # RegMean + FeatCal: a 3/4 vs RegMean's 2/4, b 4/5 vs 3/5; right where RegMean was wrong on a[0] and b[2] only.
+    expected = {
+        "TA + FeatCal": ("task arithmetic", ("ta_featcal", "calibrated"), ("ta_featcal", "merged"), 0.225, 2, 0),
+        "RegMean + FeatCal": ("RegMean", ("regmean_featcal", "calibrated"), ("regmean", "calibrated"), 0.225, 2, 0)}
+    for method, (start, ours, theirs, difference, only_ours, only_start) in expected.items():
+        row = rows[method]
+        assert row["start"] == start and row["difference"] == pytest.approx(difference, abs=1e-12)
+        assert (row["calibrated_only_right"], row["start_only_right"]) == (only_ours, only_start)
+        assert row["p_value"] == pytest.approx(_exact_two_sided(only_ours, only_start), rel=1e-9)
+        assert row["ci"] == paired_bootstrap(_correct(*ours, predictions), _correct(*theirs, predictions))["ci"]
+    methods = {r["method"]: r for r in report["methods"]}
+    assert methods["RegMean + FeatCal"]["merge_row"] == "RegMean"
+    assert methods["RegMean + FeatCal"]["change_vs_merge"] == pytest.approx({"a": 0.25, "b": 0.2}, abs=1e-12)
+    assert "merge_row" not in methods["RegMean"]
+    cost = COST["merge_seconds"] + COST["calibration_seconds"]
+    assert (methods["RegMean + FeatCal"]["seconds"], methods["RegMean"]["seconds"]) == (2 * cost, cost)
+    md = markdown(report)
+    assert "## Paired comparisons: each calibrated method against its starting point" in md
+    low, high = rows["RegMean + FeatCal"]["ci"]
+    assert f"| RegMean + FeatCal | RegMean | +22.5 [{100 * low:+.1f}, {100 * high:+.1f}] | 0.500 |" in md

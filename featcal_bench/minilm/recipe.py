@@ -34,8 +34,8 @@ from storage.rundir import Record
 FEATCAL = {"lambda": 0.5, "rho": 3.0, "alpha": 0.25}
 
 def method_runs(spec: BenchSpec | None = None) -> dict[str, MethodRun]:
-    """The MiniLM benchmarks' runs: the validation-tuned FeatCal on TA and TIES, the baselines, the paper's and the
-    label-free settings, and the sample-size curves (the same runs for every task set)."""
+    """The MiniLM benchmarks' runs: the validation-tuned FeatCal on TA, TIES and the RegMean checkpoints, the baselines,
+    the paper's and the label-free settings, and the sample-size curves (the same runs for every task set)."""
     runs = {
         # One run yields experts, base + head, TA and TA + FeatCal, and the per-block drift plot.
         "ta_featcal": MethodRun("task_arithmetic", "featcal", models=("base", "merged", "calibrated", "expert"),
@@ -48,6 +48,9 @@ def method_runs(spec: BenchSpec | None = None) -> dict[str, MethodRun]:
         # RegMean keeps the average of the non-linear parameters: the merged checkpoint is the average.
         "regmean": MethodRun("average", "regmean", models=("merged", "calibrated")),
         "regmean_pp": MethodRun("average", "regmean_plus_plus"),
+        # FeatCal from the best merge: the checkpoint each RegMean run calibrated, as a given merge.
+        "regmean_featcal": MethodRun("given", "featcal", featcal=FEATCAL, start="regmean"),
+        "regmean_pp_featcal": MethodRun("given", "featcal", featcal=FEATCAL, start="regmean_pp"),
         "ta_surgery": MethodRun("task_arithmetic", "surgery"),
         "ta_probsurgery": MethodRun("task_arithmetic", "probsurgery"),
         # FeatCal from a stronger merge: TA at 0.9 (alone far below TA at 0.3) with the CLIP defaults was the

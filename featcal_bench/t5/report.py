@@ -43,6 +43,7 @@ def t5_report(results: dict[str, dict[str, Any]], spec: T5BenchSpec, meta: dict[
     rows answered right."""
     report = build_report(results, spec.tasks, meta, rows=ROWS, curves=CURVES)
     report.pop("paired", None)
+    report.pop("paired_with_start", None)
     add_paper_column(report, PAPER)
     subset = sorted(set(GLUE_TASKS) - set(spec.tasks))
     surgery = ", ".join(f"{k} {v}" for k, v in PAPER_SURGERY.items())

@@ -19,7 +19,8 @@ EXAMPLES = 128  # calibration rows per domain (of seq_len tokens each); a smalle
 def tinyllama_method_runs() -> dict[str, MethodRun]:
     """FeatCal at the paper's λ 0.05, ρ 2.2, α 0.25 on the TA and TIES merges (scale 0.3), and at λ auto (chosen per
     module on held-out calibration rows, no labels); RegMean and RegMean++ from the average; and FeatCal from the plain
-    sum of the task vectors (TA at 1.0), a stronger merge than 0.3 where fine-tunes move the weights little. A merge's
+    sum of the task vectors (TA at 1.0), a stronger merge than 0.3 where fine-tunes move the weights little; and FeatCal
+    from each RegMean run's calibrated checkpoint (a given merge). A merge's
     own model is scored in the run that calibrates it (TA in `ta_featcal`, TIES in `ties_featcal`, the average in
     `regmean`)."""
     return {
@@ -28,6 +29,8 @@ def tinyllama_method_runs() -> dict[str, MethodRun]:
         "ties_featcal": MethodRun("ties", "featcal", EXAMPLES, ("merged", "calibrated"), PAPER_FEATCAL),
         "regmean": MethodRun("average", "regmean", EXAMPLES, ("merged", "calibrated")),
         "regmean_pp": MethodRun("average", "regmean_plus_plus", EXAMPLES),
+        "regmean_featcal": MethodRun("given", "featcal", EXAMPLES, featcal=PAPER_FEATCAL, start="regmean"),
+        "regmean_pp_featcal": MethodRun("given", "featcal", EXAMPLES, featcal=PAPER_FEATCAL, start="regmean_pp"),
         "ta_featcal_auto": MethodRun("task_arithmetic", "featcal", EXAMPLES, featcal=AUTO),
         "ta10_featcal": MethodRun("task_arithmetic", "featcal", EXAMPLES, ("merged", "calibrated"), PAPER_FEATCAL,
                                   scaling=1.0),
