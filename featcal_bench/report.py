@@ -57,6 +57,7 @@ METHOD_ROWS = (
     ("DARE-TIES + FeatCal", "dare_ties_featcal", "calibrated", "total"),
     ("TA + FeatCal (λ 0.05, ρ 2.2: the paper's)", "ta_featcal_paper", "calibrated", "total"),
     ("TA + FeatCal (λ auto, ρ 2.2: no labels)", "ta_featcal_auto", "calibrated", "total"),
+    ("TA + FeatCal (λ auto from 0.001 + shrinkage auto)", "ta_featcal_auto_shrink", "calibrated", "total"),
     ("TA + FeatCal + head side", "ta_featcal_head", "calibrated", "total"),
     ("TA + FeatCal + trust 0.5", "ta_featcal_trust", "calibrated", "total"),
     ("task arithmetic 0.9", "ta09_featcal", "merged", "merge"),
@@ -149,7 +150,8 @@ def _paired_with_start(correct: dict[str, dict[str, list[bool]] | None], tasks: 
 Curves = Mapping[str, tuple[str, str]]
 CURVES: Curves = {"featcal": ("ta_featcal", "TA + FeatCal"), "regmean_pp": ("regmean_pp", "RegMean++"),
                   "featcal_ta09": ("ta09_featcal", "TA 0.9 + FeatCal"),
-                  "featcal_auto": ("ta_featcal_auto", "TA + FeatCal (λ auto)")}
+                  "featcal_auto": ("ta_featcal_auto", "TA + FeatCal (λ auto)"),
+                  "featcal_auto_shrink": ("ta_featcal_auto_shrink", "TA + FeatCal (λ auto + shrinkage)")}
 
 
 def _add_changes_against_start(methods: list[dict[str, Any]], starts: dict[str, dict[str, Any]]) -> None:
@@ -238,6 +240,8 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
         out["featcal_ta09_8_of_256_gain"] = kept["featcal_ta09"]
     if "featcal_auto" in kept:
         out["featcal_auto_8_of_256_gain"] = kept["featcal_auto"]
+    if "featcal_auto_shrink" in kept:
+        out["featcal_auto_shrink_8_of_256_gain"] = kept["featcal_auto_shrink"]
     if "ta_featcal" in results:
         out["drift"] = results["ta_featcal"].get("drift", {})
     if results.get("ta_featcal_auto", {}).get("chosen"):
@@ -319,6 +323,9 @@ def markdown(report: dict[str, Any], curves: Curves = CURVES) -> str:
     if "featcal_auto_8_of_256_gain" in report:
         lines += ["", f"With λ auto, 8 examples/task keep {100 * report['featcal_auto_8_of_256_gain']:.1f} % of "
                       "the 256-example gain over TA."]
+    if "featcal_auto_shrink_8_of_256_gain" in report:
+        lines += ["", f"With λ auto on a grid from 0.001 and shrinkage auto, 8 examples/task keep "
+                      f"{100 * report['featcal_auto_shrink_8_of_256_gain']:.1f} % of that setting's 256-example gain."]
     if "featcal_ta09_8_of_256_gain" in report:
         lines += ["", f"From TA at 0.9 it keeps {100 * report['featcal_ta09_8_of_256_gain']:.1f} % (gains over TA at 0.3)."]
     if "auto_choices" in report:

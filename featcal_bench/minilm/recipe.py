@@ -32,6 +32,10 @@ from storage.rundir import Record
 # train split, never test) by benchmarks/minilm8_tuning.py; the CLIP defaults (λ 0.05, ρ 2.2) close
 # far less of the gap here (benchmarks/results/minilm8_tuning.md).
 FEATCAL = {"lambda": 0.5, "rho": 3.0, "alpha": 0.25}
+# Few examples (issue 33 §2): λ auto on a grid that reaches below 0.01 (λ auto chose its floor, 0.01, in every block
+# at 256 examples), and each task's Grams shrunk towards a scaled identity by a γ chosen on the held-out rows with λ.
+FEW = {**AUTO, "shrinkage": "auto",
+       "lambda_grid": [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]}
 
 def method_runs(spec: BenchSpec | None = None) -> dict[str, MethodRun]:
     """The MiniLM benchmarks' runs: the validation-tuned FeatCal on TA, TIES and the RegMean checkpoints, the baselines,
@@ -63,6 +67,8 @@ def method_runs(spec: BenchSpec | None = None) -> dict[str, MethodRun]:
         "ta_featcal_head": MethodRun("task_arithmetic", "featcal", featcal={**FEATCAL, "calibrate_head_side": True}),
         # The remedy for tasks left below the merge that passed the rule on validation (minilm8_quality.md).
         "ta_featcal_trust": MethodRun("task_arithmetic", "featcal", featcal={**FEATCAL, "trust": 0.5}),
+        "ta_featcal_auto_shrink": MethodRun("task_arithmetic", "featcal", featcal=FEW),
+        "ta_featcal_auto_shrink_n008": MethodRun("task_arithmetic", "featcal", examples=8, featcal=FEW),
     }
     for n in SAMPLE_SIZES[:-1]:
         runs[f"ta_featcal_n{n:03d}"] = MethodRun("task_arithmetic", "featcal", examples=n, featcal=FEATCAL)
