@@ -167,6 +167,20 @@ def _add_changes_against_start(methods: list[dict[str, Any]], starts: dict[str, 
                    worst_task={"task": worst, "change": change[worst]})
 
 
+def _agreement_with_experts(results: dict[str, dict[str, Any]], methods: list[dict[str, Any]], tasks: list[str]) -> None:
+    """Each row's share of test rows where it predicts what the task's own expert predicts, per task: a signal read
+    through each task's head that needs no labels (issue 33 §1), next to accuracy. Rows whose run kept no
+    per-example predictions, or a report without the experts' (`ta_featcal`), get none."""
+    experts = results.get("ta_featcal", {}).get("predictions", {})
+    if any("expert" not in experts.get(t, {}) for t in tasks):
+        return
+    for row in methods:
+        own = results[row["run"]].get("predictions", {})
+        if all(row["model"] in own.get(t, {}) for t in tasks):
+            row["expert_agreement"] = {t: _mean([float(p == e) for p, e in zip(own[t][row["model"]], experts[t]["expert"],
+                                                                             strict=True)]) for t in tasks}
+
+
 def _seconds_from_experts(results: dict[str, dict[str, Any]], run: str) -> float:
     """A calibrated model's time from the experts: its run's merge and calibration, and those of the run it started
     from, if any (RegMean + FeatCal costs RegMean too)."""
@@ -215,6 +229,7 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
         methods.append(row)
     starts = _starting_rows(methods, results)
     _add_changes_against_start(methods, starts)
+    _agreement_with_experts(results, methods, tasks)
     curve = {}
     for name, (run, _) in curves.items():
         points = {}
@@ -308,6 +323,7 @@ def markdown(report: dict[str, Any], curves: Curves = CURVES) -> str:
                       "on the same rows differ less by chance than two independent samples would (√2 × that)"
                   + ("; the paired comparisons below test the differences themselves." if compared else ".")]
     lines += changes_markdown(report)
+    lines += agreement_markdown(report)
     lines += paired_markdown(report)
     lines += start_markdown(report)
     lines += ["", "## Sample efficiency (average accuracy, %)", "", "| examples/task | " + " | ".join(str(n) for n in SAMPLE_SIZES) + " |",
@@ -358,6 +374,22 @@ def changes_markdown(report: dict[str, Any]) -> list[str]:
         below = [t for t in tasks if r["change_vs_merge"][t] < 0]
         lines.append(f"| {r['method']} | {r['merge_row']} | " + " | ".join(f"{100 * r['change_vs_merge'][t]:+.1f}" for t in tasks)
                      + f" | {', '.join(below) or '—'} |")
+    return lines
+
+
+def agreement_markdown(report: dict[str, Any]) -> list[str]:
+    """Per task, how often each row predicts what that task's expert predicts (test rows, no labels used)."""
+    rows = [r for r in report["methods"] if "expert_agreement" in r and r["model"] != "expert"]
+    if not rows:
+        return []
+    tasks = report["tasks"]
+    lines = ["", "## Agreement with each task's expert (% of test rows; no labels used)", "",
+             "The head-space signal next to accuracy: a calibration that moves a task's features away from what its "
+             "head reads shows here as lower agreement than its merge's.", "",
+             "| method | " + " | ".join(tasks) + " | average |", "|---|" + "---:|" * (len(tasks) + 1)]
+    for r in rows:
+        values = [r["expert_agreement"][t] for t in tasks]
+        lines.append(f"| {r['method']} | " + " | ".join(f"{100 * v:.1f}" for v in [*values, _mean(values)]) + " |")
     return lines
 
 

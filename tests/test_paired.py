@@ -239,3 +239,20 @@ def test_each_calibrated_row_is_paired_with_the_row_it_started_from():
     assert "## Paired comparisons: each calibrated method against its starting point" in md
     low, high = rows["RegMean + FeatCal"]["ci"]
     assert f"| RegMean + FeatCal | RegMean | +22.5 [{100 * low:+.1f}, {100 * high:+.1f}] | 0.500 |" in md
+
+
+def test_agreement_with_each_tasks_expert_is_reported_per_row_without_labels():
+    """Share of test rows where a row predicts what that task's expert predicts (by hand from PREDICTIONS); the labels
+    are not read: changing them leaves the agreement as it was."""
+    results = {run: _result(p) for run, p in PREDICTIONS.items()}
+    relabelled = {run: {**r, "labels": {t: [9] * len(y) for t, y in LABELS.items()}} for run, r in results.items()}
+    for res in (results, relabelled):
+        methods = {r["method"]: r for r in build_report(res, TASKS, {})["methods"]}
+        assert methods["task arithmetic"]["expert_agreement"] == pytest.approx({"a": 0.5, "b": 0.6}, abs=1e-12)
+        assert methods["TA + FeatCal"]["expert_agreement"] == pytest.approx({"a": 0.75, "b": 0.8}, abs=1e-12)
+        assert methods["RegMean"]["expert_agreement"] == pytest.approx({"a": 0.5, "b": 0.6}, abs=1e-12)
+    md = markdown(build_report(results, TASKS, {}))
+    assert "## Agreement with each task's expert" in md and "| TA + FeatCal | 75.0 | 80.0 | 77.5 |" in md
+    assert "| experts (individual) |" not in md.split("## Agreement")[1].split("\n## ")[0]
+    without = {run: {k: v for k, v in r.items() if k != "predictions"} for run, r in results.items()}
+    assert all("expert_agreement" not in r for r in build_report(without, TASKS, {})["methods"])
