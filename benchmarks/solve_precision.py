@@ -45,7 +45,7 @@ def module_data(name: str, d_in: int, d_out: int, experts: int, rows: int, seed:
     biases = [0.01 * torch.randn(d_out, generator=g, dtype=torch.float64) for _ in range(experts)]
     merged = {"weight": base + sum(w - base for w in weights) * 0.3, "bias": sum(biases) / experts}
     return ModuleData(where=name, tasks=tuple(f"t{t}" for t in range(experts)), task_weights=(1.0,) * experts,
-                      has_bias=True, stats=lambda: iter(stats), merged=lambda part: merged[part],
+                      has_bias=True, stats=lambda: ({k: v.clone() for k, v in s.items()} for s in stats), merged=lambda part: merged[part],
                       base=lambda part: base if part == "weight" else torch.zeros(d_out, dtype=torch.float64),
                       expert=lambda t, part: weights[t] if part == "weight" else biases[t])
 

@@ -126,7 +126,7 @@ def solve_linear_weight(
     if hp.trust:  # + μ Σ_t E‖W x_s − W_m x_s‖²/n_t: the data Gram again, with the merged weight as target
         b += hp.trust * a @ merged.double().T
         a *= 1.0 + hp.trust
-    a += hp.lam * torch.eye(d, dtype=torch.float64, device=merged.device)
+    a.diagonal().add_(hp.lam)  # + λI without a d×d identity
     return _ridge(a, b, hp.eps, mixed)
 
 
