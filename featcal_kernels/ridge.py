@@ -17,6 +17,16 @@ DAMPING_GROWTH = 10.0
 REFINE_TOL = 1e-10  # the last correction's size relative to x: well under the 1e-6 the weights must keep
 REFINE_MAX_STEPS = 10
 REFINE_MIN_CONTRACTION = 0.5  # a correction that shrinks by less than this means κ·u_fp32 is near 1: give up early
+# Each refinement step's float64 residual b − A·x costs 2·d²·k, as much as the float64 solve's own triangular solves,
+# while the fp32 factor saves part of d³/3 only: ridge_solve_mixed beat ridge_solve at d = 3072 for k = 16 (1.12×),
+# tied at k = 64 and lost from k = 128 on (0.81×; 0.49× at k = 768), one thread on the development EPYC
+# (benchmarks/results/solve_speed.md).
+MIXED_MAX_RHS_SHARE = 1 / 48
+
+
+def mixed_pays(d: int, k: int) -> bool:
+    """Whether the mixed solve of a d × d system with k right-hand sides can beat the float64 one."""
+    return k <= d * MIXED_MAX_RHS_SHARE
 
 
 class RidgeSolution(NamedTuple):
