@@ -45,7 +45,8 @@ def module_data(name: str, d_in: int, d_out: int, experts: int, rows: int, seed:
     biases = [0.01 * torch.randn(d_out, generator=g, dtype=torch.float64) for _ in range(experts)]
     merged = {"weight": base + sum(w - base for w in weights) * 0.3, "bias": sum(biases) / experts}
     return ModuleData(where=name, tasks=tuple(f"t{t}" for t in range(experts)), task_weights=(1.0,) * experts,
-                      has_bias=True, stats=lambda: ({k: v.clone() for k, v in s.items()} for s in stats), merged=lambda part: merged[part],
+                      has_bias=True, stats=lambda: ({k: v.clone() for k, v in s.items()} for s in stats),  # fresh
+                      merged=lambda part: merged[part],
                       base=lambda part: base if part == "weight" else torch.zeros(d_out, dtype=torch.float64),
                       expert=lambda t, part: weights[t] if part == "weight" else biases[t])
 
@@ -107,7 +108,9 @@ def main() -> None:
     lines += ["The ridge kernel alone ((a + 1e-8·I) x = b, a a normalised Gram + λI as the solve builds it, "
               "best of 3):", "", "| d × k | ridge_solve (float64) s | ridge_solve_mixed s | speed-up | path |",
               "|---|---|---|---|---|"]
-    for d, k in ((HIDDEN, HIDDEN), (HIDDEN, INTERMEDIATE), (INTERMEDIATE, HIDDEN)):
+    # the module shapes, then narrow right-hand sides at d = 3072: where mixed stops paying (featcal_kernels.mixed_pays)
+    for d, k in ((HIDDEN, HIDDEN), (HIDDEN, INTERMEDIATE), (INTERMEDIATE, HIDDEN), (INTERMEDIATE, 16),
+                 (INTERMEDIATE, 64), (INTERMEDIATE, 128)):
         stats = task_stats(rows, d, torch.Generator().manual_seed(d + k))
         a = stats["ss"] / torch.linalg.matrix_norm(stats["ss"]) + args.lam * torch.eye(d, dtype=torch.float64)
         b = torch.randn(d, k, generator=torch.Generator().manual_seed(1), dtype=torch.float64)

@@ -66,7 +66,8 @@ import torch
 torch.set_num_threads(1)
 from tasks.calibration import gram, solve
 from tasks.context import context
-run, stage, layer, precision, repeats, keep = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), sys.argv[6]
+run, stage, precision, keep = sys.argv[1], sys.argv[2], sys.argv[4], sys.argv[6]
+layer, repeats = int(sys.argv[3]), int(sys.argv[5])
 ctx = context(Path(run))
 ctx.cfg.runtime.solve_precision = precision
 task = ctx.tasks[0]
