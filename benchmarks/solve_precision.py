@@ -79,7 +79,7 @@ def main() -> None:
              f"{args.threads} thread(s)",
              f"- ViT-B/32 shapes, {args.experts} experts × {args.examples} examples × {TOKENS} tokens, "
              f"λ = {args.lam:g}, synthetic statistics; timed: each module's `solve_linear` (moments, right-hand "
-             "side, solve, bias), not the stage's file reads", "",
+             "side, solve, bias; best of 2), not the stage's file reads", "",
              "| block | module | float64 s | mixed s | speed-up | path (mixed) | max rel. weight diff |",
              "|---|---|---|---|---|---|---|"]
     for method in methods.values():  # warm-up: allocator, BLAS threads
@@ -91,9 +91,11 @@ def main() -> None:
             data = module_data(name, d_in, d_out, args.experts, rows, seed=100 * block + i)
             seconds, solved = {}, {}
             for precision, method in methods.items():
-                start = time.perf_counter()
-                solved[precision] = method.solve_linear(data)
-                seconds[precision] = time.perf_counter() - start
+                seconds[precision] = float("inf")
+                for _ in range(2):  # best of 2: the first call of a module also pays the page faults of new memory
+                    start = time.perf_counter()
+                    solved[precision] = method.solve_linear(data)
+                    seconds[precision] = min(seconds[precision], time.perf_counter() - start)
                 totals[precision] += seconds[precision]
             gap = max(float((solved["mixed"].tensors[k] - solved["float64"].tensors[k]).norm()
                             / solved["float64"].tensors[k].norm()) for k in ("weight", "bias"))

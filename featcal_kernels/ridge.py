@@ -20,7 +20,7 @@ REFINE_MIN_CONTRACTION = 0.5  # a correction that shrinks by less than this mean
 # Each refinement step's float64 residual b − A·x costs 2·d²·k, as much as the float64 solve's own triangular solves,
 # while the fp32 factor saves part of d³/3 only: ridge_solve_mixed beat ridge_solve at d = 3072 for k = 16 (1.12×),
 # tied at k = 64 and lost from k = 128 on (0.81×; 0.49× at k = 768), one thread on the development EPYC
-# (benchmarks/results/solve_speed.md).
+# (benchmarks/results/solve_precision.md).
 MIXED_MAX_RHS_SHARE = 1 / 48
 
 
