@@ -60,7 +60,7 @@ class ModuleData:
     tasks: tuple[str, ...]
     task_weights: tuple[float, ...]  # c_t, each task's weight in the shared solve
     has_bias: bool
-    stats: Callable[[], Iterator[dict[str, torch.Tensor]]]
+    stats: Callable[[], Iterator[dict[str, torch.Tensor]]]  # fresh sums at each call: a solve may overwrite them
     merged: Callable[[str], torch.Tensor]
     base: Callable[[str], torch.Tensor]
     expert: Callable[[int, str], torch.Tensor]
@@ -201,7 +201,9 @@ class FeatCal(CalibrationMethod):
 
         def per_task() -> Iterator[tuple[LinearMoments, torch.Tensor]]:
             for t, (stats, c) in enumerate(zip(module.stats(), weights, strict=True)):
-                mom, w_t = replace(linear_moments(stats, where), weight=c), module.expert(t, "weight")
+                # W_t in float64 once: the right-hand side's product and the bias term both read it
+                mom = replace(linear_moments(stats, where, in_place=True), weight=c)
+                w_t = module.expert(t, "weight").double()
                 if module.has_bias:
                     bias_terms.append(BiasTerm.of(mom, w_t, module.expert(t, "bias"), hp.alpha))
                 yield mom, w_t
@@ -251,7 +253,7 @@ class RegMean(CalibrationMethod):
         return StatisticsPlan(fit_block="expert", fit_stream="expert", expert_side=False)
 
     def solve_linear(self, module: ModuleData) -> Solved:
-        grams = ((linear_moments(stats, module.where).c_ss, module.expert(t, "weight"))
+        grams = ((linear_moments(stats, module.where, in_place=True).c_ss, module.expert(t, "weight"))
                  for t, stats in enumerate(module.stats()))
         eps = self.settings["eps"]
         sol = solve_regmean_weight(grams, self.settings["regmean_off_diagonal"], eps, self.mixed)

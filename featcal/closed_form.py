@@ -101,10 +101,14 @@ class LinearSolution:
 
 
 def _ridge(a: torch.Tensor, b: torch.Tensor, eps: float, mixed: bool) -> LinearSolution:
-    """Wᵀ from (a + εI) Wᵀ = b: float64 Cholesky, or fp32 with float64-residual refinement when `mixed`."""
-    if not mixed:
+    """Wᵀ from (a + εI) Wᵀ = b: float64 Cholesky, or fp32 with float64-residual refinement when `mixed` and the
+    right-hand side is narrow enough for that to pay (featcal_kernels.mixed_pays); the path says which."""
+    d, k = b.shape
+    if not mixed or not featcal_kernels.mixed_pays(d, k):
         sol = featcal_kernels.ridge_solve(a, b, damping=eps)
-        return LinearSolution(weight=sol.x.T.contiguous(), damping=sol.damping)
+        path = None if not mixed else (f"float64: {k} right-hand sides for {d} unknowns, too many for the fp32 "
+                                       "factor to pay for the float64 residuals")
+        return LinearSolution(weight=sol.x.T.contiguous(), damping=sol.damping, path=path)
     sol = featcal_kernels.ridge_solve_mixed(a, b, damping=eps)
     path = f"mixed, {sol.steps} steps" if sol.path == "mixed" else f"float64: {sol.fallback}"
     return LinearSolution(weight=sol.x.T.contiguous(), damping=sol.damping, path=path)
@@ -126,7 +130,7 @@ def solve_linear_weight(
     if hp.trust:  # + μ Σ_t E‖W x_s − W_m x_s‖²/n_t: the data Gram again, with the merged weight as target
         b += hp.trust * a @ merged.double().T
         a *= 1.0 + hp.trust
-    a += hp.lam * torch.eye(d, dtype=torch.float64, device=merged.device)
+    a.diagonal().add_(hp.lam)  # + λI without a d×d identity
     return _ridge(a, b, hp.eps, mixed)
 
 

@@ -35,6 +35,22 @@ def expert_side_form(rows: int, d_in: int, d_out: int, sharers: int) -> str:
     return "product" if 6 * rows * d_out < 2 * rows * d_in / sharers + 4 * d_in * d_out else "gram"
 
 
+# Rows of a fp32 chunk sum widened into a float64 running sum at a time: 2 MiB of float64.
+WIDEN_BYTES = 2 * 2**20
+
+
+def add_widened(total: torch.Tensor, part: torch.Tensor) -> None:
+    """total += part, a float64 running sum and a chunk's fp32 sum, a band of rows at a time. Added whole, the
+    mixed-dtype add first widens all of `part` into a fresh float64 temporary (75 MB for a d = 3072 Gram) whose page
+    faults cost more than the add; band by band the temporary stays small and in cache. The same sums, bit for bit."""
+    if part.dim() < 2:
+        total.add_(part)
+        return
+    rows = max(1, WIDEN_BYTES // (8 * part[0].numel()))
+    for start in range(0, part.shape[0], rows):
+        total[start:start + rows].add_(part[start:start + rows])
+
+
 class InputSums:
     """Σ w x_s x_sᵀ (and Σ w x_s x_eᵀ when some reader keeps C_se), Σ w x_s, Σ w x_e, Σ w of one module input."""
 
@@ -49,13 +65,13 @@ class InputSums:
 
     def add(self, xs: torch.Tensor, xe: torch.Tensor, w: torch.Tensor) -> None:
         g = featcal_kernels.dual_gram(xs, xe if self.se is not None else None, w)
-        self.ss += g.c_ss
+        add_widened(self.ss, g.c_ss)
         self.sum_s += g.sum_s
         self.sum_w += g.sum_w
         rows, dim = xs.shape
         self.flops += rows * dim * (dim + 1)  # C_ss: one triangle
         if self.se is not None:
-            self.se += g.c_se
+            add_widened(self.se, g.c_se)
             self.sum_e += g.sum_e
             self.flops += 2 * rows * dim * dim
         else:
@@ -88,14 +104,14 @@ class LinearStats:
         w32 = w.float()
         if y.dtype == w_t.dtype == torch.bfloat16 and bf16_units_serve(xs, y, w32):
             pe, ps = bf16_products(xs, w32, w_t, y, bias)
-            self.pe += pe
-            self.ps += ps
+            add_widened(self.pe, pe)
+            add_widened(self.ps, ps)
         else:
             xs32 = xs.float()
             wxs = xs32 * w32[:, None]
             y_e = y.float() if bias is None else y.float() - bias.float()
-            self.pe += wxs.T @ y_e
-            self.ps += wxs.T @ (xs32 @ w_t.float().T)
+            add_widened(self.pe, wxs.T @ y_e)
+            add_widened(self.ps, wxs.T @ (xs32 @ w_t.float().T))
         self.flops += 6 * xs.shape[0] * w_t.shape[0] * w_t.shape[1]
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -129,14 +145,19 @@ def _positive(sum_w: torch.Tensor, module: str) -> float:
     return total
 
 
-def linear_moments(t: dict[str, torch.Tensor], module: str) -> LinearMoments:
+def linear_moments(t: dict[str, torch.Tensor], module: str, in_place: bool = False) -> LinearMoments:
+    """The moments of one module's sums. `in_place`: the sums are the caller's to overwrite (freshly read from a
+    file), so they become the moments without a second d×d buffer each (fc2's C_ss is 75 MB on ViT-B/32)."""
     sw = _positive(t["sum_w"], module)
 
-    def mean(key: str) -> torch.Tensor | None:
-        return t[key] / sw if key in t else None
+    def of(key: str) -> torch.Tensor:
+        return t[key].div_(sw) if in_place else t[key] / sw
 
-    return LinearMoments(c_ss=t["ss"] / sw, mu_s=t["sum_s"] / sw, mu_e=t["sum_e"] / sw, c_se=mean("se"),
-                         p_se=mean("pe"), p_ss=mean("ps"))
+    def mean(key: str) -> torch.Tensor | None:
+        return of(key) if key in t else None
+
+    return LinearMoments(c_ss=of("ss"), mu_s=of("sum_s"), mu_e=of("sum_e"), c_se=mean("se"), p_se=mean("pe"),
+                         p_ss=mean("ps"))
 
 
 def norm_moments(t: dict[str, torch.Tensor], module: str) -> NormMoments:

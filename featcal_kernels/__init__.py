@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from featcal_kernels.gram import DualGram, dual_gram
-from featcal_kernels.ridge import RidgeSolution, ridge_solve, ridge_solve_mixed, ridge_sweep
+from featcal_kernels.ridge import RidgeSolution, mixed_pays, ridge_solve, ridge_solve_mixed, ridge_sweep
 
-__all__ = ["DualGram", "RidgeSolution", "dual_gram", "ridge_solve", "ridge_solve_mixed", "ridge_sweep"]
+__all__ = ["DualGram", "RidgeSolution", "dual_gram", "mixed_pays", "ridge_solve", "ridge_solve_mixed", "ridge_sweep"]
 
 if torch.cuda.is_available():
     try:

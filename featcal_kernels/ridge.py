@@ -17,6 +17,16 @@ DAMPING_GROWTH = 10.0
 REFINE_TOL = 1e-10  # the last correction's size relative to x: well under the 1e-6 the weights must keep
 REFINE_MAX_STEPS = 10
 REFINE_MIN_CONTRACTION = 0.5  # a correction that shrinks by less than this means κ·u_fp32 is near 1: give up early
+# Each refinement step's float64 residual b − A·x costs 2·d²·k, as much as the float64 solve's own triangular solves,
+# while the fp32 factor saves part of d³/3 only: ridge_solve_mixed beat ridge_solve at d = 3072 for k = 16 (1.12×),
+# tied at k = 64 and lost from k = 128 on (0.81×; 0.49× at k = 768), one thread on the development EPYC
+# (benchmarks/results/solve_precision.md).
+MIXED_MAX_RHS_SHARE = 1 / 48
+
+
+def mixed_pays(d: int, k: int) -> bool:
+    """Whether the mixed solve of a d × d system with k right-hand sides can beat the float64 one."""
+    return k <= d * MIXED_MAX_RHS_SHARE
 
 
 class RidgeSolution(NamedTuple):
@@ -53,7 +63,8 @@ def _ridge_solve_op(
                     "ridge_solve: Cholesky of a %dx%d system failed at damping %.3g; succeeded with damping %.3g",
                     d, d, damping, current,
                 )
-            return torch.cholesky_solve(b, factor).contiguous(), torch.tensor(current, dtype=torch.float64)
+            # column-major, as LAPACK leaves it: x.T is then a contiguous [k, d] weight with no copy
+            return torch.cholesky_solve(b, factor), torch.tensor(current, dtype=torch.float64)
         if current == damping and not bool(torch.isfinite(a).all()):  # checked only when it matters
             raise ValueError("a contains NaN or inf")
         current *= DAMPING_GROWTH
@@ -68,11 +79,11 @@ def _ridge_solve_fake(
     a: torch.Tensor, b: torch.Tensor, damping: float, max_damping: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_ridge_inputs(a, b)
-    return torch.empty_like(b), a.new_empty((), dtype=torch.float64, device="cpu")
+    return b.new_empty(b.shape[::-1]).T, a.new_empty((), dtype=torch.float64, device="cpu")
 
 
 def ridge_solve(a: torch.Tensor, b: torch.Tensor, damping: float = 1e-8, max_damping: float = 1e2) -> RidgeSolution:
-    """Solve (a + damping I) x = b for symmetric PSD float64 a [d, d] and b [d, k].
+    """Solve (a + damping I) x = b for symmetric PSD float64 a [d, d] and b [d, k]; x is column-major.
 
     The damping grows tenfold until the Cholesky factorisation succeeds (logged at WARNING);
     a ValueError is raised once it would exceed max_damping.
@@ -133,7 +144,7 @@ def ridge_solve_mixed(a: torch.Tensor, b: torch.Tensor, damping: float = 1e-8, m
                 reason = "refinement produced NaN"
                 break
             if size <= tol * x_norm or b_norm == 0.0:
-                return RidgeSolution(x.contiguous(), damping, "mixed", step, None)
+                return RidgeSolution(x, damping, "mixed", step, None)
             if size >= REFINE_MIN_CONTRACTION * previous:
                 reason = f"refinement stalled at step {step} (correction {size / max(x_norm, 1e-300):.2g} of x)"
                 break

@@ -170,15 +170,66 @@ def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x - ref).norm() / ref.norm())
 
 
-def test_featcal_mixed_solve_refines_to_the_float64_weights_and_says_so(linear):
-    """λ = 0.01 relative to the normalised Gram: well conditioned, so fp32 + refinement reaches float64."""
-    data = linear[0]
+def _narrow_module(d_in: int, d_out: int, seed: int) -> tuple[ModuleData, dict[str, torch.Tensor]]:
+    """A linear module whose statistics are fresh at every stats() call (the solve divides them in place)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(T):
+        xs = torch.randn(N, d_in, generator=g, dtype=torch.float64) + 0.2
+        rows.append((xs, xs + 0.3 * torch.randn(N, d_in, generator=g, dtype=torch.float64),
+                     torch.rand(N, generator=g, dtype=torch.float64)))
+    tensors = {f"{who}.{part}": torch.randn(d_out, d_in, generator=g, dtype=torch.float64) if part == "weight"
+               else torch.randn(d_out, generator=g, dtype=torch.float64)
+               for who in ("merged", "base", "e0", "e1") for part in ("weight", "bias")}
+    data = ModuleData(where="layer.0.fc", tasks=("t0", "t1"), task_weights=(1.0, 1.0), has_bias=True,
+                      stats=lambda: iter([_sums(*r, r[2]) for r in rows]),
+                      merged=lambda part: tensors[f"merged.{part}"], base=lambda part: tensors[f"base.{part}"],
+                      expert=lambda t, part: tensors[f"e{t}.{part}"])
+    return data, tensors
+
+
+def test_featcal_mixed_solve_refines_to_the_float64_weights_and_says_so():
+    """λ = 0.01 relative to the normalised Gram: well conditioned, so fp32 + refinement reaches float64; one
+    right-hand side for 96 unknowns, narrow enough for the mixed path to be taken."""
+    data, _ = _narrow_module(96, 1, seed=6)
     fc = _featcal(**{"lambda": 0.01, "rho": 2.2, "eps": 1e-14})
     exact = calibration_method(fc).solve_linear(data)
     mixed = calibration_method(fc, "mixed").solve_linear(data)
     assert _relative(mixed.tensors["weight"], exact.tensors["weight"]) < 1e-9
     assert _relative(mixed.tensors["bias"], exact.tensors["bias"]) < 1e-9
     assert mixed.report["solve_path"] in {f"mixed, {n} steps" for n in range(1, 5)} and "solve_path" not in exact.report
+
+
+def test_featcal_mixed_solve_of_a_wide_right_hand_side_is_the_float64_solve_and_says_why(linear):
+    """3 right-hand sides for 5 unknowns: float64 residuals would cost more than the fp32 factor saves, so the
+    module is solved in float64, bit for bit, and the record says why."""
+    data = linear[0]
+    fc = _featcal(**{"lambda": 0.01, "rho": 2.2, "eps": 1e-14})
+    exact = calibration_method(fc).solve_linear(data)
+    mixed = calibration_method(fc, "mixed").solve_linear(data)
+    assert torch.equal(mixed.tensors["weight"], exact.tensors["weight"])
+    assert torch.equal(mixed.tensors["bias"], exact.tensors["bias"])
+    assert mixed.report["solve_path"] == ("float64: 3 right-hand sides for 5 unknowns, too many for the fp32 factor "
+                                          "to pay for the float64 residuals")
+
+
+def test_featcal_solve_reads_fresh_statistics_each_time_and_matches_the_brute_force_solution():
+    """The solve divides the sums it is handed in place: two solves of the same module agree bit for bit, and the
+    weight is the normal equations' solution built from the rows themselves."""
+    data, p = _narrow_module(6, 4, seed=8)
+    hp = {"lambda": 0.05, "rho": 2.2, "alpha": 0.25, "eps": 1e-14}
+    method = calibration_method(_featcal(**hp))
+    first, second = method.solve_linear(data), method.solve_linear(data)
+    assert torch.equal(first.tensors["weight"], second.tensors["weight"])
+    lhs = torch.zeros(6, 6, dtype=torch.float64)
+    rhs = hp["lambda"] * (hp["rho"] * p["merged.weight"] + (1 - hp["rho"]) * p["base.weight"]).T
+    for t, sums in enumerate(data.stats()):
+        c_ss, c_se = sums["ss"] / sums["sum_w"], sums["se"] / sums["sum_w"]
+        n_t = float(torch.linalg.matrix_norm(c_ss))
+        lhs += c_ss / n_t
+        rhs += (hp["alpha"] * c_se + (1 - hp["alpha"]) * c_ss) @ p[f"e{t}.weight"].T / n_t
+    want = torch.linalg.solve(lhs + (hp["lambda"] + hp["eps"]) * torch.eye(6, dtype=torch.float64), rhs).T
+    torch.testing.assert_close(first.tensors["weight"], want, rtol=1e-10, atol=1e-12)
 
 
 def test_regmean_mixed_solve_falls_back_to_float64_on_a_nearly_singular_gram():

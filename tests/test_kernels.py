@@ -292,3 +292,19 @@ def test_triton_kernel_under_interpreter() -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(script)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=script.parent.parent)
     assert result.returncode == 0 and "2 passed" in result.stdout, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def test_ridge_solve_x_is_column_major_so_its_transpose_is_the_weight_without_a_copy() -> None:
+    a = spd_matrix(40, torch.linspace(0.1, 1, 40), seed=5)
+    b = randn64(40, 7, seed=16)
+    sol = ridge_solve(a, b, damping=1e-8)
+    assert sol.x.T.is_contiguous()
+    torch.testing.assert_close(sol.x, torch.linalg.solve(a + 1e-8 * torch.eye(40, dtype=torch.float64), b),
+                               rtol=1e-10, atol=1e-12)
+
+
+def test_mixed_pays_only_for_a_narrow_right_hand_side() -> None:
+    """The measured break-even at d = 3072 was k = 64: the mixed path is taken up to d/48 right-hand sides."""
+    assert featcal_kernels.mixed_pays(3072, 64) and featcal_kernels.mixed_pays(96, 2)
+    assert not featcal_kernels.mixed_pays(3072, 65) and not featcal_kernels.mixed_pays(768, 768)
+    assert not featcal_kernels.mixed_pays(3072, 768) and not featcal_kernels.mixed_pays(5, 3)

@@ -66,3 +66,19 @@ def test_token_weights_padding_and_pooled_emphasis():
     assert torch.allclose(last["q"], torch.tensor([1, 0.01, 0.01, 0, 1, 0.01, 0, 0]))
     assert torch.equal(last["k"], plain["k"])  # key/value projections keep full weights
     assert torch.equal(token_weights(mask, ["q"], {"q": 0.01}, None)["q"], plain["q"])  # mean-pooled heads
+
+
+def test_add_widened_is_the_whole_matrix_mixed_dtype_add_bit_for_bit():
+    """Band by band (bands of 2 MiB of float64, so four at d = 1000; a vector in one add): the very sums
+    `total += part` gives, for a float64 total and an fp32 part, matrices and vectors alike."""
+    from featcal.statistics import WIDEN_BYTES, add_widened
+
+    g = torch.Generator().manual_seed(3)
+    for shape in ((1000, 1000), (1000, 90), (90,), ()):
+        total = torch.randn(shape, generator=g, dtype=torch.float64) * 1e3
+        part = torch.randn(shape, generator=g) * 1e-3
+        want = total.clone()
+        want += part
+        add_widened(total, part)
+        assert torch.equal(total, want), shape
+    assert 1000 * 1000 * 8 > 3 * WIDEN_BYTES  # the matrix case did take several bands
