@@ -52,6 +52,7 @@ METHOD_ROWS = (
     ("TA + FeatCal", "ta_featcal", "calibrated", "total"),
     ("TIES + FeatCal", "ties_featcal", "calibrated", "total"),
     ("RegMean + FeatCal", "regmean_featcal", "calibrated", "total"),
+    ("RegMean + FeatCal (λ, ρ auto)", "regmean_featcal_auto", "calibrated", "total"),
     ("RegMean++ + FeatCal", "regmean_pp_featcal", "calibrated", "total"),
     ("DARE-TIES", "dare_ties_featcal", "merged", "merge"),
     ("DARE-TIES + FeatCal", "dare_ties_featcal", "calibrated", "total"),

@@ -55,6 +55,9 @@ def method_runs(spec: BenchSpec | None = None) -> dict[str, MethodRun]:
         # FeatCal from the best merge: the checkpoint each RegMean run calibrated, as a given merge.
         "regmean_featcal": MethodRun("given", "featcal", featcal=FEATCAL, start="regmean"),
         "regmean_pp_featcal": MethodRun("given", "featcal", featcal=FEATCAL, start="regmean_pp"),
+        # ρ > 1 scales θ_m − θ0 up, which suits a TA merge at 0.3 and overshoots RegMean's: λ and ρ chosen without
+        # labels on the held-out calibration rows instead (ρ's grid holds 1, the RegMean merge itself as anchor).
+        "regmean_featcal_auto": MethodRun("given", "featcal", featcal={**AUTO, "rho": "auto"}, start="regmean"),
         "ta_surgery": MethodRun("task_arithmetic", "surgery"),
         "ta_probsurgery": MethodRun("task_arithmetic", "probsurgery"),
         # FeatCal from a stronger merge: TA at 0.9 (alone far below TA at 0.3) with the CLIP defaults was the
