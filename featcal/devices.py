@@ -15,7 +15,6 @@ from collections.abc import Iterator
 import torch
 
 from featcal.config import DEVICE_FORMS, DEVICE_SPEC
-from featcal_kernels.bf16 import cpu_has_native_bf16  # noqa: F401  (re-exported: plan and preflight ask here)
 
 # runtime.precision -> dtype of block forwards and stored activations (Grams still sum in fp32, then float64).
 STORAGE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}

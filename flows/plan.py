@@ -11,7 +11,8 @@ from featcal.calibration_methods import calibration_method
 from featcal.config import RunConfig
 from featcal.input_checks import text_length_limit
 from featcal.hub import local_dir
-from featcal.devices import activation_dtype, bf16_warning, cpu_has_native_bf16, resolve_device
+from featcal.devices import activation_dtype, bf16_warning, resolve_device
+from featcal_kernels.bf16 import cpu_has_native_bf16
 from featcal.modeling import Skeleton, calibrated_modules, is_norm, linear_dims
 from featcal.statistics import expert_side_form
 from flows.pipeline import stage_count

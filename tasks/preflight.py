@@ -17,11 +17,12 @@ from featcal.data import DataError, InputBuilder, load_split
 from featcal.hub import Resolved, hub_ref, local_dir, resolve
 from featcal.input_checks import (label_names_check, label_range_error, pad_with_eos, safetensors_header_error,
                                   text_length_limit, text_type_error)
-from featcal.devices import bf16_warning, cpu_has_native_bf16, resolve_device
+from featcal.devices import bf16_warning, resolve_device
 from featcal.modeling import Skeleton, expert_checkpoint
 from featcal.setup_checks import setup_warnings, strict_refusal
 from featcal.t5 import answer_kind
 from featcal.zeroshot import class_names
+from featcal_kernels.bf16 import cpu_has_native_bf16
 from storage.activations import ActivationError, ActivationStore
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
 from storage.lora import LoraCheckpoint, config_directory, is_lora_adapter

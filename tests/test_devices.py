@@ -13,8 +13,9 @@ import featcal_kernels
 from featcal.config import ConfigError, RuntimeConfig, config_from_dict
 import featcal.devices
 from featcal.devices import (
-    activation_dtype, bf16_warning, check_worker_devices, cpu_has_native_bf16, device_for_worker, gpu_devices,
+    activation_dtype, bf16_warning, check_worker_devices, device_for_worker, gpu_devices,
     peak_device_mib, pin_worker_device, reset_device_peak, resolve_device, solve_device, to_device)
+from featcal_kernels.bf16 import cpu_has_native_bf16
 
 TEST_DEVICE = torch.device(os.environ.get("FEATCAL_TEST_DEVICE", "cpu"))
 GOOD = {"base": "base", "experts": {"a": "ea"}, "calibration": {"data": {"a": {"path": "da"}}}}
