@@ -42,6 +42,11 @@ def weight_groups(w: torch.Tensor) -> list[tuple[float, torch.Tensor | None]]:
     return [(float(v), (w == v).nonzero().squeeze(1)) for v in values]
 
 
+def group_rows(t: torch.Tensor, picked: torch.Tensor | None) -> torch.Tensor:
+    """The rows of `t` in one weight group of `weight_groups` (all of them for None)."""
+    return t if picked is None else t.index_select(0, picked)
+
+
 def bf16_units_serve(xs: torch.Tensor, xe: torch.Tensor | None, w32: torch.Tensor) -> bool:
     """Whether `bf16_dual_gram` takes this chunk: bf16 rows on a CPU with bf16 units, few distinct weights."""
     return (xs.dtype == torch.bfloat16 and (xe is None or xe.dtype == torch.bfloat16) and xs.device.type == "cpu"
@@ -58,13 +63,10 @@ def bf16_products(xs: torch.Tensor, w32: torch.Tensor, w_t: torch.Tensor, y: tor
     ps = torch.zeros_like(pe)
     z_hi, z_lo = product_terms(xs.T, w_t.T)
     for value, picked in weight_groups(w32):
-        def rows(t: torch.Tensor) -> torch.Tensor:
-            return t if picked is None else t.index_select(0, picked)
-
-        x_v = rows(xs)
-        add_product(pe, x_v, rows(y), value)
-        add_product(ps, x_v, rows(z_hi), value)
-        ps.add_(x_v.T @ rows(z_lo), alpha=value)
+        x_v = group_rows(xs, picked)
+        add_product(pe, x_v, group_rows(y, picked), value)
+        add_product(ps, x_v, group_rows(z_hi, picked), value)
+        ps.add_(x_v.T @ group_rows(z_lo, picked), alpha=value)
     if bias is not None:
         pe.sub_(torch.outer(xs.float().T @ w32, bias.float()))
     return pe, ps

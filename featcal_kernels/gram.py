@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from featcal_kernels.bf16 import add_product, bf16_units_serve, weight_groups
+from featcal_kernels.bf16 import add_product, bf16_units_serve, group_rows, weight_groups
 from featcal_kernels.checks import check_finite_sums, check_gram_shapes, check_weight_values
 
 # Bytes of one fp32 block buffer (a few are reused across blocks: no temporary grows with N).
@@ -87,12 +87,12 @@ def bf16_dual_gram(xs: torch.Tensor, xe: torch.Tensor | None, w32: torch.Tensor)
         if xe is not None:
             sum_e.addmv_(upcast[:b].copy_(xe[block]).T, w32[block])
         for value, picked in weight_groups(w32[block]):
-            xs_v = xs[block] if picked is None else xs[block].index_select(0, picked)
+            xs_v = group_rows(xs[block], picked)
             for j0 in range(0, d, BF16_PANEL):
                 j1 = min(j0 + BF16_PANEL, d)
                 add_product(c_ss[:j1, j0:j1], xs_v[:, :j1], xs_v[:, j0:j1], value)
             if xe is not None:
-                add_product(c_se, xs_v, xe[block] if picked is None else xe[block].index_select(0, picked), value)
+                add_product(c_se, xs_v, group_rows(xe[block], picked), value)
     return mirror_upper(c_ss), c_se, sum_s, sum_e, w32.sum()
 
 
