@@ -23,6 +23,7 @@ from featcal_bench.minilm.recipe import FEATCAL, located_spec, pipeline_config
 from flows.cli import setup_logging
 from flows.pipeline import machine, run_pipeline
 from storage.atomic import read_json
+from variant_rows import appended, requested
 
 OUT = Path(__file__).resolve().parent / "results" / "few_examples_demo.md"
 FULL, FEW = 64, 8  # the demo's whole calibration pool, and the few
@@ -99,16 +100,9 @@ def main(demo: Path, names: list[str]) -> None:
     done = out / "rows.jsonl"
     for name in names:
         first = not done.exists() or not done.read_text().strip()
-        row = run_variant(demo, name, first)
-        with open(done, "a") as fh:
-            fh.write(json.dumps(row) + "\n")
-        rows = [json.loads(line) for line in done.read_text().splitlines()]
-        OUT.write_text(markdown(rows))
+        OUT.write_text(markdown(appended(done, run_variant(demo, name, first))))
     print(OUT.read_text())
 
 
 if __name__ == "__main__":
-    unknown = sorted(set(sys.argv[2:]) - set(VARIANTS))
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
-    main(Path(sys.argv[1]).resolve(), sys.argv[2:] or list(VARIANTS))
+    main(Path(sys.argv[1]).resolve(), requested(sys.argv[2:], VARIANTS))

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from minilm8_tuning import EXAMPLES, validation_config
+from variant_rows import appended, requested
 
 from featcal_bench.method import chosen_hyper
 from featcal.config import config_from_dict
@@ -122,16 +123,9 @@ def main(bench: Path, out: Path, names: list[str]) -> None:
     setup_logging()
     out.mkdir(parents=True, exist_ok=True)
     for name in names:
-        row = run_variant(bench, out, name)
-        with open(out / "quality.jsonl", "a") as fh:
-            fh.write(json.dumps(row) + "\n")
-    rows = [json.loads(line) for line in (out / "quality.jsonl").read_text().splitlines()]
-    OUT.write_text(markdown(rows))
+        OUT.write_text(markdown(appended(out / "quality.jsonl", run_variant(bench, out, name))))
     print(OUT.read_text())
 
 
 if __name__ == "__main__":
-    unknown = sorted(set(sys.argv[3:]) - set(VARIANTS))
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
-    main(Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve(), sys.argv[3:] or list(VARIANTS))
+    main(Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve(), requested(sys.argv[3:], VARIANTS))
