@@ -94,7 +94,7 @@ class CalibrationMethod(ABC):
 
     @property
     def weighs_tasks(self) -> bool:
-        """Whether tasks weigh by their drift (featcal.task_weight_power) rather than all alike."""
+        """Whether tasks weigh by their drift and featcal.task_weights rather than all alike."""
         return "task_weight_power" in self.keys
 
     @abstractmethod
@@ -152,7 +152,7 @@ class FeatCal(CalibrationMethod):
     name = "featcal"
     keys = ("lambda", "rho", "lambda_grid", "rho_grid", "shrinkage", "shrinkage_target", "shrinkage_grid",
             "holdout_every", "alpha", "eps", "calibrate_bias",
-            "calibrate_norm", "pooled_token_weight", "task_weight_power", "trust", "calibrate_head_side")
+            "calibrate_norm", "pooled_token_weight", "task_weight_power", "task_weights", "trust", "calibrate_head_side")
 
     def __init__(self, settings: Mapping[str, Any], solve_precision: str = "float64") -> None:
         super().__init__(settings, solve_precision)

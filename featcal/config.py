@@ -106,6 +106,9 @@ class FeatCalConfig(_Strict):
     task_weight_power: float = Field(
         0.0, description="c_t ∝ d_t^p: each task's weight in a block's shared solve from its own drift d_t (the "
                          "uncalibrated merged block's relative output error on the task's rows); 0: all alike")
+    task_weights: dict[str, float] = Field(
+        default_factory=dict, description="c_t per task named here (others 1), multiplying task_weight_power's: a "
+                                          "task weighed 4 counts as four copies of that task in every shared solve")
     trust: float = Field(0.0, ge=0, description="μ: each task's term also keeps a linear module's output near the "
                                                 "merged module's on that task's rows")
     calibrate_head_side: bool = Field(
@@ -118,6 +121,14 @@ class FeatCalConfig(_Strict):
         if lam != "auto" and lam < 0:
             raise ValueError(f"must be >= 0 or 'auto', got {lam}")
         return lam
+
+    @field_validator("task_weights")
+    @classmethod
+    def _positive_weights(cls, weights: dict[str, float]) -> dict[str, float]:
+        bad = {t: w for t, w in weights.items() if not w > 0}
+        if bad:
+            raise ValueError(f"every weight must be > 0, got {bad}")
+        return weights
 
     @field_validator("shrinkage")
     @classmethod
@@ -295,6 +306,9 @@ class RunConfig(_Strict):
             extra = sorted(set(getattr(self.evaluation, field)) - set(self.experts))
             if extra:
                 raise ValueError(f"evaluation.{field} names task(s) {extra} that are not in experts")
+        extra = sorted(set(self.featcal.task_weights) - set(self.experts))
+        if extra:
+            raise ValueError(f"featcal.task_weights names task(s) {extra} that are not in experts")
         for field in ("class_names", "task_templates") if self.zero_shot else ():
             extra = sorted(set(getattr(self.zero_shot, field)) - set(self.experts))
             if extra:

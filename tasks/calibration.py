@@ -357,7 +357,8 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
     parameter of its modules, solved or kept (a part the method leaves keeps the merged value)."""
     fc = ctx.cfg.featcal
     method = calibration_method(fc, ctx.cfg.runtime.solve_precision)
-    weights = _task_weights(ctx, layer, fc.task_weight_power) if method.weighs_tasks else [1.0] * len(ctx.tasks)
+    weights = (_task_weights(ctx, layer, fc.task_weight_power, fc.task_weights) if method.weighs_tasks
+               else [1.0] * len(ctx.tasks))
     merged = ctx.checkpoint(MERGED).with_prefix(ctx.adapter.block_prefix(layer))
     modules = calibrated_modules(ctx.skeleton.block_template(layer))
     solved: dict[str, torch.Tensor] = {}
@@ -388,7 +389,7 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
         save_tensors(solved, tmp)
     info: dict[str, Any] = {"method": fc.method, "modules": len(damping), "damping_grown": grown,
                             "solved_on": sorted(solved_on)}
-    if fc.task_weight_power:
+    if fc.task_weight_power or fc.task_weights:
         info["task_weights"] = dict(zip(ctx.tasks, weights, strict=True))
     info.update(reports)
     return [rel], info
@@ -439,12 +440,12 @@ def _module_data(ctx: RunContext, layer: int, name: str, module: torch.nn.Module
     return data, stored
 
 
-def _task_weights(ctx: RunContext, layer: int, power: float) -> list[float]:
+def _task_weights(ctx: RunContext, layer: int, power: float, given: dict[str, float]) -> list[float]:
     """c_t ∝ d_t^power with mean 1, d_t = task t's relative output drift of the uncalibrated merged block (measured
     by its Gram stage): power > 0 leans towards the tasks the merge moved most, < 0 protects
-    those it served well."""
+    those it served well; then times the task's `given` weight (featcal.task_weights)."""
     if power == 0:
-        return [1.0] * len(ctx.tasks)
+        return [given.get(task, 1.0) for task in ctx.tasks]
     drift = []
     for task in ctx.tasks:
         record = ctx.run.record(f"gram/l{layer:02d}/{task}")
@@ -452,7 +453,7 @@ def _task_weights(ctx: RunContext, layer: int, power: float) -> list[float]:
             raise ValueError(f"featcal.task_weight_power: block {layer} has no Gram record for task {task}")
         drift.append(max(float(record["info"]["drift_out_uncalibrated"]), 1e-12) ** power)
     mean = sum(drift) / len(drift)
-    return [d / mean for d in drift]
+    return [d / mean * given.get(task, 1.0) for d, task in zip(drift, ctx.tasks, strict=True)]
 
 
 # ---- propagate ----------------------------------------------------------------------------------

@@ -145,6 +145,22 @@ def test_task_weights_follow_drift_and_trust_moves_the_weights(tiny_example, tmp
     assert sorted(weights, key=weights.get) == sorted(drift, key=drift.get) and len(set(weights.values())) > 1
     rel = "calibrated/model.safetensors"
     assert digest(tmp_path / "plain" / rel) != digest(tmp_path / "weighted" / rel)
+    # featcal.task_weights multiplies the drift weights: one task named, the others keep theirs (block 0, whose
+    # drift no earlier solve changes)
+    raised, first = base.tasks[0], run.record("solve/l00")["info"]["task_weights"]
+    given = example_config(tiny_example, "bert", featcal={"task_weight_power": 1.0, "trust": 0.5,
+                                                          "task_weights": {raised: 4.0}}, evaluation={"enabled": False})
+    run_pipeline(given, tmp_path / "given")
+    times = RunDir(tmp_path / "given").record("solve/l00")["info"]["task_weights"]
+    assert times == pytest.approx({t: w * (4.0 if t == raised else 1.0) for t, w in first.items()}, rel=1e-12)
+    assert digest(tmp_path / "given" / rel) != digest(tmp_path / "weighted" / rel)
+
+
+def test_task_weights_name_experts_and_are_positive(tiny_example):
+    with pytest.raises(ValueError, match=r"featcal.task_weights names task\(s\) \['nope'\] that are not in experts"):
+        example_config(tiny_example, "bert", featcal={"task_weights": {"nope": 2.0}})
+    with pytest.raises(ValueError, match=r"every weight must be > 0"):
+        example_config(tiny_example, "bert", featcal={"task_weights": {"x": 0.0}})
 
 
 def test_mixed_precision_solve_keeps_the_weights_and_records_each_modules_path(tiny_example, tmp_path):
