@@ -179,6 +179,15 @@ def next_token_sums(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.T
     return nll, tokens, right
 
 
+def head_error_sums(expert_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, int]:
+    """Σ over rows of KL(p_expert ‖ p_model) in nats, and the rows whose top class is the expert's: a task's error
+    read through its own head with no labels, the expert's prediction being the target."""
+    log_p = torch.log_softmax(expert_logits.double(), -1)
+    log_q = torch.log_softmax(logits.double(), -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    return float(kl.sum()), int((expert_logits.argmax(-1) == logits.argmax(-1)).sum())
+
+
 def language_model_scores(nll: float, tokens: int, right: int) -> dict[str, float]:
     """Mean token loss (nats), its perplexity, and next-token accuracy, from `next_token_sums` totals."""
     loss = nll / tokens if tokens else math.nan

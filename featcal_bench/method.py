@@ -46,11 +46,22 @@ class MethodRun:
     # Another run of the same recipe whose calibrated checkpoint is this run's merge (merge given): FeatCal from the
     # best merge (RegMean + FeatCal). `bench run` runs it first and keys this run on its result.
     start: str | None = None
+    # Another run whose head check raises this run's task weights where that run left a task further from its expert
+    # than the merge (featcal_bench/protect.py); it runs first and this run is keyed on its result.
+    protect: str | None = None
 
     def __post_init__(self) -> None:
         if (self.merge == "given") != (self.start is not None):
             raise ValueError(f"MethodRun: merge given reads run `start`'s calibrated checkpoint, and only it does "
                              f"(merge {self.merge}, start {self.start!r})")
+        if self.protect is not None and self.method != "featcal":
+            raise ValueError(f"MethodRun: protect raises featcal.task_weights, which only FeatCal reads (method "
+                             f"{self.method})")
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """The runs whose results this run reads: its start and the run it protects against."""
+        return tuple(r for r in (self.start, self.protect) if r is not None)
 
 
 # The paper's setting for its CLIP ViT-B/32 and FLAN-T5 benchmarks (the pipeline's defaults, docs/design.md §2.8).
@@ -94,18 +105,19 @@ def ordered_runs(names: list[str], known: dict[str, MethodRun]) -> list[str]:
     """`names` with every run one of them starts from placed before it, added where it was not asked for."""
     ordered: list[str] = []
 
-    def add(name: str, after: tuple[str, ...]) -> None:  # `after`: the runs that start from `name`, then name
-        start = known[name].start
-        if start is not None and start not in ordered:
-            if start not in known:
-                raise ValueError(f"run {name}: start {start!r} is no run of this recipe; known: {sorted(known)}")
-            if start in after:
-                chain = " → ".join((*after, start))
-                raise ValueError(f"run {name}: start {start!r} starts from it in turn ({chain})")
-            if known[start].method in SURGERY_METHODS:
-                raise ValueError(f"run {name}: start {start!r} is a {known[start].method} run, which writes no "
+    def add(name: str, after: tuple[str, ...]) -> None:  # `after`: the runs that need `name`, then name
+        for need in known[name].needs:
+            if need in ordered:
+                continue
+            if need not in known:
+                raise ValueError(f"run {name}: {need!r} is no run of this recipe; known: {sorted(known)}")
+            if need in after:
+                chain = " → ".join((*after, need))
+                raise ValueError(f"run {name}: {need!r} needs it in turn ({chain})")
+            if known[need].method in SURGERY_METHODS:
+                raise ValueError(f"run {name}: {need!r} is a {known[need].method} run, which writes no "
                                  "calibrated checkpoint; expected a pipeline run")
-            add(start, (*after, start))
+            add(need, (*after, need))
         if name not in ordered:
             ordered.append(name)
 
@@ -188,12 +200,17 @@ def run_method(bench: Path, name: str) -> dict[str, Any]:
     if name not in runs:
         raise ValueError(f"unknown {spec.name} run {name!r}; known: {sorted(runs)}")
     run = runs[name]
-    if run.start is not None and not (bench / "results" / f"{run.start}.json").is_file():
-        raise FileNotFoundError(f"run {name} starts from run {run.start}, which has not run here "
-                                f"({bench / 'results' / f'{run.start}.json'} is missing); run it first")
+    for need in run.needs:
+        if not (bench / "results" / f"{need}.json").is_file():
+            raise FileNotFoundError(f"run {name} needs run {need}, which has not run here "
+                                    f"({bench / 'results' / f'{need}.json'} is missing); run it first")
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
     raw = recipe.run_config(bench, spec, run)
+    if run.protect is not None:
+        from featcal_bench.protect import head_check, raised_weights
+
+        raw["featcal"]["task_weights"] = raised_weights(head_check(bench, run.protect))
     if run.method in SURGERY_METHODS:
         from featcal_bench.surgery_run import surgery_result
 
@@ -209,7 +226,7 @@ def timed_result(bench: Path, name: str, run: MethodRun, compute: Callable[[], d
     started = time.perf_counter()
     result = compute()
     result.update(run=name, merge=run.merge, scaling=run.scaling, method=run.method, examples=run.examples,
-                  start=run.start, process_seconds=round(time.perf_counter() - started, 2),
+                  start=run.start, protect=run.protect, process_seconds=round(time.perf_counter() - started, 2),
                   process_peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
     write_json(bench / "results" / f"{name}.json", result)
     return result

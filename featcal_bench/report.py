@@ -59,6 +59,8 @@ METHOD_ROWS = (
     ("TA + FeatCal (λ 0.05, ρ 2.2: the paper's)", "ta_featcal_paper", "calibrated", "total"),
     ("TA + FeatCal (λ auto, ρ 2.2: no labels)", "ta_featcal_auto", "calibrated", "total"),
     ("TA + FeatCal (λ auto from 0.001 + shrinkage auto)", "ta_featcal_auto_shrink", "calibrated", "total"),
+    ("TA + FeatCal (λ auto) + protect, round 1", "ta_featcal_auto_protect1", "calibrated", "total"),
+    ("TA + FeatCal (λ auto) + protect, round 2", "ta_featcal_auto_protect2", "calibrated", "total"),
     ("TA + FeatCal + head side", "ta_featcal_head", "calibrated", "total"),
     ("TA + FeatCal + trust 0.5", "ta_featcal_trust", "calibrated", "total"),
     ("task arithmetic 0.9", "ta09_featcal", "merged", "merge"),

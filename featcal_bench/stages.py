@@ -221,8 +221,8 @@ def built_outputs(bench: Path, stages: list[str]) -> list[dict[str, str]]:
 
 def run_stages(bench: Path, runs: list[str] | None, out_dir: str | None, stage: Call) -> dict[str, Record]:
     """Every method run `runs` (default: all the recipe's), each in its own process and cached on the built inputs
-    and the code, then the report from their results. A run with a `start` comes after that run (added where not
-    asked for) and is cached on its result too: a start that changes reruns it."""
+    and the code, then the report from their results. A run that needs another (its `start`, the run it `protect`s
+    against) comes after it (added where not asked for) and is cached on its result too: one that changes reruns it."""
     bench = bench.resolve()
     recipe = recipe_of(bench)
     spec = recipe.spec.load(bench)
@@ -236,8 +236,7 @@ def run_stages(bench: Path, runs: list[str] | None, out_dir: str | None, stage: 
     names = method.ordered_runs(names, known)
     records: dict[str, Record] = {}
     for r in names:
-        start = known[r].start
-        after = [] if start is None else [records[start]["outputs"][f"results/{start}.json"]]
+        after = [records[need]["outputs"][f"results/{need}.json"] for need in known[r].needs]
         records[r] = stage(bench, "method", f"method/{r}", digest_of([code, r, inputs, *after]), run=r)
     digests = [records[r]["outputs"][f"results/{r}.json"] for r in names]
     report_code = code_digest(Path(m.__file__) for m in {bench_report, sys.modules[__name__], *recipe.report.modules})

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from featcal.config import DataSource
 from featcal.data import InputBuilder, load_split, pick_examples, row_batches
 from featcal.evaluation import (
-    DRIFT_MODELS, MODELS, EvalProgress, TaskScores, drift_definition, drift_plot, markdown, summarize,
+    DRIFT_MODELS, MODELS, EvalProgress, TaskScores, drift_definition, drift_plot, head_error_sums, markdown, summarize,
 )
 from featcal.hub import local_dir
 from featcal.modeling import task_model
@@ -152,6 +152,30 @@ def _text_to_text_scores(ctx: RunContext, task: str, split: _Split, progress: Ev
         scores.seen += n
         progress.step(task, batch, scores.seen, n)
     return scores.summary()
+
+
+def head_errors(ctx: RunContext, task: str, source: DataSource, where: str,
+                models: tuple[str, ...] = DRIFT_MODELS) -> dict[str, dict[str, float]]:
+    """Each of `models` against the task's expert on `source`'s rows, read through the task's head; labels are not
+    read. Per model: `kl`, the mean KL(p_expert ‖ p_model) in nats, and `agreement`, the share of rows whose top
+    class is the expert's."""
+    if ctx.adapter.has_decoder or ctx.adapter.language_model:
+        raise ValueError(f"{where}: head errors need a classification head; task {task} is scored by generation or "
+                         "next-token loss")
+    ds = load_split(source, where)
+    builder = InputBuilder(ctx.cfg.base, ctx.adapter.model_input_names(), source, ctx.cfg.calibration.max_length,
+                           ds.column_names, where)
+    expert = _task_model(ctx, task, "expert")
+    compared = {name: _task_model(ctx, task, name) for name in models}
+    sums = dict.fromkeys(models, (0.0, 0))
+    with torch.inference_mode():
+        for rows in row_batches(ds, ctx.cfg.evaluation.batch_size):
+            inputs = builder(rows)
+            target = ctx.adapter.evaluate_forward(expert, inputs).logits
+            for name, model in compared.items():
+                kl, agree = head_error_sums(target, ctx.adapter.evaluate_forward(model, inputs).logits)
+                sums[name] = (sums[name][0] + kl, sums[name][1] + agree)
+    return {name: {"kl": kl / len(ds), "agreement": agree / len(ds)} for name, (kl, agree) in sums.items()}
 
 
 def run(ctx: RunContext, warnings: list[str] | None = None) -> tuple[list[str], dict[str, Any]]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, BertForSequenceClassification
 
@@ -19,6 +20,7 @@ from featcal_bench.minilm.probe import L2_GRID, fitted_probe
 from featcal_bench.minilm import competence
 from featcal_bench.minilm.competence import IncompetentExperts, failures, figures, mix_table
 from featcal_bench.method import MethodRun, ordered_runs
+from featcal_bench.protect import RAISE, check_path, raised_weights
 from featcal_bench.minilm.recipe import FEATCAL, method_runs, pipeline_config
 from featcal_bench.report import METHOD_ROWS
 from featcal_bench.sources import SourceMissing, Sources, general_inquirer, moral_foundations, roget, spam_mails, synsets
@@ -182,17 +184,55 @@ def test_a_start_must_be_a_known_pipeline_run_and_given_needs_one() -> None:
             "ta_surgery": MethodRun("task_arithmetic", "surgery"),
             "a": MethodRun("given", "featcal", start="b"), "b": MethodRun("given", "featcal", start="a")}
     assert ordered_runs(["ta_featcal"], runs) == ["ta_featcal"]
-    for start, message in (("nope", r"run x: start 'nope' is no run of this recipe; known: \['a', 'b', 'ta_featcal', "
+    for start, message in (("nope", r"run x: 'nope' is no run of this recipe; known: \['a', 'b', 'ta_featcal', "
                                      r"'ta_surgery', 'x'\]$"),
-                           ("ta_surgery", r"run x: start 'ta_surgery' is a surgery run, which writes no calibrated "
+                           ("ta_surgery", r"run x: 'ta_surgery' is a surgery run, which writes no calibrated "
                                           r"checkpoint; expected a pipeline run$"),
-                           ("a", r"run b: start 'a' starts from it in turn \(x → a → b → a\)$")):
+                           ("a", r"run b: 'a' needs it in turn \(x → a → b → a\)$")):
         with pytest.raises(ValueError, match=message):
             ordered_runs(["x"], {**runs, "x": MethodRun("given", "featcal", start=start)})
+    # a protecting round runs after the round it checks, which runs after its own start
+    rounds = {**runs, "p1": MethodRun("task_arithmetic", "featcal", protect="ta_featcal"),
+              "p2": MethodRun("given", "featcal", start="ta_featcal", protect="p1")}
+    assert ordered_runs(["p2"], rounds) == ["ta_featcal", "p1", "p2"]
+    with pytest.raises(ValueError, match=r"^MethodRun: protect raises featcal.task_weights, which only FeatCal reads "
+                                         r"\(method regmean\)$"):
+        MethodRun("average", "regmean", protect="ta_featcal")
     for merge, start in (("given", None), ("ties", "ta_featcal")):
         with pytest.raises(ValueError, match=rf"^MethodRun: merge given reads run `start`'s calibrated checkpoint, "
                                              rf"and only it does \(merge {merge}, start {start!r}\)$"):
             MethodRun(merge, "featcal", start=start)
+
+
+@pytest.fixture(scope="module")
+def built_with_validation(sources: Sources, tmp_path_factory: pytest.TempPathFactory):
+    spec = BenchSpec(name="fixture", tasks=["gloss_pos", "noun_category", "sentiment"], **SIZES, validation=2,
+                     finetune=FineTune(epochs=1, batch_size=8, lr=1e-3),
+                     sources={k: str(v) for k, v in vars(sources).items()})
+    bench = tmp_path_factory.mktemp("bench-validation")
+    return bench, spec, build_stages(bench, spec, direct_call)
+
+
+def test_a_protecting_round_raises_the_weights_of_the_tasks_its_check_flags(built_with_validation) -> None:
+    """`ta_featcal_auto_protect1` runs after `ta_featcal_auto`, whose head check (each task's merged and calibrated
+    model against its expert on the validation rows, labels unread) it reads: the flagged tasks weigh RAISE times
+    as much in its solves, the others 1."""
+    bench, spec, _ = built_with_validation
+    records = run_stages(bench, ["ta_featcal_auto_protect1"], None, direct_call)
+    assert list(records) == ["ta_featcal_auto", "ta_featcal_auto_protect1", "report"]
+    check = json.loads(check_path(bench, "ta_featcal_auto").read_text())
+    assert check["split"] == "validation" and check["task_weights"] == {} and sorted(check["tasks"]) == spec.tasks
+    for errors in check["tasks"].values():
+        assert set(errors) == {"merged", "calibrated"} and all(e["kl"] > 0 for e in errors.values())
+    flagged = {t for t, e in check["tasks"].items() if e["calibrated"]["kl"] > e["merged"]["kl"]}
+    assert raised_weights(check) == dict.fromkeys(sorted(flagged), RAISE)
+    run = RunDir(bench / "runs" / "ta_featcal_auto_protect1")
+    cfg = config_from_dict(yaml.safe_load((run.root / "run.yaml").read_text()), root=bench)
+    assert cfg.featcal.task_weights == raised_weights(check)
+    assert json.loads((bench / "results" / "ta_featcal_auto_protect1.json").read_text())["protect"] == "ta_featcal_auto"
+    # a check names the weights of the round it checked, so the next round compounds them
+    assert raised_weights({**check, "task_weights": {spec.tasks[0]: 2.0}})[spec.tasks[0]] == (
+        2.0 * RAISE if spec.tasks[0] in flagged else 2.0)
 
 
 def test_featcal_from_regmean_calibrates_regmeans_checkpoint(built) -> None:

@@ -70,6 +70,11 @@ def method_runs(spec: BenchSpec | None = None) -> dict[str, MethodRun]:
         "ta_featcal_head": MethodRun("task_arithmetic", "featcal", featcal={**FEATCAL, "calibrate_head_side": True}),
         # The remedy for tasks left below the merge that passed the rule on validation (minilm8_quality.md).
         "ta_featcal_trust": MethodRun("task_arithmetic", "featcal", featcal={**FEATCAL, "trust": 0.5}),
+        # No task left behind (featcal_bench/protect.py): each round raises, ×4, the weight of every task the round
+        # before left further from its expert than the merge, read through its head on the validation rows.
+        "ta_featcal_auto_protect1": MethodRun("task_arithmetic", "featcal", featcal=AUTO, protect="ta_featcal_auto"),
+        "ta_featcal_auto_protect2": MethodRun("task_arithmetic", "featcal", featcal=AUTO,
+                                              protect="ta_featcal_auto_protect1"),
         "ta_featcal_auto_shrink": MethodRun("task_arithmetic", "featcal", featcal=FEW),
         "ta_featcal_auto_shrink_n008": MethodRun("task_arithmetic", "featcal", examples=8, featcal=FEW),
     }

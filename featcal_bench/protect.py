@@ -1,0 +1,56 @@
+"""Tasks left worse than their merge, found and given more weight with no labels (issue 33 §1).
+
+A run's head check compares, for each task, its merged and its calibrated model with the task's expert on the task's
+validation rows, read through the task's own head (tasks/evaluate.py `head_errors`: KL to the expert's predicted
+distribution, and agreement with its top class); labels are not read. Calibration can bring a task's features closer
+to its expert's overall and still move them off the directions its head reads: the feature error does not see that,
+the head error does. A run with `protect` set to another run raises, in that run's task weights
+(`featcal.task_weights`), the weight of every task whose calibrated model is further from its expert than the merge
+is, by `RAISE`; the rounds chain by naming the previous round."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from featcal_bench.method import run_dir
+from storage.atomic import read_json, write_json
+from tasks.context import context
+from tasks.evaluate import head_errors
+
+log = logging.getLogger("featcal")
+
+RAISE = 4.0  # a flagged task's weight is multiplied by this each round
+CHECK_SPLIT = "validation"  # rows held out of the experts' training and of calibration
+
+
+def check_path(bench: Path, name: str) -> Path:
+    return bench / "results" / f"{name}.check.json"
+
+
+def head_check(bench: Path, name: str) -> dict[str, Any]:
+    """Run `name`'s merged and calibrated models against each expert on the tasks' validation rows (cached next to
+    its results; a rerun of `name` writes newer results and so a newer check)."""
+    path, results = check_path(bench, name), bench / "results" / f"{name}.json"
+    if path.is_file() and path.stat().st_mtime >= results.stat().st_mtime:
+        return read_json(path)
+    ctx = context(run_dir(bench, name))
+    tasks = {}
+    for task in ctx.tasks:
+        source = ctx.cfg.calibration.data[task].model_copy(update={"split": CHECK_SPLIT})
+        tasks[task] = head_errors(ctx, task, source, f"calibration.data.{task} (split {CHECK_SPLIT})")
+        log.info("head check · %s · %s: %s", name, task, tasks[task])
+    check = {"run": name, "split": CHECK_SPLIT, "task_weights": dict(ctx.cfg.featcal.task_weights), "tasks": tasks}
+    write_json(path, check)
+    return check
+
+
+def raised_weights(check: dict[str, Any]) -> dict[str, float]:
+    """The checked run's task weights with every task whose calibrated head error (KL) exceeds its merged one raised
+    by RAISE; the others keep theirs."""
+    weights = dict(check["task_weights"])
+    for task, errors in sorted(check["tasks"].items()):
+        if errors["calibrated"]["kl"] > errors["merged"]["kl"]:
+            weights[task] = weights.get(task, 1.0) * RAISE
+    return weights
