@@ -46,8 +46,8 @@ class MethodRun:
     # Another run of the same recipe whose calibrated checkpoint is this run's merge (merge given): FeatCal from the
     # best merge (RegMean + FeatCal). `bench run` runs it first and keys this run on its result.
     start: str | None = None
-    # Another run whose head check raises this run's task weights where that run left a task further from its expert
-    # than the merge (featcal_bench/protect.py); it runs first and this run is keyed on its result.
+    # Another run whose head check raises this run's task weights where that run left a task agreeing with its expert
+    # less often than the merge (featcal_bench/protect.py); it runs first and this run is keyed on its result.
     protect: str | None = None
 
     def __post_init__(self) -> None:

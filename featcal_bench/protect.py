@@ -5,8 +5,8 @@ validation rows, read through the task's own head (tasks/evaluate.py `head_error
 distribution, and agreement with its top class); labels are not read. Calibration can bring a task's features closer
 to its expert's overall and still move them off the directions its head reads: the feature error does not see that,
 the head error does. A run with `protect` set to another run raises, in that run's task weights
-(`featcal.task_weights`), the weight of every task whose calibrated model is further from its expert than the merge
-is, by `RAISE`; the rounds chain by naming the previous round."""
+(`featcal.task_weights`), the weight of every task whose calibrated model agrees with its expert less often than the
+merge does, by `RAISE`; the rounds chain by naming the previous round."""
 
 from __future__ import annotations
 
@@ -47,10 +47,13 @@ def head_check(bench: Path, name: str) -> dict[str, Any]:
 
 
 def raised_weights(check: dict[str, Any]) -> dict[str, float]:
-    """The checked run's task weights with every task whose calibrated head error (KL) exceeds its merged one raised
-    by RAISE; the others keep theirs."""
+    """The checked run's task weights with every task whose calibrated model agrees with its expert's top class on
+    fewer rows than the merge does raised by RAISE; the others keep theirs.
+
+    Agreement, not KL: on MiniLM-8's validation rows, λ auto left word_polarity agreeing on 87.0 % against the
+    merge's 91.5 % while its KL fell (0.247 → 0.225 nats); accuracy reads the top class."""
     weights = dict(check["task_weights"])
     for task, errors in sorted(check["tasks"].items()):
-        if errors["calibrated"]["kl"] > errors["merged"]["kl"]:
+        if errors["calibrated"]["agreement"] < errors["merged"]["agreement"]:
             weights[task] = weights.get(task, 1.0) * RAISE
     return weights

@@ -224,7 +224,7 @@ def test_a_protecting_round_raises_the_weights_of_the_tasks_its_check_flags(buil
     assert check["split"] == "validation" and check["task_weights"] == {} and sorted(check["tasks"]) == spec.tasks
     for errors in check["tasks"].values():
         assert set(errors) == {"merged", "calibrated"} and all(e["kl"] > 0 for e in errors.values())
-    flagged = {t for t, e in check["tasks"].items() if e["calibrated"]["kl"] > e["merged"]["kl"]}
+    flagged = {t for t, e in check["tasks"].items() if e["calibrated"]["agreement"] < e["merged"]["agreement"]}
     assert raised_weights(check) == dict.fromkeys(sorted(flagged), RAISE)
     run = RunDir(bench / "runs" / "ta_featcal_auto_protect1")
     cfg = config_from_dict(yaml.safe_load((run.root / "run.yaml").read_text()), root=bench)

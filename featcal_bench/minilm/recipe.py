@@ -71,7 +71,7 @@ def method_runs(spec: BenchSpec | None = None) -> dict[str, MethodRun]:
         # The remedy for tasks left below the merge that passed the rule on validation (minilm8_quality.md).
         "ta_featcal_trust": MethodRun("task_arithmetic", "featcal", featcal={**FEATCAL, "trust": 0.5}),
         # No task left behind (featcal_bench/protect.py): each round raises, ×4, the weight of every task the round
-        # before left further from its expert than the merge, read through its head on the validation rows.
+        # before left agreeing with its expert less often than the merge, read through its head on the validation rows.
         "ta_featcal_auto_protect1": MethodRun("task_arithmetic", "featcal", featcal=AUTO, protect="ta_featcal_auto"),
         "ta_featcal_auto_protect2": MethodRun("task_arithmetic", "featcal", featcal=AUTO,
                                               protect="ta_featcal_auto_protect1"),
