@@ -61,6 +61,8 @@ METHOD_ROWS = (
     ("TA + FeatCal (λ auto from 0.001 + shrinkage auto)", "ta_featcal_auto_shrink", "calibrated", "total"),
     ("TA + FeatCal (λ auto) + protect, round 1", "ta_featcal_auto_protect1", "calibrated", "total"),
     ("TA + FeatCal (λ auto) + protect, round 2", "ta_featcal_auto_protect2", "calibrated", "total"),
+    ("TA + FeatCal (λ auto) + protect, round 3", "ta_featcal_auto_protect3", "calibrated", "total"),
+    ("TA + FeatCal (λ auto) + protect, round 4", "ta_featcal_auto_protect4", "calibrated", "total"),
     ("TA + FeatCal + head side", "ta_featcal_head", "calibrated", "total"),
     ("TA + FeatCal + trust 0.5", "ta_featcal_trust", "calibrated", "total"),
     ("task arithmetic 0.9", "ta09_featcal", "merged", "merge"),

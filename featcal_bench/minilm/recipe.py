@@ -72,9 +72,10 @@ def method_runs(spec: BenchSpec | None = None) -> dict[str, MethodRun]:
         "ta_featcal_trust": MethodRun("task_arithmetic", "featcal", featcal={**FEATCAL, "trust": 0.5}),
         # No task left behind (featcal_bench/protect.py): each round raises, ×4, the weight of every task the round
         # before left agreeing with its expert less often than the merge, read through its head on the validation rows.
-        "ta_featcal_auto_protect1": MethodRun("task_arithmetic", "featcal", featcal=AUTO, protect="ta_featcal_auto"),
-        "ta_featcal_auto_protect2": MethodRun("task_arithmetic", "featcal", featcal=AUTO,
-                                              protect="ta_featcal_auto_protect1"),
+        # The rounds' result is the first whose own check flags no task, else round 4 (fixed before any test figure).
+        **{f"ta_featcal_auto_protect{k}": MethodRun("task_arithmetic", "featcal", featcal=AUTO,
+                                                   protect="ta_featcal_auto" + (f"_protect{k - 1}" if k > 1 else ""))
+           for k in range(1, 5)},
         "ta_featcal_auto_shrink": MethodRun("task_arithmetic", "featcal", featcal=FEW),
         "ta_featcal_auto_shrink_n008": MethodRun("task_arithmetic", "featcal", examples=8, featcal=FEW),
     }
