@@ -33,7 +33,7 @@ class LinearMoments:
     c_se: torch.Tensor | None = None  # E_w[x_s x_eᵀ]   [in, in]
     p_se: torch.Tensor | None = None  # E_w[x_s (W_t x_e)ᵀ]   [in, out]
     p_ss: torch.Tensor | None = None  # E_w[x_s (W_t x_s)ᵀ]   [in, out]
-    weight: float = 1.0  # c_t, the task's weight in the shared solve (featcal.task_weight_power)
+    weight: float = 1.0  # c_t, the task's weight in the shared solve (featcal.task_weight_power, task_weights)
     _norm: float | None = field(default=None, init=False, repr=False, compare=False)  # ‖C_ss‖_F, once
 
     def add_target(self, out: torch.Tensor, alpha: float, w_t: torch.Tensor, scale: float = 1.0) -> torch.Tensor:

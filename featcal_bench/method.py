@@ -70,6 +70,11 @@ PAPER_FEATCAL = {"lambda": 0.05, "rho": 2.2, "alpha": 0.25}
 # (featcal.lambda: auto) at the published ρ; it beat λ and ρ both auto on the validation split
 # (benchmarks/results/minilm8_quality.md).
 AUTO = {"lambda": "auto", "rho": 2.2, "alpha": 0.25}
+# Few examples (issue 33 §2): λ auto on a grid that reaches below 0.01 (λ auto chose its floor, 0.01, in every block
+# at 256 examples on MiniLM-8), and each task's Grams shrunk towards a scaled identity by a γ chosen on the held-out
+# rows with λ.
+FEW = {**AUTO, "shrinkage": "auto",
+       "lambda_grid": [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]}
 
 
 def paper_method_runs() -> dict[str, MethodRun]:

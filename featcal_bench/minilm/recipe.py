@@ -15,7 +15,7 @@ from featcal import merging
 from featcal.config import digest_of
 from featcal_bench import finetune, sources as sources_module
 from featcal_bench.layout import BASE, data_dir
-from featcal_bench.method import AUTO, PAPER_FEATCAL, SAMPLE_SIZES, MethodRun, model_sections
+from featcal_bench.method import AUTO, FEW, PAPER_FEATCAL, SAMPLE_SIZES, MethodRun, model_sections
 from featcal_bench.minilm import build, competence, probe, spec as spec_module, task_data
 from featcal_bench.minilm.presets import PRESETS
 from featcal_bench.minilm.spec import BenchSpec
@@ -32,10 +32,6 @@ from storage.rundir import Record
 # train split, never test) by benchmarks/minilm8_tuning.py; the CLIP defaults (λ 0.05, ρ 2.2) close
 # far less of the gap here (benchmarks/results/minilm8_tuning.md).
 FEATCAL = {"lambda": 0.5, "rho": 3.0, "alpha": 0.25}
-# Few examples (issue 33 §2): λ auto on a grid that reaches below 0.01 (λ auto chose its floor, 0.01, in every block
-# at 256 examples), and each task's Grams shrunk towards a scaled identity by a γ chosen on the held-out rows with λ.
-FEW = {**AUTO, "shrinkage": "auto",
-       "lambda_grid": [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]}
 
 def method_runs(spec: BenchSpec | None = None) -> dict[str, MethodRun]:
     """The MiniLM benchmarks' runs: the validation-tuned FeatCal on TA, TIES and the RegMean checkpoints, the baselines,

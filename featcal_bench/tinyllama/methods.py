@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal_bench.layout import data_dir
-from featcal_bench.method import AUTO, PAPER_FEATCAL, MethodRun, model_sections
+from featcal_bench.method import AUTO, FEW, PAPER_FEATCAL, MethodRun, model_sections
 from featcal_bench.tinyllama.build import TinyLlamaSpec
 
 EXAMPLES = 128  # calibration rows per domain (of seq_len tokens each); a smaller pool gives all it has
@@ -34,6 +34,12 @@ def tinyllama_method_runs() -> dict[str, MethodRun]:
         "ta_featcal_auto": MethodRun("task_arithmetic", "featcal", EXAMPLES, featcal=AUTO),
         "ta10_featcal": MethodRun("task_arithmetic", "featcal", EXAMPLES, ("merged", "calibrated"), PAPER_FEATCAL,
                                   scaling=1.0),
+        # The label-free options of issue 33 on a decoder: ρ chosen with λ, the Grams shrunk (γ auto, λ from 0.001),
+        # and FeatCal from RegMean's checkpoint with λ and ρ chosen (ρ's grid holds 1, RegMean itself as anchor).
+        "ta_featcal_auto_rho": MethodRun("task_arithmetic", "featcal", EXAMPLES, featcal={**AUTO, "rho": "auto"}),
+        "ta_featcal_auto_shrink": MethodRun("task_arithmetic", "featcal", EXAMPLES, featcal=FEW),
+        "regmean_featcal_auto": MethodRun("given", "featcal", EXAMPLES, featcal={**AUTO, "rho": "auto"},
+                                          start="regmean"),
     }
 
 
