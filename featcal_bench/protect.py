@@ -53,7 +53,17 @@ def raised_weights(check: dict[str, Any]) -> dict[str, float]:
     Agreement, not KL: on MiniLM-8's validation rows, λ auto left word_polarity agreeing on 87.0 % against the
     merge's 91.5 % while its KL fell (0.247 → 0.225 nats); accuracy reads the top class."""
     weights = dict(check["task_weights"])
-    for task, errors in sorted(check["tasks"].items()):
-        if errors["calibrated"]["agreement"] < errors["merged"]["agreement"]:
-            weights[task] = weights.get(task, 1.0) * RAISE
+    for task in flagged(check):
+        weights[task] = weights.get(task, 1.0) * RAISE
     return weights
+
+
+def flagged(check: dict[str, Any]) -> list[str]:
+    """The tasks a check flags: calibrated agreement with the expert below the merge's."""
+    return sorted(t for t, e in check["tasks"].items() if e["calibrated"]["agreement"] < e["merged"]["agreement"])
+
+
+def settled(checks: list[dict[str, Any]]) -> int:
+    """The round the rule keeps, of rounds 0 (unprotected), 1, …: the first whose own check flags no task, else the
+    last. Validation rows only, labels unread."""
+    return next((k for k, check in enumerate(checks) if not flagged(check)), len(checks) - 1)

@@ -20,7 +20,7 @@ from featcal_bench.minilm.probe import L2_GRID, fitted_probe
 from featcal_bench.minilm import competence
 from featcal_bench.minilm.competence import IncompetentExperts, failures, figures, mix_table
 from featcal_bench.method import MethodRun, ordered_runs
-from featcal_bench.protect import RAISE, check_path, raised_weights
+from featcal_bench.protect import RAISE, check_path, raised_weights, settled
 from featcal_bench.minilm.recipe import FEATCAL, method_runs, pipeline_config
 from featcal_bench.report import METHOD_ROWS
 from featcal_bench.sources import SourceMissing, Sources, general_inquirer, moral_foundations, roget, spam_mails, synsets
@@ -224,15 +224,25 @@ def test_a_protecting_round_raises_the_weights_of_the_tasks_its_check_flags(buil
     assert check["split"] == "validation" and check["task_weights"] == {} and sorted(check["tasks"]) == spec.tasks
     for errors in check["tasks"].values():
         assert set(errors) == {"merged", "calibrated"} and all(e["kl"] > 0 for e in errors.values())
-    flagged = {t for t, e in check["tasks"].items() if e["calibrated"]["agreement"] < e["merged"]["agreement"]}
-    assert raised_weights(check) == dict.fromkeys(sorted(flagged), RAISE)
+    flags = {t for t, e in check["tasks"].items() if e["calibrated"]["agreement"] < e["merged"]["agreement"]}
+    assert raised_weights(check) == dict.fromkeys(sorted(flags), RAISE)
     run = RunDir(bench / "runs" / "ta_featcal_auto_protect1")
     cfg = config_from_dict(yaml.safe_load((run.root / "run.yaml").read_text()), root=bench)
     assert cfg.featcal.task_weights == raised_weights(check)
     assert json.loads((bench / "results" / "ta_featcal_auto_protect1.json").read_text())["protect"] == "ta_featcal_auto"
     # a check names the weights of the round it checked, so the next round compounds them
     assert raised_weights({**check, "task_weights": {spec.tasks[0]: 2.0}})[spec.tasks[0]] == (
-        2.0 * RAISE if spec.tasks[0] in flagged else 2.0)
+        2.0 * RAISE if spec.tasks[0] in flags else 2.0)
+
+
+def test_the_rounds_settle_on_the_first_check_that_flags_no_task() -> None:
+    def check(*agreements: tuple[float, float]) -> dict:
+        return {"tasks": {f"t{i}": {"merged": {"agreement": m}, "calibrated": {"agreement": c}}
+                          for i, (m, c) in enumerate(agreements)}}
+
+    worse, level, better = check((0.9, 0.8), (0.5, 0.6)), check((0.9, 0.9), (0.5, 0.6)), check((0.5, 0.9))
+    assert settled([worse, level, better]) == 1 and settled([level]) == 0
+    assert settled([worse, worse, worse]) == 2  # none settles: the last round
 
 
 def test_featcal_from_regmean_calibrates_regmeans_checkpoint(built) -> None:
