@@ -11,8 +11,8 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from featcal.adapters import Adapter, adapter_for
-from featcal.calibration_methods import calibration_method
-from featcal.config import ConfigError, DataSource, RunConfig
+from featcal.calibration_methods import METHODS, calibration_method
+from featcal.config import ConfigError, DataSource, FeatCalConfig, RunConfig
 from featcal.data import DataError, InputBuilder, load_split
 from featcal.hub import Resolved, hub_ref, local_dir, resolve
 from featcal.input_checks import (label_names_check, label_range_error, pad_with_eos, safetensors_header_error,
@@ -168,13 +168,24 @@ def given_dtype_notice(cfg: RunConfig, adapter: Adapter) -> list[str]:
             f"({pairs})"]
 
 
+# featcal.* options that change what one method solves; set under another method, they would be ignored in silence
+METHOD_OPTIONS = ("calibrate_head_side", "task_weights", "task_weight_power", "trust")
+
+
+def check_method_reads(cfg: RunConfig) -> None:
+    """Each of METHOD_OPTIONS set away from its default must be read by the run's calibration method."""
+    fc = cfg.featcal
+    reads = calibration_method(fc).keys
+    for key in METHOD_OPTIONS:
+        if key not in reads and getattr(fc, key) != FeatCalConfig.model_fields[key].get_default(call_default_factory=True):
+            readers = " or ".join(sorted(n for n, method in METHODS.items() if key in method.keys))
+            raise ConfigError(f"featcal.{key}: only with featcal.method {readers}, not {fc.method}")
+
+
 def check_head_side(cfg: RunConfig, adapter: Adapter) -> None:
-    """featcal.calibrate_head_side needs a calibration method that reads it (FeatCal's; the RegMean variants solve
-    blocks only) and an architecture with a head side whose tensors the base has."""
+    """featcal.calibrate_head_side needs an architecture with a head side whose tensors the base has."""
     if not cfg.featcal.calibrate_head_side:
         return
-    if "calibrate_head_side" not in calibration_method(cfg.featcal).keys:
-        raise ConfigError(f"featcal.calibrate_head_side: only with featcal.method featcal, not {cfg.featcal.method}")
     path = adapter.head_side_path()
     if not any(n.startswith(f"{path}.") for n in CanonicalCheckpoint(cfg.base, adapter).names()):
         raise CheckpointError(f"featcal.calibrate_head_side: base {cfg.base} has no {path} tensors to calibrate")
@@ -345,6 +356,7 @@ def preflight(cfg: RunConfig, quiet: bool = False) -> Checked:
         found = check_zero_shot(files)
         adapter = check_checkpoints(files)
         found += given_dtype_notice(files, adapter)
+        check_method_reads(files)
         check_head_side(files, adapter)
         found += check_data(files, adapter, {f"{section}.{t}": source.path for section, by_task in (
             ("calibration.data", cfg.calibration.data), ("evaluation.data", cfg.evaluation.data))

@@ -209,6 +209,9 @@ CASES = [
          ["zero_shot.class_names", "task 'topic'", "distinct class names", "['cat', 'cat', 'car']"]),
     Case("head-side-with-regmean", "config", _set("featcal", {"method": "regmean", "calibrate_head_side": True}),
          ["featcal.calibrate_head_side: only with featcal.method featcal, not regmean"]),
+    Case("task-weights-with-regmean", "config",
+         _set("featcal", {"method": "regmean_plus_plus", "task_weights": {"topic": 2.0}}),
+         ["featcal.task_weights: only with featcal.method featcal, not regmean_plus_plus"]),
     # ---- checkpoints: what the directories hold ----
     Case("base-missing", "checkpoint", _set("base", "./nowhere"), ["base: checkpoint directory", "nowhere does not exist"]),
     Case("expert-path-is-a-file", "checkpoint", _checkpoint_is_file, ["experts.count", "a_file", "is a file"]),
@@ -313,7 +316,7 @@ def test_the_table_holds_every_kind_once():
     """The count the issue asks for (40 across config, checkpoint, data, run directory and degenerate set-ups: the
     last two are in tests/test_run_dir_config.py and tests/test_setup_checks.py)."""
     kinds = [c.kind for c in CASES]
-    assert len(set(kinds)) == len(kinds) == 64
+    assert len(set(kinds)) == len(kinds) == 65
     assert {c.area for c in CASES} == {"config", "checkpoint", "data"}
 
 
