@@ -74,8 +74,9 @@ class FeatCalConfig(_Strict):
     - regmean: W = (Σ_t G̃_t)⁻¹ Σ_t G̃_t W_t per linear module, G_t from expert t's own inputs (its block on
       its own stream). Only linear weights are solved; biases, norms and everything outside the blocks keep
       the merged checkpoint's values, so `merge.method: average` gives the published RegMean (non-linear
-      parameters averaged). Uses `regmean_off_diagonal` and `eps`; lambda, rho, alpha, calibrate_*,
-      pooled_token_weight are ignored.
+      parameters averaged). Uses `regmean_off_diagonal` and `eps`; lambda, rho, alpha, calibrate_bias,
+      calibrate_norm, pooled_token_weight are ignored, and task_weights, task_weight_power, trust and
+      calibrate_head_side are refused (tasks/preflight.py).
     - regmean_plus_plus: as regmean, but G_t comes from expert t's block run on the merged stream, i.e. the
       inputs that flow through the already-solved earlier blocks (forward order, like FeatCal).
     """
