@@ -74,6 +74,12 @@ def method_runs(spec: BenchSpec | None = None) -> dict[str, MethodRun]:
            for k in range(1, 5)},
         "ta_featcal_auto_shrink": MethodRun("task_arithmetic", "featcal", featcal=FEW),
         "ta_featcal_auto_shrink_n008": MethodRun("task_arithmetic", "featcal", examples=8, featcal=FEW),
+        # Few examples, two more label-free options: half the rows held out to choose λ (4 of 8 per task, not 2),
+        # and ρ chosen with λ (its grid holds 1, the merge itself as anchor).
+        "ta_featcal_auto_h2_n008": MethodRun("task_arithmetic", "featcal", examples=8,
+                                             featcal={**AUTO, "holdout_every": 2}),
+        "ta_featcal_auto_rho_n008": MethodRun("task_arithmetic", "featcal", examples=8,
+                                              featcal={**AUTO, "rho": "auto"}),
     }
     for n in SAMPLE_SIZES[:-1]:
         runs[f"ta_featcal_n{n:03d}"] = MethodRun("task_arithmetic", "featcal", examples=n, featcal=FEATCAL)
