@@ -80,6 +80,8 @@ def method_runs(spec: BenchSpec | None = None) -> dict[str, MethodRun]:
                                              featcal={**AUTO, "holdout_every": 2}),
         "ta_featcal_auto_rho_n008": MethodRun("task_arithmetic", "featcal", examples=8,
                                               featcal={**AUTO, "rho": "auto"}),
+        # and the paper's fixed setting at 8 examples, against its own 256-example row (ta_featcal_paper)
+        "ta_featcal_paper_n008": MethodRun("task_arithmetic", "featcal", examples=8, featcal=PAPER_FEATCAL),
     }
     for n in SAMPLE_SIZES[:-1]:
         runs[f"ta_featcal_n{n:03d}"] = MethodRun("task_arithmetic", "featcal", examples=n, featcal=FEATCAL)
