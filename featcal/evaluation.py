@@ -75,6 +75,9 @@ class TaskScores:
     # A causal LM: per model [Σ next-token NLL, tokens predicted, tokens predicted right] (`add_next_tokens`); its
     # accuracy figure is then the next-token accuracy.
     next_tokens: dict[str, list[float]] = field(default_factory=dict)
+    # Per model, [Σ KL(p_expert ‖ p_model), rows agreeing with the expert's top class, rows]: read through the task's
+    # head with no labels (`add_head_errors`).
+    head_errors: dict[str, list[float]] = field(default_factory=dict)
 
     def add_values(self, model: str, values: list[float], targets: list[float]) -> None:
         """One batch of a regression task: `model`'s parsed answers (NaN: none) and the targets (kept once)."""
@@ -105,6 +108,14 @@ class TaskScores:
         acc[0] += nll
         acc[1] += tokens
         acc[2] += right
+
+    def add_head_errors(self, model: str, expert_logits: torch.Tensor, logits: torch.Tensor) -> None:
+        """One batch of `model`'s logits against the expert's, on the same rows (`head_error_sums`)."""
+        kl, agree = head_error_sums(expert_logits, logits)
+        acc = self.head_errors.setdefault(model, [0.0, 0, 0])
+        acc[0] += kl
+        acc[1] += agree
+        acc[2] += len(logits)
 
     def _head(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """[B, D]: the head token of every row, zero where that token is padding."""
@@ -157,6 +168,9 @@ class TaskScores:
                                "last_boundary_drift": last}
         if self.predictions:
             out |= {"predictions": self.predictions, "labels": self.labels}
+        if self.head_errors:
+            out["expert_agreement"] = {k: agree / rows for k, (_, agree, rows) in self.head_errors.items()}
+            out["expert_kl"] = {k: kl / rows for k, (kl, _, rows) in self.head_errors.items()}
         if lm:
             out["language_model"] = lm
         if self.metric != "accuracy":
@@ -313,8 +327,26 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append("")
     else:
         lines += ["No task has labelled evaluation data and a head: accuracy not measured.", ""]
+    lines += agreement_markdown(report)
     lines += drift_markdown(report)
     return "\n".join(lines) + "\n"
+
+
+def agreement_markdown(report: dict[str, Any]) -> list[str]:
+    """Per task, how often each model's top class is the expert's, and its KL to the expert's prediction: read
+    through the task's head, no labels needed. A task the calibration moved off what its head reads shows here as
+    lower agreement than the merge's, even where its features drift less."""
+    tasks = {t: s for t, s in report["tasks"].items() if s.get("expert_agreement")}
+    if not tasks:
+        return []
+    models = [m for m in report["models"] if all(m in s["expert_agreement"] for s in tasks.values())]
+    lines = ["## Agreement with each task's expert (no labels)", "",
+             "Share of rows whose top class is the expert's (KL to the expert's prediction, nats).", "",
+             "| task | " + " | ".join(models) + " |", "|---" * (len(models) + 1) + "|"]
+    for task, s in tasks.items():
+        cells = [f"{100 * s['expert_agreement'][m]:.1f} ({s['expert_kl'][m]:.3f})" for m in models]
+        lines.append(f"| {task} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def language_model_markdown(report: dict[str, Any]) -> list[str]:

@@ -91,9 +91,12 @@ def _task_scores(ctx: RunContext, task: str, split: _Split, progress: EvalProgre
                 hidden[name] = out.hidden_states
                 if lm and name in listed:  # scored now: one [B, T, vocab] logits tensor alive at a time
                     scores.add_next_tokens(name, out.logits, inputs["input_ids"], mask)
-                elif label_column and hasattr(out, "logits"):
+                elif not lm and hasattr(out, "logits"):
                     logits[name] = out.logits
                 del out
+        if "expert" in logits:  # agreement with the expert through the task's head: no labels needed
+            for name in drifting:
+                scores.add_head_errors(name, logits["expert"], logits[name])
         if drifting:
             if mask is None:
                 mask = torch.ones(hidden["expert"][0].shape[:2], dtype=torch.long)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
-from featcal.evaluation import head_error_sums
+from featcal.evaluation import TaskScores, head_error_sums
 from flows.pipeline import run_pipeline
 from tasks.context import context
 from tasks.evaluate import head_errors
@@ -29,8 +30,22 @@ def test_head_error_sums_match_brute_force():
     assert head_error_sums(expert[:1], model[:1]) == (pytest.approx(0.0, abs=1e-12), 1)
 
 
+def test_task_scores_keep_head_errors_per_model():
+    g = torch.Generator().manual_seed(1)
+    scores = TaskScores()
+    batches = [(torch.randn(5, 3, generator=g), torch.randn(5, 3, generator=g)) for _ in range(2)]
+    for expert, model in batches:
+        scores.add_head_errors("merged", expert, model)
+    summary = scores.summary()
+    sums = [head_error_sums(e, m) for e, m in batches]
+    assert summary["expert_agreement"] == {"merged": sum(a for _, a in sums) / 10}
+    assert summary["expert_kl"]["merged"] == pytest.approx(sum(k for k, _ in sums) / 10, rel=1e-12)
+    assert "expert_agreement" not in TaskScores().summary()
+
+
 def test_head_errors_of_a_run_read_each_tasks_own_head(tiny_example, tmp_path):
-    cfg = example_config(tiny_example, "bert", evaluation={"enabled": False})
+    """head_errors on any rows, and the evaluate stage's report on the evaluation rows, give the same figures."""
+    cfg = example_config(tiny_example, "bert")
     run_pipeline(cfg, tmp_path / "run")
     ctx = context(tmp_path / "run")
     task = cfg.tasks[0]
@@ -40,3 +55,11 @@ def test_head_errors_of_a_run_read_each_tasks_own_head(tiny_example, tmp_path):
     for name in ("merged", "calibrated"):
         assert errors[name]["kl"] > 0 and 0.0 <= errors[name]["agreement"] <= 1.0
     assert errors["merged"] != errors["calibrated"]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    for t in cfg.tasks:
+        on_eval = head_errors(ctx, t, cfg.evaluation.data[t], f"evaluation.data.{t}")
+        reported = report["tasks"][t]
+        for name in ("merged", "calibrated"):
+            assert reported["expert_agreement"][name] == on_eval[name]["agreement"]
+            assert reported["expert_kl"][name] == pytest.approx(on_eval[name]["kl"], rel=1e-9)
+    assert "## Agreement with each task's expert (no labels)" in (tmp_path / "run" / "report.md").read_text()
