@@ -12,7 +12,6 @@ else the last); and every round paired with λ auto on the same test rows. The l
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_summary import summarise  # noqa: E402
 from featcal_bench.paired import mcnemar, paired_bootstrap  # noqa: E402
 from featcal_bench.protect import flagged, head_check, settled  # noqa: E402
 from flows.pipeline import machine  # noqa: E402
@@ -82,13 +82,7 @@ def markdown(bench: Path) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("bench", type=Path)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    text = markdown(args.bench.resolve())
-    args.out.write_text(text)
-    print(text)
+    summarise(__doc__.splitlines()[0], markdown)
 
 
 if __name__ == "__main__":

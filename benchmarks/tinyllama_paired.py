@@ -12,7 +12,6 @@ averaged): the intervals of (RegMean − row) in nats and of the row's gap close
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_summary import summarise  # noqa: E402
 from featcal.data import InputBuilder, load_split, row_batches  # noqa: E402
 from featcal.evaluation import next_token_sums  # noqa: E402
 from featcal.modeling import task_model  # noqa: E402
@@ -111,14 +111,8 @@ def markdown(bench: Path) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("bench", type=Path)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
     torch.set_num_threads(1)
-    text = markdown(args.bench.resolve())
-    args.out.write_text(text)
-    print(text)
+    summarise(__doc__.splitlines()[0], markdown)
 
 
 if __name__ == "__main__":
