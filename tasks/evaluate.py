@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from featcal.config import DataSource
 from featcal.data import InputBuilder, load_split, pick_examples, row_batches
 from featcal.evaluation import (
-    DRIFT_MODELS, MODELS, EvalProgress, TaskScores, drift_definition, drift_plot, head_error_sums, markdown, summarize,
+    DRIFT_MODELS, MODELS, EvalProgress, TaskScores, drift_definition, drift_plot, markdown, summarize,
 )
 from featcal.hub import local_dir
 from featcal.modeling import task_model
@@ -170,15 +170,16 @@ def head_errors(ctx: RunContext, task: str, source: DataSource, where: str,
                            ds.column_names, where)
     expert = _task_model(ctx, task, "expert")
     compared = {name: _task_model(ctx, task, name) for name in models}
-    sums = dict.fromkeys(models, (0.0, 0))
+    scores = TaskScores()
     with torch.inference_mode():
         for rows in row_batches(ds, ctx.cfg.evaluation.batch_size):
             inputs = builder(rows)
             target = ctx.adapter.evaluate_forward(expert, inputs).logits
             for name, model in compared.items():
-                kl, agree = head_error_sums(target, ctx.adapter.evaluate_forward(model, inputs).logits)
-                sums[name] = (sums[name][0] + kl, sums[name][1] + agree)
-    return {name: {"kl": kl / len(ds), "agreement": agree / len(ds)} for name, (kl, agree) in sums.items()}
+                scores.add_head_errors(name, target, ctx.adapter.evaluate_forward(model, inputs).logits)
+    summary = scores.summary()
+    return {name: {"kl": summary["expert_kl"][name], "agreement": summary["expert_agreement"][name]}
+            for name in models}
 
 
 def run(ctx: RunContext, warnings: list[str] | None = None) -> tuple[list[str], dict[str, Any]]:
