@@ -22,15 +22,11 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bench_summary import summarise  # noqa: E402
 from featcal_bench.paired import mcnemar, paired_bootstrap  # noqa: E402
 from featcal_bench.protect import flagged, head_check, settled  # noqa: E402
+from featcal_bench.report import correct_rows  # noqa: E402
 from flows.pipeline import machine  # noqa: E402
 from storage.atomic import read_json  # noqa: E402
 
 ROUNDS = ["ta_featcal_auto", *(f"ta_featcal_auto_protect{k}" for k in range(1, 5))]
-
-
-def correct(result: dict, model: str, tasks: list[str]) -> dict[str, list[bool]]:
-    return {t: [p == y for p, y in zip(result["predictions"][t][model], result["labels"][t], strict=True)]
-            for t in tasks}
 
 
 def markdown(bench: Path) -> str:
@@ -62,13 +58,13 @@ def markdown(bench: Path) -> str:
               "|---|" + "---:|" * (len(tasks) + 3)]
     lines.append("| task arithmetic | " + " | ".join(f"{ta[t]:.1f}" for t in tasks)
                  + f" | {sum(ta.values()) / len(tasks):.2f} | | |")
-    base = correct(results[rounds[0]], "calibrated", tasks)
+    base = correct_rows(results[rounds[0]], "calibrated", tasks)
     for k, r in enumerate(rounds):
         acc = {t: 100 * results[r]["accuracy"][t]["calibrated"] for t in tasks}
         below = [f"{t} {acc[t] - ta[t]:+.1f}" for t in tasks if acc[t] - ta[t] < -1.0]
         paired = ""
         if k:
-            ours = correct(results[r], "calibrated", tasks)
+            ours = correct_rows(results[r], "calibrated", tasks)
             boot = paired_bootstrap(ours, base)
             test = mcnemar([c for t in tasks for c in ours[t]], [c for t in tasks for c in base[t]])
             lo, hi = boot["ci"]

@@ -82,7 +82,7 @@ def _standard_error(accuracies: dict[str, float], rows: int | Mapping[str, int])
     return sum(a * (1 - a) / count[t] for t, a in accuracies.items()) ** 0.5 / len(accuracies)
 
 
-def _correct(result: dict[str, Any], model: str, tasks: list[str]) -> dict[str, list[bool]] | None:
+def correct_rows(result: dict[str, Any], model: str, tasks: list[str]) -> dict[str, list[bool]] | None:
     """Per task, whether `model` got each test row right, in row order; None when the run kept no per-example
     predictions for it (results written before they were kept, or a task missing)."""
     predictions, labels = result.get("predictions", {}), result.get("labels", {})
@@ -247,7 +247,7 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
     out: dict[str, Any] = {**meta, "tasks": tasks, "methods": methods, "sample_efficiency": curve}
     if experts and ta:
         out["gaps"] = {t: experts[t] - ta[t] for t in tasks}
-    correct = {r["method"]: _correct(results[r["run"]], r["model"], tasks) for r in methods}
+    correct = {r["method"]: correct_rows(results[r["run"]], r["model"], tasks) for r in methods}
     if any(row["method"] == PAIRED_REFERENCE for row in methods):
         out["paired"] = _paired(correct, tasks, methods)
     if starts:

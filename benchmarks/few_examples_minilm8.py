@@ -1,0 +1,68 @@
+"""Few examples on a built MiniLM benchmark (issue 33 §2): each FeatCal setting at 8 calibration examples per task
+against the same setting at 256, as a share of its 256-example gain over task arithmetic, paired on the test rows.
+
+    featcal bench run BENCH --runs ta_featcal ta_featcal_auto ta_featcal_auto_n008 ...   # the runs named below
+    python benchmarks/few_examples_minilm8.py BENCH --out benchmarks/results/few_examples_minilm8.md
+
+A setting whose runs are missing is left out of the table.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_summary import summarise  # noqa: E402
+from featcal_bench.paired import mcnemar, paired_bootstrap  # noqa: E402
+from featcal_bench.report import correct_rows  # noqa: E402
+from flows.pipeline import machine  # noqa: E402
+from storage.atomic import read_json  # noqa: E402
+
+# (setting, its run at 8 examples per task, the run at 256 it is measured against)
+SETTINGS = [
+    ("λ auto (ρ 2.2)", "ta_featcal_auto_n008", "ta_featcal_auto"),
+    ("λ auto, half the rows held out", "ta_featcal_auto_h2_n008", "ta_featcal_auto"),
+    ("λ and ρ auto", "ta_featcal_auto_rho_n008", "ta_featcal_auto"),
+    ("λ auto from 0.001 + shrinkage auto", "ta_featcal_auto_shrink_n008", "ta_featcal_auto_shrink"),
+    ("paper's λ 0.05, ρ 2.2 (fixed)", "ta_featcal_paper_n008", "ta_featcal_paper"),
+    ("validation-tuned λ 0.5, ρ 3 (fixed)", "ta_featcal_n008", "ta_featcal"),
+]
+
+
+def average(correct: dict[str, list[bool]]) -> float:
+    return 100 * sum(sum(c) / len(c) for c in correct.values()) / len(correct)
+
+
+def markdown(bench: Path) -> str:
+    results = {p.stem: read_json(p) for p in (bench / "results").glob("*.json")}
+    tasks = sorted(results["ta_featcal"]["accuracy"])
+    merge = correct_rows(results["ta_featcal"], "merged", tasks)
+    lines = [f"# Few examples on `{bench.name}`, {len(tasks)} tasks (issue 33 §2)", "",
+             f"Machine: {machine()}; {time.strftime('%Y-%m-%d')}; written by `benchmarks/few_examples_minilm8.py`.", "",
+             f"Task arithmetic (0.3): {average(merge):.2f}. Share: (8-example average − TA) / (256-example average − TA). "
+             "Δ: the 8-example row minus the 256-example row on the same test rows, with its paired-bootstrap 95 % "
+             "interval (each task's rows resampled, 10,000 resamples, seed 0) and McNemar's exact p. Goal: a share "
+             "≥ 80 %.", "",
+             "| setting | 8 examples | 256 examples | share of the 256-example gain | Δ 8 − 256 [95 % CI] | p |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, few, full in SETTINGS:
+        if few not in results or full not in results:
+            continue
+        a, b = (correct_rows(results[r], "calibrated", tasks) for r in (few, full))
+        boot = paired_bootstrap(a, b)
+        test = mcnemar([c for t in tasks for c in a[t]], [c for t in tasks for c in b[t]])
+        share = (average(a) - average(merge)) / (average(b) - average(merge))
+        lo, hi = boot["ci"]
+        p = "< 0.001" if test["p_value"] < 0.001 else f"{test['p_value']:.3f}"
+        lines.append(f"| {name} | {average(a):.2f} | {average(b):.2f} | {100 * share:.0f} % | "
+                     f"{100 * boot['difference']:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}] | {p} |")
+    lines += ["", "Runs (8 / 256): " + "; ".join(f"`{few}` / `{full}`" for _, few, full in SETTINGS) + "."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    summarise(__doc__.splitlines()[0], markdown)
