@@ -50,8 +50,8 @@ def raised_weights(check: dict[str, Any]) -> dict[str, float]:
     """The checked run's task weights with every task whose calibrated model agrees with its expert's top class on
     fewer rows than the merge does raised by RAISE; the others keep theirs.
 
-    Agreement, not KL: on the 7-task MiniLM-8's validation rows (2026-12-04), λ auto left word_polarity agreeing on 87.0 % against the
-    merge's 91.5 % while its KL fell (0.247 → 0.225 nats); accuracy reads the top class."""
+    Agreement, not KL: on the 7-task MiniLM-8's validation rows (2026-12-04), λ auto left word_polarity agreeing
+    on 87.0 % against the merge's 91.5 % while its KL fell (0.247 → 0.225 nats); accuracy reads the top class."""
     weights = dict(check["task_weights"])
     for task in flagged(check):
         weights[task] = weights.get(task, 1.0) * RAISE

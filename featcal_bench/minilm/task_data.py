@@ -167,7 +167,7 @@ def _wordnet_antonym(wordnet: Path, rng: random.Random) -> list[Example]:
     synset, or of an adjective synset it is `&` similar to); each antonym pair once, in a random order."""
     index = _synset_index(wordnet)
     opposite, similar, seen = [], [], set()
-    for (pos, _), s in sorted(index.items()):
+    for _, s in sorted(index.items()):
         for p in s.pointers:
             if p.symbol != "!" or p.source < 0:
                 continue
@@ -191,8 +191,8 @@ def _wordnet_hypernym(wordnet: Path, rng: random.Random) -> list[Example]:
     index = _synset_index(wordnet)
     rows = []
     for (pos, _), s in sorted(index.items()):
-        parents = [p for p in s.pointers if p.symbol == "@" and pos in ("n", "v")]
-        if not parents:
+        parents = [p for p in s.pointers if p.symbol == "@"]
+        if pos not in ("n", "v") or not parents:
             continue
         narrow = rng.choice(s.lemmas)
         broad = rng.choice(index[(parents[0].pos, parents[0].offset)].lemmas)
