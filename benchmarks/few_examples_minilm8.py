@@ -23,7 +23,7 @@ from featcal.config import config_from_dict  # noqa: E402
 from featcal_bench.method import AUTO, MethodRun  # noqa: E402
 from featcal_bench.minilm.recipe import FEATCAL, pipeline_config  # noqa: E402
 from featcal_bench.minilm.spec import BenchSpec  # noqa: E402
-from featcal_bench.paired import mcnemar, paired_bootstrap  # noqa: E402
+from featcal_bench.paired import compared, p_text  # noqa: E402
 from featcal_bench.report import correct_rows  # noqa: E402
 from flows.pipeline import machine, run_pipeline  # noqa: E402
 from storage.atomic import read_json  # noqa: E402
@@ -77,13 +77,11 @@ def markdown(bench: Path) -> str:
         if few not in results or full not in results:
             continue
         a, b = (correct_rows(results[r], "calibrated", tasks) for r in (few, full))
-        boot = paired_bootstrap(a, b)
-        test = mcnemar([c for t in tasks for c in a[t]], [c for t in tasks for c in b[t]])
+        c = compared(a, b, tasks)
         share = (average(a) - average(merge)) / (average(b) - average(merge))
-        lo, hi = boot["ci"]
-        p = "< 0.001" if test["p_value"] < 0.001 else f"{test['p_value']:.3f}"
+        lo, hi = c["ci"]
         lines.append(f"| {name} | {average(a):.2f} | {average(b):.2f} | {100 * share:.0f} % | "
-                     f"{100 * boot['difference']:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}] | {p} |")
+                     f"{100 * c['difference']:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}] | {p_text(c['p_value'])} |")
     lines += ["", "Runs (8 / 256): " + "; ".join(f"`{few}` / `{full}`" for _, few, full in SETTINGS) + ".", "",
               "## Other draws of the 8 rows", "",
               f"The same two settings calibrated on 8 rows a task drawn with `calibration.seed` {', '.join(map(str, DRAWS))} "

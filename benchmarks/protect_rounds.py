@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_summary import summarise  # noqa: E402
-from featcal_bench.paired import mcnemar, paired_bootstrap  # noqa: E402
+from featcal_bench.paired import compared, p_text  # noqa: E402
 from featcal_bench.protect import flagged, head_check, settled  # noqa: E402
 from featcal_bench.report import correct_rows  # noqa: E402
 from flows.pipeline import machine  # noqa: E402
@@ -64,11 +64,9 @@ def markdown(bench: Path) -> str:
         below = [f"{t} {acc[t] - ta[t]:+.1f}" for t in tasks if acc[t] - ta[t] < -1.0]
         paired = ""
         if k:
-            ours = correct_rows(results[r], "calibrated", tasks)
-            boot = paired_bootstrap(ours, base)
-            test = mcnemar([c for t in tasks for c in ours[t]], [c for t in tasks for c in base[t]])
-            lo, hi = boot["ci"]
-            paired = f"{100 * boot['difference']:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}], {test['p_value']:.3f}"
+            c = compared(correct_rows(results[r], "calibrated", tasks), base, tasks)
+            lo, hi = c["ci"]
+            paired = f"{100 * c['difference']:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}], {p_text(c['p_value'])}"
         name = f"**{k} (kept)**" if k == keep else str(k)
         lines.append(f"| {name} | " + " | ".join(f"{acc[t]:.1f} ({acc[t] - ta[t]:+.1f})" for t in tasks)
                      + f" | {sum(acc.values()) / len(tasks):.2f} | {', '.join(below) or '—'} | {paired} |")

@@ -8,6 +8,7 @@ every task equally (its score is the task-averaged accuracy), so the bootstrap r
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from scipy.stats import binomtest
@@ -54,3 +55,15 @@ def paired_bootstrap(a_correct_by_task: Mapping[str, Sequence[bool]], b_correct_
     tasks = len(a_correct_by_task)
     low, high = np.percentile(resampled / tasks, [2.5, 97.5])
     return {"difference": float(difference / tasks), "ci": [float(low), float(high)]}
+
+
+def compared(a: Mapping[str, Sequence[bool]], b: Mapping[str, Sequence[bool]], tasks: Sequence[str]) -> dict[str, Any]:
+    """a's task-averaged accuracy minus b's with its paired-bootstrap interval, and McNemar's test on the rows of
+    all tasks pooled (`only_a_right`, `only_b_right`, `p_value`)."""
+    test = mcnemar([c for t in tasks for c in a[t]], [c for t in tasks for c in b[t]])
+    return {**paired_bootstrap(a, b, RESAMPLES, SEED), **test}
+
+
+def p_text(p: float) -> str:
+    """A p-value as the tables print it: three decimals, and `< 0.001` below that."""
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"

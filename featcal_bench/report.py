@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from featcal_bench.method import FULL, SAMPLE_SIZES  # noqa: E402
-from featcal_bench.paired import RESAMPLES, SEED, mcnemar, paired_bootstrap  # noqa: E402
+from featcal_bench.paired import RESAMPLES, SEED, compared, p_text  # noqa: E402
 
 def paper_rows(base_label: str, *, surgery: bool = False) -> tuple[tuple[str, str, str, str | None], ...]:
     """The rows of the paper's hub benchmarks (its Table 1 methods), in METHOD_ROWS' form; `base_label` names the
@@ -91,16 +91,9 @@ def correct_rows(result: dict[str, Any], model: str, tasks: list[str]) -> dict[s
     return {t: [p == y for p, y in zip(predictions[t][model], labels[t], strict=True)] for t in tasks}
 
 
-def _compared(a: dict[str, list[bool]], b: dict[str, list[bool]], tasks: list[str]) -> dict[str, Any]:
-    """a's task-averaged accuracy minus b's with its paired-bootstrap interval, and McNemar's test on the rows of
-    all tasks pooled (`only_a_right`, `only_b_right`, `p_value`)."""
-    test = mcnemar([c for t in tasks for c in a[t]], [c for t in tasks for c in b[t]])
-    return {**paired_bootstrap(a, b, RESAMPLES, SEED), **test}
-
-
 def _paired(correct: dict[str, dict[str, list[bool]] | None], tasks: list[str],
             rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """TA + FeatCal against every other method row on the same test rows (`_compared`). Rows without per-example
+    """TA + FeatCal against every other method row on the same test rows (`paired.compared`). Rows without per-example
     predictions (TA + FeatCal's own included) are listed under `without_predictions`."""
     reference = correct.get(PAIRED_REFERENCE)
     comparisons = []
@@ -108,7 +101,7 @@ def _paired(correct: dict[str, dict[str, list[bool]] | None], tasks: list[str],
         other = correct[row["method"]]
         if row["method"] == PAIRED_REFERENCE or reference is None or other is None:
             continue
-        c = _compared(reference, other, tasks)
+        c = compared(reference, other, tasks)
         comparisons.append({"method": row["method"], "run": row["run"], "model": row["model"],
                             "difference": c["difference"], "ci": c["ci"], "p_value": c["p_value"],
                             "featcal_only_right": c["only_a_right"], "other_only_right": c["only_b_right"]})
@@ -138,13 +131,13 @@ def _starting_rows(methods: list[dict[str, Any]], results: dict[str, dict[str, A
 def _paired_with_start(correct: dict[str, dict[str, list[bool]] | None], tasks: list[str],
                        starts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Each calibrated row against the row it started from (`_starting_rows`), on the same test rows: what the
-    calibration itself changed (`_compared`); pairs missing per-example predictions under `without_predictions`."""
+    calibration itself changed (`paired.compared`); pairs missing per-example predictions under `without_predictions`."""
     comparisons, missing = [], []
     for method, start in starts.items():
         if correct[method] is None or correct[start["method"]] is None:
             missing.append(method)
             continue
-        c = _compared(correct[method], correct[start["method"]], tasks)
+        c = compared(correct[method], correct[start["method"]], tasks)
         comparisons.append({"method": method, "start": start["method"], "difference": c["difference"], "ci": c["ci"],
                             "p_value": c["p_value"], "calibrated_only_right": c["only_a_right"],
                             "start_only_right": c["only_b_right"]})
@@ -323,10 +316,10 @@ def markdown(report: dict[str, Any], curves: Curves = CURVES) -> str:
         lines += ["", "*gap (expert − TA)*: the experts' accuracy minus task arithmetic's, in points, per task and "
                       "on average: what calibration can win back."]
     if any("standard_error" in row for row in report["methods"]):
-        compared = bool(report.get("paired", {}).get("comparisons"))
+        has_pairs = bool(report.get("paired", {}).get("comparisons"))
         lines += ["", "± is one binomial standard error of the task average over the test rows; two methods scored "
                       "on the same rows differ less by chance than two independent samples would (√2 × that)"
-                  + ("; the paired comparisons below test the differences themselves." if compared else ".")]
+                  + ("; the paired comparisons below test the differences themselves." if has_pairs else ".")]
     lines += changes_markdown(report)
     lines += agreement_markdown(report)
     lines += paired_markdown(report)
@@ -398,10 +391,6 @@ def agreement_markdown(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _p_value(p: float) -> str:
-    return "< 0.001" if p < 0.001 else f"{p:.3f}"
-
-
 def paired_markdown(report: dict[str, Any]) -> list[str]:
     """The paired-comparison section: one row per method, Δ = TA + FeatCal − that method."""
     paired = report.get("paired")
@@ -414,7 +403,7 @@ def paired_markdown(report: dict[str, Any]) -> list[str]:
         for c in paired["comparisons"]:
             low, high = c["ci"]
             lines.append(f"| {c['method']} | {100 * c['difference']:+.1f} | [{100 * low:+.1f}, {100 * high:+.1f}] | "
-                         f"{_p_value(c['p_value'])} | {c['featcal_only_right']} | {c['other_only_right']} |")
+                         f"{p_text(c['p_value'])} | {c['featcal_only_right']} | {c['other_only_right']} |")
         lines += ["", f"Δ is {paired['reference']}'s task-averaged accuracy minus the method's. The CI is the 2.5–97.5 "
                       "percentile range of a paired bootstrap: each task's test rows resampled with replacement within "
                       f"that task, the same rows for both methods, {paired['resamples']:,} resamples, seed "
@@ -435,7 +424,7 @@ def start_markdown(report: dict[str, Any]) -> list[str]:
     for c in paired["comparisons"]:
         low, high = c["ci"]
         lines.append(f"| {c['method']} | {c['start']} | {100 * c['difference']:+.1f} [{100 * low:+.1f}, "
-                     f"{100 * high:+.1f}] | {_p_value(c['p_value'])} |")
+                     f"{100 * high:+.1f}] | {p_text(c['p_value'])} |")
     lines += ["", "Δ is the method's task-averaged accuracy minus that of the model it calibrated (its merge, or the "
                   "calibrated model of the run it started from), on the same test rows; the CI from a paired bootstrap "
                   f"of each task's rows ({paired['resamples']:,} resamples, seed {paired['seed']}), McNemar's exact "

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from featcal_bench.paired import mcnemar, paired_bootstrap
+from featcal_bench.paired import mcnemar, p_text, paired_bootstrap
 from featcal_bench.report import build_report, markdown
 from featcal.evaluation import TaskScores, markdown as run_markdown, summarize
 
@@ -256,3 +256,8 @@ def test_agreement_with_each_tasks_expert_is_reported_per_row_without_labels():
     assert "| experts (individual) |" not in md.split("## Agreement")[1].split("\n## ")[0]
     without = {run: {k: v for k, v in r.items() if k != "predictions"} for run, r in results.items()}
     assert all("expert_agreement" not in r for r in build_report(without, TASKS, {})["methods"])
+
+
+def test_p_values_print_three_decimals_and_a_floor() -> None:
+    """A p of 0.0004 once printed as `0.000` in a benchmark table; every table prints it through p_text."""
+    assert [p_text(p) for p in (0.0004, 0.001, 0.0123, 1.0)] == ["< 0.001", "0.001", "0.012", "1.000"]
