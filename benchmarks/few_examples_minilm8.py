@@ -23,7 +23,7 @@ from featcal.config import config_from_dict  # noqa: E402
 from featcal_bench.method import AUTO, MethodRun  # noqa: E402
 from featcal_bench.minilm.recipe import FEATCAL, pipeline_config  # noqa: E402
 from featcal_bench.minilm.spec import BenchSpec  # noqa: E402
-from featcal_bench.paired import compared, p_text  # noqa: E402
+from featcal_bench.paired import RESAMPLES, SEED, compared, p_text  # noqa: E402
 from featcal_bench.report import correct_rows  # noqa: E402
 from flows.pipeline import machine, run_pipeline  # noqa: E402
 from storage.atomic import read_json  # noqa: E402
@@ -64,12 +64,12 @@ def drawn_average(bench: Path, slug: str, featcal: dict, seed: int) -> float:
 def markdown(bench: Path) -> str:
     results = {p.stem: read_json(p) for p in (bench / "results").glob("*.json")}
     tasks = sorted(results["ta_featcal"]["accuracy"])
-    merge = correct_rows(results["ta_featcal"], "merged", tasks)
+    ta = average(correct_rows(results["ta_featcal"], "merged", tasks))
     lines = [f"# Few examples on `{bench.name}`, {len(tasks)} tasks (issue 33 §2)", "",
              f"Machine: {machine()}; {time.strftime('%Y-%m-%d')}; written by `benchmarks/few_examples_minilm8.py`.", "",
-             f"Task arithmetic (0.3): {average(merge):.2f}. Share: (8-example average − TA) / (256-example average − TA). "
+             f"Task arithmetic (0.3): {ta:.2f}. Share: (8-example average − TA) / (256-example average − TA). "
              "Δ: the 8-example row minus the 256-example row on the same test rows, with its paired-bootstrap 95 % "
-             "interval (each task's rows resampled, 10,000 resamples, seed 0) and McNemar's exact p. Goal: a share "
+             f"interval (each task's rows resampled, {RESAMPLES:,} resamples, seed {SEED}) and McNemar's exact p. Goal: a share "
              "≥ 80 %.", "",
              "| setting | 8 examples | 256 examples | share of the 256-example gain | Δ 8 − 256 [95 % CI] | p |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -78,7 +78,7 @@ def markdown(bench: Path) -> str:
             continue
         a, b = (correct_rows(results[r], "calibrated", tasks) for r in (few, full))
         c = compared(a, b, tasks)
-        share = (average(a) - average(merge)) / (average(b) - average(merge))
+        share = (average(a) - ta) / (average(b) - ta)
         lo, hi = c["ci"]
         lines.append(f"| {name} | {average(a):.2f} | {average(b):.2f} | {100 * share:.0f} % | "
                      f"{100 * c['difference']:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}] | {p_text(c['p_value'])} |")
@@ -88,7 +88,6 @@ def markdown(bench: Path) -> str:
               "(the runs above: 42); share of the 256-example run's gain over TA.", "",
               "| setting | " + " | ".join(f"seed {d}" for d in (42, *DRAWS)) + " | mean share | range |",
               "|---|" + "---:|" * (len(DRAWS) + 3)]
-    ta = average(merge)
     for name, slug, featcal, full in DRAWN:
         gain = average(correct_rows(results[full], "calibrated", tasks)) - ta
         first = average(correct_rows(results[f"{full}_n008"], "calibrated", tasks))
