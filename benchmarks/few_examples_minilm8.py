@@ -4,7 +4,7 @@ against the same setting at 256, as a share of its 256-example gain over task ar
     featcal bench run BENCH --runs ta_featcal ta_featcal_auto ta_featcal_auto_n008 ...   # the runs named below
     python benchmarks/few_examples_minilm8.py BENCH --out benchmarks/results/few_examples_minilm8.md
 
-A setting whose runs are missing is left out of the table. The benchmark's runs all draw their 8 rows a task with
+A setting whose runs are missing is left out of its table; ta_featcal (task arithmetic's row) is required. The benchmark's runs all draw their 8 rows a task with
 one seed; to show how much the draw decides, this script also calibrates λ auto and the tuned setting on three
 more draws (about a minute each on 2 cores, cached under BENCH/few_draws/).
 """
@@ -63,6 +63,9 @@ def drawn_average(bench: Path, slug: str, featcal: dict, seed: int) -> float:
 
 def markdown(bench: Path) -> str:
     results = {p.stem: read_json(p) for p in (bench / "results").glob("*.json")}
+    if "ta_featcal" not in results:
+        raise SystemExit(f"{bench / 'results' / 'ta_featcal.json'} is missing: task arithmetic's row comes from run "
+                         f"ta_featcal (featcal bench run {bench} --runs ta_featcal)")
     tasks = sorted(results["ta_featcal"]["accuracy"])
     ta = average(correct_rows(results["ta_featcal"], "merged", tasks))
     lines = [f"# Few examples on `{bench.name}`, {len(tasks)} tasks (issue 33 §2)", "",
@@ -89,6 +92,8 @@ def markdown(bench: Path) -> str:
               "| setting | " + " | ".join(f"seed {d}" for d in (42, *DRAWS)) + " | mean share | range |",
               "|---|" + "---:|" * (len(DRAWS) + 3)]
     for name, slug, featcal, full in DRAWN:
+        if full not in results or f"{full}_n008" not in results:
+            continue
         gain = average(correct_rows(results[full], "calibrated", tasks)) - ta
         first = average(correct_rows(results[f"{full}_n008"], "calibrated", tasks))
         shares = [(a - ta) / gain for a in (first, *(drawn_average(bench, slug, featcal, d) for d in DRAWS))]
