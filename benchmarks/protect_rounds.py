@@ -20,9 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_summary import summarise  # noqa: E402
-from featcal_bench.paired import compared, p_text  # noqa: E402
+from featcal_bench.left_behind import accuracy_cells, check_cells  # noqa: E402
 from featcal_bench.protect import flagged, head_check, settled  # noqa: E402
-from featcal_bench.report import correct_rows  # noqa: E402
 from flows.pipeline import machine  # noqa: E402
 from storage.atomic import read_json  # noqa: E402
 
@@ -46,30 +45,18 @@ def markdown(bench: Path) -> str:
              "## Validation check: agreement with the expert, merge → calibrated (%)", "",
              "| round | weights | " + " | ".join(tasks) + " | flagged |", "|---|---|" + "---:|" * len(tasks) + "---|"]
     for k, (r, check) in enumerate(zip(rounds, checks, strict=True)):
-        cells = []
-        for t in tasks:
-            e = check["tasks"][t]
-            mark = " ⚑" if t in flagged(check) else ""
-            cells.append(f"{100 * e['merged']['agreement']:.1f} → {100 * e['calibrated']['agreement']:.1f}{mark}")
         weights = ", ".join(f"{t} {w:g}" for t, w in sorted(check["task_weights"].items())) or "all 1"
-        lines.append(f"| {k} | {weights} | " + " | ".join(cells) + f" | {', '.join(flagged(check)) or '—'} |")
+        lines.append(f"| {k} | {weights} | " + " | ".join(check_cells(check, tasks))
+                     + f" | {', '.join(flagged(check)) or '—'} |")
     lines += ["", "## Test accuracy (%), change against task arithmetic, and against round 0", "",
               "| round | " + " | ".join(tasks) + " | average | tasks > 1 point below TA | Δ vs round 0 [95 % CI], p |",
               "|---|" + "---:|" * (len(tasks) + 3)]
     lines.append("| task arithmetic | " + " | ".join(f"{ta[t]:.1f}" for t in tasks)
                  + f" | {sum(ta.values()) / len(tasks):.2f} | | |")
-    base = correct_rows(results[rounds[0]], "calibrated", tasks)
     for k, r in enumerate(rounds):
-        acc = {t: 100 * results[r]["accuracy"][t]["calibrated"] for t in tasks}
-        below = [f"{t} {acc[t] - ta[t]:+.1f}" for t in tasks if acc[t] - ta[t] < -1.0]
-        paired = ""
-        if k:
-            c = compared(correct_rows(results[r], "calibrated", tasks), base, tasks)
-            lo, hi = c["ci"]
-            paired = f"{100 * c['difference']:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}], {p_text(c['p_value'])}"
         name = f"**{k} (kept)**" if k == keep else str(k)
-        lines.append(f"| {name} | " + " | ".join(f"{acc[t]:.1f} ({acc[t] - ta[t]:+.1f})" for t in tasks)
-                     + f" | {sum(acc.values()) / len(tasks):.2f} | {', '.join(below) or '—'} | {paired} |")
+        cells = accuracy_cells(results[r], ta, tasks, results[rounds[0]] if k else None)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", f"Kept by the rule: round {keep}. Goal (issue 33 §1): no task more than 1 point below task arithmetic, "
               "and the average not below round 0's (paired interval)."]
     return "\n".join(lines) + "\n"

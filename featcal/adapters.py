@@ -14,6 +14,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from storage.checkpoint import CanonicalCheckpoint
+from storage.lora import LoraCheckpoint
+
 
 class UnsupportedModelError(ValueError):
     pass
@@ -71,6 +74,9 @@ class Adapter:
     # The body submodule between the last block and the head that the head reads through (a pooler, a final
     # norm), per architecture; absent: none. With featcal.calibrate_head_side it is calibrated as block L.
     head_side: ClassVar[dict[str, str]] = {}
+    # The module of the last block whose output reaches the head through linear maps and norms only, per architecture
+    # (its name inside the block); absent: featcal.head_metric is refused. `head_map` gives that path's matrix.
+    head_input: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: PretrainedConfig):
         self.config = config
@@ -127,6 +133,17 @@ class Adapter:
         """What the head reads: the head-side module on `hidden` [B, T, H] (its `head_side_tokens()`), as [B, T, H]."""
         out = module(hidden)
         return out.reshape(*hidden.shape[:-1], out.shape[-1])  # BERT's pooler drops the token axis (T = 1 here)
+
+    def head_input_module(self) -> str:
+        if self.architecture not in self.head_input:
+            raise UnsupportedModelError(f"featcal.head_metric: not supported for {self.architecture} (supported: "
+                                        f"BertForSequenceClassification)")
+        return self.head_input[self.architecture]
+
+    def head_map(self, expert: CanonicalCheckpoint | LoraCheckpoint) -> torch.Tensor:
+        """H [classes, hidden]: the linear part of the path from `head_input_module()`'s output to a task's logits,
+        read from the task's expert checkpoint."""
+        raise UnsupportedModelError(f"featcal.head_metric: not supported for {self.architecture}")
 
     def is_head(self, canonical_name: str) -> bool:
         return canonical_name.startswith(self.head_prefixes)
@@ -215,7 +232,18 @@ class BertAdapter(Adapter):
     kv_modules = ("attention.self.key", "attention.self.value")
     pooled_token = {"BertForSequenceClassification": 0, "BertModel": 0}
     head_side = {"BertForSequenceClassification": "pooler", "BertModel": "pooler"}
+    head_input = {"BertForSequenceClassification": "output.dense"}
     probe_key = "embeddings.word_embeddings.weight"
+
+    def head_map(self, expert: CanonicalCheckpoint | LoraCheckpoint) -> torch.Tensor:
+        """y (the last block's output.dense) → LayerNorm(x + y) → tanh(P·h + p) at the [CLS] token → C·z: the norm's
+        γ and centring, then P and C. The norm's 1/σ and tanh′ vary per row and are left out (a scale per row, and
+        a per-dimension one near 1 where tanh is not saturated)."""
+        self.head_input_module()
+        last = f"{self.blocks_path}.{self.num_blocks() - 1}.output.LayerNorm.weight"
+        gamma = expert.get(last).double()
+        centred = gamma[:, None] * (torch.eye(gamma.numel(), dtype=torch.float64) - 1.0 / gamma.numel())
+        return expert.get("classifier.weight").double() @ expert.get("pooler.dense.weight").double() @ centred
 
     def embed(self, modules: dict[str, nn.Module], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return modules["embeddings"](input_ids=inputs["input_ids"], token_type_ids=inputs.get("token_type_ids"))

@@ -17,8 +17,8 @@ from typing import Any, ClassVar, Literal, get_args
 import torch
 
 from featcal.closed_form import (
-    BiasTerm, Choice, Hyper, LinearMoments, choose_linear_hyper, choose_norm_hyper, solve_linear_bias,
-    solve_linear_weight, solve_norm_affine, solve_regmean_weight,
+    BiasTerm, Choice, Hyper, LinearMoments, choose_linear_hyper, choose_norm_hyper, head_factor, head_metric, solve_linear_bias,
+    solve_linear_weight, solve_linear_weight_head, solve_norm_affine, solve_regmean_weight,
 )
 from featcal.config import FeatCalConfig
 from featcal.statistics import fit_sums, held_out_sums, linear_moments, norm_moments
@@ -64,6 +64,9 @@ class ModuleData:
     merged: Callable[[str], torch.Tensor]
     base: Callable[[str], torch.Tensor]
     expert: Callable[[int, str], torch.Tensor]
+    # Task t's head map H_t [classes, out] (Adapter.head_map) where this is the module that feeds the head and
+    # featcal.head_metric is on; None elsewhere.
+    head: Callable[[int], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,8 @@ class FeatCal(CalibrationMethod):
     name = "featcal"
     keys = ("lambda", "rho", "lambda_grid", "rho_grid", "shrinkage", "shrinkage_target", "shrinkage_grid",
             "holdout_every", "alpha", "eps", "calibrate_bias",
-            "calibrate_norm", "pooled_token_weight", "task_weight_power", "task_weights", "trust", "calibrate_head_side")
+            "calibrate_norm", "pooled_token_weight", "task_weight_power", "task_weights", "trust", "head_metric",
+            "calibrate_head_side")
 
     def __init__(self, settings: Mapping[str, Any], solve_precision: str = "float64") -> None:
         super().__init__(settings, solve_precision)
@@ -198,6 +202,8 @@ class FeatCal(CalibrationMethod):
                                          self.rhos, self.shrinks)
         hp, report = self._chosen(choice)
         bias_terms: list[BiasTerm] = []
+        eta = self.settings["head_metric"]
+        heads = None if module.head is None or not eta else [head_factor(module.head(t)) for t in range(len(weights))]
 
         def per_task() -> Iterator[tuple[LinearMoments, torch.Tensor]]:
             for t, (stats, c) in enumerate(zip(module.stats(), weights, strict=True)):
@@ -205,10 +211,15 @@ class FeatCal(CalibrationMethod):
                 mom = replace(linear_moments(stats, where, in_place=True), weight=c)
                 w_t = module.expert(t, "weight").double()
                 if module.has_bias:
-                    bias_terms.append(BiasTerm.of(mom, w_t, module.expert(t, "bias"), hp.alpha))
+                    metric = None if heads is None else head_metric(heads[t], eta)
+                    bias_terms.append(BiasTerm.of(mom, w_t, module.expert(t, "bias"), hp.alpha, metric))
                 yield mom, w_t
 
-        sol = solve_linear_weight(per_task(), w_merged, module.base("weight"), hp, self.mixed)
+        if heads is None:
+            sol = solve_linear_weight(per_task(), w_merged, module.base("weight"), hp, self.mixed)
+        else:  # λ and ρ as chosen above, by the plain held-out data term
+            with_heads = ((mom, w_t, heads[t]) for t, (mom, w_t) in enumerate(per_task()))
+            sol = solve_linear_weight_head(with_heads, w_merged, module.base("weight"), hp, eta)
         if sol.path is not None:
             report["solve_path"] = sol.path
         solved = {"weight": sol.weight}

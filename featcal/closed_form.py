@@ -134,6 +134,93 @@ def solve_linear_weight(
     return _ridge(a, b, hp.eps, mixed)
 
 
+HEAD_TOL = 1e-12  # relative residual at which the head-metric solve stops: float64 accuracy (docs/design.md §6)
+HEAD_MAX_STEPS = 5000
+
+
+def head_factor(head: torch.Tensor) -> torch.Tensor:
+    """U_t from a task's head map H_t [k, out]: U_t = H_t·√out/‖H_t‖_F, so that S_t = U_tᵀU_t has trace `out`, the
+    identity's, and η moves weight between the two metrics without changing the data term's scale."""
+    h = head.double()
+    norm = float(torch.linalg.matrix_norm(h))
+    if not norm > 0:
+        raise ValueError("featcal.head_metric: a task's head map is all zeros, so it reads nothing of this module")
+    return h * (h.shape[1] ** 0.5 / norm)
+
+
+def solve_linear_weight_head(
+    tasks: Iterable[tuple[LinearMoments, torch.Tensor, torch.Tensor]], merged: torch.Tensor, base: torch.Tensor,
+    hp: Hyper, eta: float,
+) -> LinearSolution:
+    """solve_linear_weight with each task's output error measured in M_t = (1−η)I + η·S_t, S_t = U_tᵀU_t
+    (head_factor): min Σ_t E_t[(W x_s − W_t x_t)ᵀ M_t (W x_s − W_t x_t)]/n_t + μ-trust + λ‖W − A(W)‖² (docs/design.md
+    §2.8, head metric). Its normal equations, in X = Wᵀ [in, out],
+
+        (1−η+μ)·a·X + η Σ_t G_t X S_t + (λ+ε) X = (1−η)·B + η Σ_t B_t S_t + μ·a·W_mᵀ + λ A(W)ᵀ,
+
+    with G_t = C̃_ss^t/n_t, a = Σ_t G_t and B_t = C̃_st^t W_tᵀ/n_t, are a sum of Kronecker products with no closed
+    form. Conjugate gradients solve them, preconditioned by the one Kronecker product near them, a·X·M̄ + (λ+ε)X
+    with M̄ = (1−η+μ)I + η Σ_t (tr G_t/tr a)·S_t, which two eigendecompositions invert exactly (and which is the
+    whole system when the tasks' Grams are proportional, or at η = 0).
+
+    `tasks` yields (moments, W_t, U_t [k, out]); each task's G_t is kept for the iterations (T·in² floats)."""
+    d, f64 = merged.shape[1], {"dtype": torch.float64, "device": merged.device}
+    a = torch.zeros(d, d, **f64)
+    b = hp.lam * anchor(merged, base, hp.rho).T
+    grams: list[torch.Tensor] = []
+    factors: list[torch.Tensor] = []
+    for mom, w_t, u_t in tasks:
+        g_t = torch.zeros(d, d, **f64)
+        b_t = torch.zeros_like(b)
+        mom.add_shrunk(g_t, b_t, hp, w_t, 1.0 / mom.normaliser())
+        u_t = u_t.to(**f64)
+        a += g_t
+        b.add_(b_t, alpha=1.0 - eta).add_((b_t @ u_t.T) @ u_t, alpha=eta)
+        grams.append(g_t)
+        factors.append(u_t)
+    if hp.trust:
+        b += hp.trust * a @ merged.double().T
+    plain, reg = 1.0 - eta + hp.trust, hp.lam + hp.eps
+
+    def operator(x: torch.Tensor) -> torch.Tensor:
+        out = torch.addmm(x, a, x, beta=reg, alpha=plain)
+        for g_t, u_t in zip(grams, factors, strict=True):
+            out.add_(g_t @ (x @ u_t.T) @ u_t, alpha=eta)
+        return out
+
+    total = float(a.trace())
+    mean_metric = plain * torch.eye(merged.shape[0], **f64)
+    for g_t, u_t in zip(grams, factors, strict=True):
+        mean_metric.add_(u_t.T @ u_t, alpha=eta * float(g_t.trace()) / total)
+    e, v = torch.linalg.eigh(a)
+    m, q = torch.linalg.eigh(mean_metric)
+    scale = 1.0 / (e.clamp_min(0)[:, None] * m.clamp_min(0)[None, :] + reg)
+
+    def precondition(r: torch.Tensor) -> torch.Tensor:
+        return v @ ((v.T @ r @ q) * scale) @ q.T
+
+    x = precondition(b)
+    r = b - operator(x)
+    z = precondition(r)
+    p, rz = z.clone(), float((r * z).sum())
+    target = HEAD_TOL * float(torch.linalg.matrix_norm(b))
+    steps = 0
+    while float(torch.linalg.matrix_norm(r)) > target:
+        if steps == HEAD_MAX_STEPS:
+            raise ValueError(f"featcal.head_metric: conjugate gradients left a relative residual of "
+                             f"{float(torch.linalg.matrix_norm(r)) / (target / HEAD_TOL):.3g} after {steps} steps "
+                             f"(asked {HEAD_TOL:g}); lower featcal.head_metric or raise featcal.lambda")
+        q_p = operator(p)
+        step = rz / float((p * q_p).sum())
+        x.add_(p, alpha=step)
+        r.sub_(q_p, alpha=step)
+        z = precondition(r)
+        rz, rz_old = float((r * z).sum()), rz
+        p = z.add_(p, alpha=rz / rz_old)
+        steps += 1
+    return LinearSolution(weight=x.T.contiguous(), damping=hp.eps, path=f"head metric, {steps} CG steps")
+
+
 @dataclass(frozen=True)
 class Choice:
     """The (λ, ρ, γ) a module's held-out rows chose, with the held-out data term of every grid point ([γ, λ, ρ])."""
@@ -243,10 +330,18 @@ class BiasTerm:
     inv_n: float
     mu_s: torch.Tensor  # E_w[x_s]
     expert_out: torch.Tensor  # b_t + W_t μ_t
+    metric: torch.Tensor | None = None  # M_t [out, out] with featcal.head_metric (solve_linear_weight_head)
 
     @classmethod
-    def of(cls, mom: LinearMoments, w_t: torch.Tensor, b_t: torch.Tensor, alpha: float) -> BiasTerm:
-        return cls(1.0 / mom.normaliser(), mom.mu_s, b_t.double() + w_t.double() @ mom.mu_t(alpha))
+    def of(cls, mom: LinearMoments, w_t: torch.Tensor, b_t: torch.Tensor, alpha: float,
+           metric: torch.Tensor | None = None) -> BiasTerm:
+        return cls(1.0 / mom.normaliser(), mom.mu_s, b_t.double() + w_t.double() @ mom.mu_t(alpha), metric)
+
+
+def head_metric(u_t: torch.Tensor, eta: float) -> torch.Tensor:
+    """M_t = (1−η)I + η·U_tᵀU_t."""
+    return torch.eye(u_t.shape[1], dtype=torch.float64, device=u_t.device).mul_(1.0 - eta).add_(u_t.T @ u_t,
+                                                                                               alpha=eta)
 
 
 def solve_linear_bias(
@@ -254,19 +349,28 @@ def solve_linear_bias(
     merged_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """b = [Σ_t (b_t + W_t μ_t − W μ_s)/n_t + λ A(b)] / (Σ_t 1/n_t + λ), after the weight is solved; with a trust
-    weight μ each task adds μ(b_m + W_m μ_s − W μ_s)/n_t and μ/n_t (`merged_weight` is then W_m)."""
+    weight μ each task adds μ(b_m + W_m μ_s − W μ_s)/n_t and μ/n_t (`merged_weight` is then W_m). A term with a head
+    metric M_t enters as M_t(b_t + W_t μ_t − W μ_s)/n_t and M_t/n_t, and b solves (Σ_t M_t/n_t + c·I) b = num."""
     num = hp.lam * anchor(merged, base, hp.rho)
     den = hp.lam
+    den_metric: torch.Tensor | None = None  # Σ_t M_t/n_t over the terms with a metric
     w = weight.double()
     for term in terms:
-        num = num + term.inv_n * (term.expert_out - w @ term.mu_s)
-        den += term.inv_n
+        resid = term.expert_out - w @ term.mu_s
+        if term.metric is None:
+            num = num + term.inv_n * resid
+            den += term.inv_n
+        else:
+            num = num + term.inv_n * (term.metric @ resid)
+            den_metric = term.inv_n * term.metric if den_metric is None else den_metric + term.inv_n * term.metric
         if hp.trust:
             if merged_weight is None:
                 raise ValueError("solve_linear_bias: a trust weight needs merged_weight")
             num = num + hp.trust * term.inv_n * (merged.double() + (merged_weight.double() - w) @ term.mu_s)
             den += hp.trust * term.inv_n
-    return num / den
+    if den_metric is None:
+        return num / den
+    return torch.linalg.solve(den_metric + den * torch.eye(len(num), dtype=torch.float64, device=num.device), num)
 
 
 def solve_norm_affine(

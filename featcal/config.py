@@ -75,8 +75,8 @@ class FeatCalConfig(_Strict):
       its own stream). Only linear weights are solved; biases, norms and everything outside the blocks keep
       the merged checkpoint's values, so `merge.method: average` gives the published RegMean (non-linear
       parameters averaged). Uses `regmean_off_diagonal` and `eps`; lambda, rho, alpha, calibrate_bias,
-      calibrate_norm, pooled_token_weight are ignored, and task_weights, task_weight_power, trust and
-      calibrate_head_side are refused (tasks/preflight.py).
+      calibrate_norm, pooled_token_weight are ignored, and task_weights, task_weight_power, trust,
+      head_metric and calibrate_head_side are refused (tasks/preflight.py).
     - regmean_plus_plus: as regmean, but G_t comes from expert t's block run on the merged stream, i.e. the
       inputs that flow through the already-solved earlier blocks (forward order, like FeatCal).
     """
@@ -112,6 +112,10 @@ class FeatCalConfig(_Strict):
                                           "task weighed 4 counts as four copies of that task in every shared solve")
     trust: float = Field(0.0, ge=0, description="μ: each task's term also keeps a linear module's output near the "
                                                 "merged module's on that task's rows")
+    head_metric: float = Field(
+        0.0, ge=0, le=1, description="η: in the last block's module that feeds the head (BERT's output.dense), each "
+                                     "task's output error is measured in (1−η)I + η·H_tᵀH_t (scaled to the same "
+                                     "trace), H_t the linear path to the task's logits; 0: off (docs/design.md §2.8)")
     calibrate_head_side: bool = Field(
         False, description="also calibrate the modules between the last block and the head (BERT's pooler, CLIP's "
                            "post_layernorm, a ViT's or decoder's final norm) as one more block")

@@ -23,7 +23,8 @@ from featcal.statistics import (
 )
 from featcal.t5 import column_targets, decoder_batches, greedy_targets
 from storage.atomic import atomic_path
-from storage.checkpoint import read_header, read_tensor, save_tensors
+from storage.checkpoint import CanonicalCheckpoint, read_header, read_tensor, save_tensors
+from storage.lora import LoraCheckpoint
 from tasks.context import RunContext
 from tasks.merge import MERGED
 
@@ -436,8 +437,17 @@ def _module_data(ctx: RunContext, layer: int, name: str, module: torch.nn.Module
         stats=lambda: _task_stats(ctx, layer, name, device),
         merged=lambda part: solve_layout(part, merged[names[part]]),
         base=lambda part: solve_layout(part, base.get(prefix + names[part])),
-        expert=lambda t, part: solve_layout(part, experts[t].get(prefix + names[part])))
+        expert=lambda t, part: solve_layout(part, experts[t].get(prefix + names[part])),
+        head=_head(ctx, layer, name, experts, device))
     return data, stored
+
+
+def _head(ctx: RunContext, layer: int, name: str, experts: list[CanonicalCheckpoint | LoraCheckpoint],
+          device: torch.device | None) -> Callable[[int], torch.Tensor] | None:
+    """Task t's head map for module `name` of block `layer` where featcal.head_metric weighs its error, else None."""
+    if not ctx.cfg.featcal.head_metric or layer != ctx.num_blocks - 1 or name != ctx.adapter.head_input_module():
+        return None
+    return lambda t: ctx.adapter.head_map(experts[t]).to(device)
 
 
 def _task_weights(ctx: RunContext, layer: int, power: float, given: dict[str, float]) -> list[float]:

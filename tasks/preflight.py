@@ -169,7 +169,7 @@ def given_dtype_notice(cfg: RunConfig, adapter: Adapter) -> list[str]:
 
 
 # featcal.* options that change what one method solves; set under another method, they would be ignored in silence
-METHOD_OPTIONS = ("calibrate_head_side", "task_weights", "task_weight_power", "trust")
+METHOD_OPTIONS = ("calibrate_head_side", "task_weights", "task_weight_power", "trust", "head_metric")
 
 
 def check_method_reads(cfg: RunConfig) -> None:
@@ -189,6 +189,24 @@ def check_head_side(cfg: RunConfig, adapter: Adapter) -> None:
     path = adapter.head_side_path()
     if not any(n.startswith(f"{path}.") for n in CanonicalCheckpoint(cfg.base, adapter).names()):
         raise CheckpointError(f"featcal.calibrate_head_side: base {cfg.base} has no {path} tensors to calibrate")
+
+
+def check_head_metric(cfg: RunConfig, adapter: Adapter) -> None:
+    """featcal.head_metric needs an architecture whose head path is known, each expert's own head (not a zero-shot
+    one), and no head-side calibration (the metric reads the experts' pooler, which that would change)."""
+    if not cfg.featcal.head_metric:
+        return
+    adapter.head_input_module()
+    if cfg.zero_shot is not None:
+        raise ConfigError("featcal.head_metric: not with zero_shot (the metric reads each expert's own head)")
+    if cfg.featcal.calibrate_head_side:
+        raise ConfigError("featcal.head_metric: not with featcal.calibrate_head_side (the metric reads the pooler "
+                          "as the experts have it)")
+    for task in cfg.tasks:
+        try:
+            adapter.head_map(_expert_checkpoint(cfg, task, adapter))
+        except CheckpointError as err:
+            raise CheckpointError(f"featcal.head_metric: experts.{task}: {err}") from None
 
 
 def check_zero_shot(cfg: RunConfig) -> list[str]:
@@ -358,6 +376,7 @@ def preflight(cfg: RunConfig, quiet: bool = False) -> Checked:
         found += given_dtype_notice(files, adapter)
         check_method_reads(files)
         check_head_side(files, adapter)
+        check_head_metric(files, adapter)
         found += check_data(files, adapter, {f"{section}.{t}": source.path for section, by_task in (
             ("calibration.data", cfg.calibration.data), ("evaluation.data", cfg.evaluation.data))
             for t, source in by_task.items() if hub_ref(source.path)})

@@ -72,6 +72,10 @@ def method_runs(spec: BenchSpec | None = None) -> dict[str, MethodRun]:
         **{f"ta_featcal_auto_protect{k}": MethodRun("task_arithmetic", "featcal", featcal=AUTO,
                                                    protect="ta_featcal_auto" + (f"_protect{k - 1}" if k > 1 else ""))
            for k in range(1, 5)},
+        # No task left behind, inside the solve: the last block's output.dense measures each task's error through its
+        # head, (1−η)I + η·H_tᵀH_t (featcal.head_metric); the row kept is chosen on validation (protect.head_check).
+        **{f"ta_featcal_auto_head{tag}": MethodRun("task_arithmetic", "featcal", featcal={**AUTO, "head_metric": eta})
+           for tag, eta in (("05", 0.5), ("1", 1.0))},
         "ta_featcal_auto_shrink": MethodRun("task_arithmetic", "featcal", featcal=FEW),
         "ta_featcal_auto_shrink_n008": MethodRun("task_arithmetic", "featcal", examples=8, featcal=FEW),
         # Few examples, two more label-free options: half the rows held out to choose λ (4 of 8 per task, not 2),
