@@ -5,8 +5,8 @@ against the same setting at 256, as a share of its 256-example gain over task ar
     python benchmarks/few_examples_minilm8.py BENCH --out benchmarks/results/few_examples_minilm8.md
 
 A setting whose runs are missing is left out of its table; ta_featcal (task arithmetic's row) is required. The benchmark's runs all draw their 8 rows a task with
-one seed; to show how much the draw decides, this script also calibrates λ auto and the tuned setting on three
-more draws (about a minute each on 2 cores, cached under BENCH/few_draws/).
+one seed; to show how much the draw decides, this script also calibrates λ auto, λ auto + head metric and the tuned
+setting on three more draws (about a minute each on 2 cores, cached under BENCH/few_draws/).
 """
 
 from __future__ import annotations
@@ -34,15 +34,17 @@ SETTINGS = [
     ("λ auto, half the rows held out", "ta_featcal_auto_h2_n008", "ta_featcal_auto"),
     ("λ and ρ auto", "ta_featcal_auto_rho_n008", "ta_featcal_auto"),
     ("λ auto from 0.001 + shrinkage auto", "ta_featcal_auto_shrink_n008", "ta_featcal_auto_shrink"),
+    ("λ auto + head metric η 1", "ta_featcal_auto_head1_n008", "ta_featcal_auto_head1"),
     ("paper's λ 0.05, ρ 2.2 (fixed)", "ta_featcal_paper_n008", "ta_featcal_paper"),
     ("validation-tuned λ 0.5, ρ 3 (fixed)", "ta_featcal_n008", "ta_featcal"),
 ]
 
 
-# Further draws of the 8 rows a task (calibration.seed; the benchmark's runs drew with 42), for two settings:
+# Further draws of the 8 rows a task (calibration.seed; the benchmark's runs drew with 42), for three settings:
 # (setting, its 8-example run, its config, its 256-example run).
 DRAWS = (43, 44, 45)
 DRAWN = [("λ auto (ρ 2.2)", "auto", AUTO, "ta_featcal_auto"),
+         ("λ auto + head metric η 1", "auto_head1", {**AUTO, "head_metric": 1.0}, "ta_featcal_auto_head1"),
          ("validation-tuned λ 0.5, ρ 3 (fixed)", "tuned", FEATCAL, "ta_featcal")]
 
 
@@ -87,7 +89,7 @@ def markdown(bench: Path) -> str:
                      f"{100 * c['difference']:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}] | {p_text(c['p_value'])} |")
     lines += ["", "Runs (8 / 256): " + "; ".join(f"`{few}` / `{full}`" for _, few, full in SETTINGS) + ".", "",
               "## Other draws of the 8 rows", "",
-              f"The same two settings calibrated on 8 rows a task drawn with `calibration.seed` {', '.join(map(str, DRAWS))} "
+              f"The same settings calibrated on 8 rows a task drawn with `calibration.seed` {', '.join(map(str, DRAWS))} "
               "(the runs above: 42); share of the 256-example run's gain over TA.", "",
               "| setting | " + " | ".join(f"seed {d}" for d in (42, *DRAWS)) + " | mean share | range |",
               "|---|" + "---:|" * (len(DRAWS) + 3)]

@@ -219,7 +219,10 @@ class FeatCal(CalibrationMethod):
             sol = solve_linear_weight(per_task(), w_merged, module.base("weight"), hp, self.mixed)
         else:  # λ and ρ as chosen above, by the plain held-out data term
             with_heads = ((mom, w_t, heads[t]) for t, (mom, w_t) in enumerate(per_task()))
-            sol = solve_linear_weight_head(with_heads, w_merged, module.base("weight"), hp, eta)
+            try:
+                sol = solve_linear_weight_head(with_heads, w_merged, module.base("weight"), hp, eta)
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
         if sol.path is not None:
             report["solve_path"] = sol.path
         solved = {"weight": sol.weight}

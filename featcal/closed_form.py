@@ -203,13 +203,13 @@ def solve_linear_weight_head(
     r = b - operator(x)
     z = precondition(r)
     p, rz = z.clone(), float((r * z).sum())
-    target = HEAD_TOL * float(torch.linalg.matrix_norm(b))
+    b_norm = float(torch.linalg.matrix_norm(b))
     steps = 0
-    while float(torch.linalg.matrix_norm(r)) > target:
+    while float(torch.linalg.matrix_norm(r)) > HEAD_TOL * b_norm:
         if steps == HEAD_MAX_STEPS:
             raise ValueError(f"featcal.head_metric: conjugate gradients left a relative residual of "
-                             f"{float(torch.linalg.matrix_norm(r)) / (target / HEAD_TOL):.3g} after {steps} steps "
-                             f"(asked {HEAD_TOL:g}); lower featcal.head_metric or raise featcal.lambda")
+                             f"{float(torch.linalg.matrix_norm(r)) / b_norm:.3g} after {steps} steps (asked "
+                             f"{HEAD_TOL:g}); lower featcal.head_metric or raise featcal.lambda")
         q_p = operator(p)
         step = rz / float((p * q_p).sum())
         x.add_(p, alpha=step)

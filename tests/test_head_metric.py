@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import BertConfig, BertForSequenceClassification
 
+from featcal import closed_form
 from featcal.adapters import UnsupportedModelError, adapter_for
 from featcal.closed_form import (
     BiasTerm, Hyper, LinearMoments, anchor, head_factor, head_metric, solve_linear_bias, solve_linear_weight,
@@ -65,6 +66,14 @@ def test_head_metric_solve_equals_the_dense_brute_force(problem, eta, trust, shr
     assert 0 < steps < 200
     plain = solve_linear_weight([(m, w) for m, w, _ in tasks], w_m, w_0, hp).weight
     assert float((plain - ref).abs().max()) > 1e-3  # the metric changes the answer: the test can fail
+
+
+def test_a_solve_that_does_not_converge_says_so(problem, monkeypatch):
+    tasks, w_m, w_0 = problem
+    monkeypatch.setattr(closed_form, "HEAD_MAX_STEPS", 2)
+    with pytest.raises(ValueError, match=r"^featcal.head_metric: conjugate gradients left a relative residual of "
+                                         r"\S+ after 2 steps \(asked 1e-12\); lower featcal.head_metric"):
+        solve_linear_weight_head(tasks, w_m, w_0, Hyper(lam=0.1, rho=2.0, alpha=0.25, eps=1e-12), 1.0)
 
 
 def test_zero_eta_is_the_plain_solve_without_a_step(problem):

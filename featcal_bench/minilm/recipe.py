@@ -76,6 +76,12 @@ def method_runs(spec: BenchSpec | None = None) -> dict[str, MethodRun]:
         # head, (1−η)I + η·H_tᵀH_t (featcal.head_metric); the row kept is chosen on validation (protect.head_check).
         **{f"ta_featcal_auto_head{tag}": MethodRun("task_arithmetic", "featcal", featcal={**AUTO, "head_metric": eta})
            for tag, eta in (("05", 0.5), ("1", 1.0))},
+        # The kept η (1) on the other starts: the tuned setting, RegMean's checkpoint, and 8 examples a task.
+        "ta_featcal_head1": MethodRun("task_arithmetic", "featcal", featcal={**FEATCAL, "head_metric": 1.0}),
+        "regmean_featcal_auto_head1": MethodRun("given", "featcal", featcal={**AUTO, "rho": "auto", "head_metric": 1.0},
+                                                start="regmean"),
+        "ta_featcal_auto_head1_n008": MethodRun("task_arithmetic", "featcal", examples=8,
+                                                featcal={**AUTO, "head_metric": 1.0}),
         "ta_featcal_auto_shrink": MethodRun("task_arithmetic", "featcal", featcal=FEW),
         "ta_featcal_auto_shrink_n008": MethodRun("task_arithmetic", "featcal", examples=8, featcal=FEW),
         # Few examples, two more label-free options: half the rows held out to choose λ (4 of 8 per task, not 2),
