@@ -76,6 +76,11 @@ def method_runs(spec: BenchSpec | None = None) -> dict[str, MethodRun]:
         # head, (1−η)I + η·H_tᵀH_t (featcal.head_metric); the row kept is chosen on validation (protect.head_check).
         **{f"ta_featcal_auto_head{tag}": MethodRun("task_arithmetic", "featcal", featcal={**AUTO, "head_metric": eta})
            for tag, eta in (("05", 0.5), ("1", 1.0))},
+        # The head metric and the protecting rounds together: each round raises ×4 the weight of every task the round
+        # before left agreeing with its expert less often than the merge (the rule as above: the first clean check).
+        **{f"ta_featcal_auto_head1_protect{k}": MethodRun(
+            "task_arithmetic", "featcal", featcal={**AUTO, "head_metric": 1.0},
+            protect="ta_featcal_auto_head1" + (f"_protect{k - 1}" if k > 1 else "")) for k in range(1, 5)},
         # The kept η (1) on the other starts: the tuned setting, RegMean's checkpoint, and 8 examples a task.
         "ta_featcal_head1": MethodRun("task_arithmetic", "featcal", featcal={**FEATCAL, "head_metric": 1.0}),
         "regmean_featcal_auto_head1": MethodRun("given", "featcal", featcal={**AUTO, "rho": "auto", "head_metric": 1.0},
