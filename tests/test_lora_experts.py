@@ -20,6 +20,7 @@ from flows.pipeline import run_pipeline
 from flows.plan import plan
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
 from storage.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from storage.rundir import RunDir
 from tasks.preflight import check_checkpoints
 from tests.test_decoders import _model as decoder
 
@@ -69,7 +70,7 @@ def _rows(seed: int, labels: int | None = None) -> Dataset:
     return Dataset.from_dict(columns)
 
 
-def _run_config(root, suffix: str, experts: int, evaluate: bool):
+def _run_config(root, suffix: str, experts: int, evaluate: bool, **featcal):
     for t in range(experts):
         if not (root / f"d{t}").exists():
             _rows(t, labels=3 if evaluate else None).save_to_disk(str(root / f"d{t}"))
@@ -79,7 +80,7 @@ def _run_config(root, suffix: str, experts: int, evaluate: bool):
         "experts": {f"task{t}": str(root / f"e{t}{suffix}") for t in range(experts)},
         "merge": {"method": "task_arithmetic", "scaling": 0.5},
         "calibration": {"data": data, "examples_per_task": EXAMPLES, "batch_size": 4},
-        "featcal": {"lambda": 0.05, "rho": 1.5, "alpha": 0.5},
+        "featcal": {"lambda": 0.05, "rho": 1.5, "alpha": 0.5, **featcal},
         "evaluation": ({"data": {t: {**d, "label_column": "label"} for t, d in data.items()}} if evaluate
                        else {"enabled": False}),
     }
@@ -283,3 +284,17 @@ def test_an_adapter_names_its_base_by_path_tail_or_by_the_hub_id_of_a_cached_sna
     assert _same_base("/elsewhere/models/base", local) and _same_base("models/base", local)
     assert not _same_base("meta-llama/Llama-3.2-3B", local)
     assert _same_base(str(local), local) and not _same_base(str(snapshot), local)
+
+
+def test_head_metric_reads_a_lora_experts_classifier(tmp_path):
+    """featcal.head_metric reads each expert's classifier, which a LoRA adapter saves whole (modules_to_save): a run
+    with LoRA experts gives the calibrated weights of a run with PEFT's merges saved in full, bit for bit, and the
+    last block's output.dense took the head-metric solve."""
+    _bert(tmp_path, experts=2)
+    for suffix in ("", "-full"):
+        run_pipeline(_run_config(tmp_path, suffix, 2, evaluate=False, head_metric=1.0), tmp_path / f"run{suffix}")
+    ours, theirs = _tensors(tmp_path / "run" / "calibrated"), _tensors(tmp_path / "run-full" / "calibrated")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    last = BertConfig(**BERT).num_hidden_layers - 1
+    path = RunDir(tmp_path / "run").record(f"solve/l{last:02d}")["info"]["solve_path"]
+    assert path["output.dense"].startswith("head metric, ")
