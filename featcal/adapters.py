@@ -137,7 +137,7 @@ class Adapter:
     def head_input_module(self) -> str:
         if self.architecture not in self.head_input:
             raise UnsupportedModelError(f"featcal.head_metric: not supported for {self.architecture} (supported: "
-                                        f"BertForSequenceClassification)")
+                                        f"{', '.join(supported_head_inputs())})")
         return self.head_input[self.architecture]
 
     def head_map(self, expert: CanonicalCheckpoint | LoraCheckpoint) -> torch.Tensor:
@@ -215,6 +215,11 @@ def register(cls: type[Adapter]) -> type[Adapter]:
     return cls
 
 
+def supported_head_inputs() -> list[str]:
+    """The architectures featcal.head_metric serves."""
+    return sorted(a for cls in _REGISTRY for a in cls.head_input)
+
+
 def adapter_for(config: PretrainedConfig) -> Adapter:
     for cls in _REGISTRY:
         if config.model_type in cls.model_types:
@@ -240,16 +245,20 @@ class BertAdapter(Adapter):
         γ and centring, then P and C. The norm's 1/σ and tanh′ vary per row and are left out (a scale per row, and
         a per-dimension one near 1 where tanh is not saturated)."""
         self.head_input_module()
-        last = f"{self.blocks_path}.{self.num_blocks() - 1}.output.LayerNorm.weight"
-        gamma = expert.get(last).double()
-        centred = gamma[:, None] * (torch.eye(gamma.numel(), dtype=torch.float64) - 1.0 / gamma.numel())
-        return expert.get("classifier.weight").double() @ expert.get("pooler.dense.weight").double() @ centred
+        norm = norm_path(expert.get(f"{self.blocks_path}.{self.num_blocks() - 1}.output.LayerNorm.weight"))
+        return expert.get("classifier.weight").double() @ expert.get("pooler.dense.weight").double() @ norm
 
     def embed(self, modules: dict[str, nn.Module], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return modules["embeddings"](input_ids=inputs["input_ids"], token_type_ids=inputs.get("token_type_ids"))
 
     def model_input_names(self) -> tuple[str, ...]:
         return ("input_ids", "attention_mask", "token_type_ids")
+
+
+def norm_path(gamma: torch.Tensor) -> torch.Tensor:
+    """The linear part of a LayerNorm's Jacobian, diag(γ)·(I − 11ᵀ/d), leaving out its per-row 1/σ and −n nᵀ/d."""
+    d = gamma.numel()
+    return gamma.double()[:, None] * (torch.eye(d, dtype=torch.float64) - 1.0 / d)
 
 
 class _ImageAdapter(Adapter):
@@ -301,6 +310,7 @@ class ViTAdapter(_ImageAdapter):
     kv_modules = ("attention.k_proj", "attention.v_proj")
     pooled_token = {"ViTForImageClassification": 0, "ViTModel": 0}
     head_side = {"ViTForImageClassification": "layernorm", "ViTModel": "layernorm"}
+    head_input = {"ViTForImageClassification": "mlp.fc2"}
     probe_key = "embeddings.patch_embeddings.projection.weight"
     file_renames = (
         (r"^encoder\.layer\.", "layers."),
@@ -315,6 +325,10 @@ class ViTAdapter(_ImageAdapter):
     def embed(self, modules: dict[str, nn.Module], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return modules["embeddings"](inputs["pixel_values"])
 
+    def head_map(self, expert: CanonicalCheckpoint | LoraCheckpoint) -> torch.Tensor:
+        """y (the last block's mlp.fc2) → x + y → the final LayerNorm → C at the class token: C·diag(γ)·(I − 11ᵀ/d)."""
+        self.head_input_module()
+        return expert.get("classifier.weight").double() @ norm_path(expert.get("layernorm.weight"))
 
 
 @register

@@ -113,9 +113,10 @@ class FeatCalConfig(_Strict):
     trust: float = Field(0.0, ge=0, description="μ: each task's term also keeps a linear module's output near the "
                                                 "merged module's on that task's rows")
     head_metric: float = Field(
-        0.0, ge=0, le=1, description="η: in the last block's module that feeds the head (BERT's output.dense), each "
-                                     "task's output error is measured in (1−η)I + η·H_tᵀH_t (scaled to the same "
-                                     "trace), H_t the linear path to the task's logits; 0: off (docs/design.md §2.8)")
+        0.0, ge=0, le=1, description="η: in the last block's module that feeds the head (BERT's output.dense, ViT's "
+                                     "mlp.fc2), each task's output error is measured in (1−η)I + η·H_tᵀH_t (scaled "
+                                     "to the same trace), H_t the linear path to the task's logits; 0: off "
+                                     "(docs/design.md §2.8)")
     calibrate_head_side: bool = Field(
         False, description="also calibrate the modules between the last block and the head (BERT's pooler, CLIP's "
                            "post_layernorm, a ViT's or decoder's final norm) as one more block")

@@ -5,7 +5,7 @@ and a real run that changes that one module and nothing else."""
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import BertConfig, BertForSequenceClassification
+from transformers import BertConfig, BertForSequenceClassification, ViTConfig, ViTForImageClassification
 
 from featcal import closed_form
 from featcal.adapters import UnsupportedModelError, adapter_for
@@ -18,6 +18,8 @@ from flows.pipeline import run_pipeline
 from storage.checkpoint import CanonicalCheckpoint
 from storage.rundir import RunDir
 from tests.conftest import example_config
+from tests.test_architectures import VISION
+from tests.test_head_side import _build as build_head_side_case
 
 D_IN, D_OUT, T, K = 7, 5, 3, 2
 WEIGHTS = (1.0, 2.0, 0.5)
@@ -115,39 +117,57 @@ def test_head_factor_has_the_identitys_trace_and_refuses_a_zero_head():
         head_factor(torch.zeros(2, D_OUT))
 
 
-def test_bert_head_map_is_the_jacobian_up_to_the_per_row_factors(tmp_path):
-    """With the pooler's tanh replaced by the identity, the Jacobian of the logits with respect to the last
-    output.dense's output at one row is H/σ on every direction orthogonal to the row's normalised vector n (the
-    norm's per-row terms, 1/σ and −n nᵀ/d, are what head_map leaves out)."""
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                        num_attention_heads=4, num_labels=3, architectures=["BertForSequenceClassification"])
+def _bert_path(config: BertConfig):
+    """A tiny BERT classifier, its last norm, and what its logits make of y, the last output.dense's output, with the
+    pooler's tanh replaced by the identity."""
     model = BertForSequenceClassification(config).eval()
+    model.bert.pooler.activation = torch.nn.Identity()
+    norm = model.bert.encoder.layer[-1].output.LayerNorm
+    return model, norm, lambda x, y: model.classifier(model.bert.pooler.dense(norm(x + y)))
+
+
+def _vit_path(config: ViTConfig):
+    """A tiny ViT classifier, its final norm, and what its logits make of y, the last mlp.fc2's output."""
+    model = ViTForImageClassification(config).eval()
+    return model, model.vit.layernorm, lambda x, y: model.classifier(model.vit.layernorm(x + y))
+
+
+@pytest.mark.parametrize("arch", ["bert", "vit"])
+def test_head_map_is_the_jacobian_up_to_the_per_row_factors(tmp_path, arch):
+    """The Jacobian of the logits with respect to the head-feeding module's output at one row is H/σ on every
+    direction orthogonal to the row's normalised vector n (the norm's per-row terms, 1/σ and −n nᵀ/d, and BERT's
+    tanh′, made the identity here, are what head_map leaves out)."""
+    torch.manual_seed(0)
+    if arch == "bert":
+        config = BertConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                            num_attention_heads=4, num_labels=3, architectures=["BertForSequenceClassification"])
+        model, norm, logits_of = _bert_path(config)
+    else:
+        config = ViTConfig(**{**VISION, "hidden_size": 16}, num_labels=3, architectures=["ViTForImageClassification"])
+        model, norm, logits_of = _vit_path(config)
     with torch.no_grad():
-        last_norm = model.bert.encoder.layer[-1].output.LayerNorm
-        last_norm.weight.uniform_(0.5, 1.5)
-        last_norm.bias.normal_()
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.normal_()
     model.save_pretrained(tmp_path)
     adapter = adapter_for(config)
-    assert adapter.head_input_module() == "output.dense"
     head = adapter.head_map(CanonicalCheckpoint(tmp_path, adapter))
-    model.bert.pooler.activation = torch.nn.Identity()
-    x = torch.randn(16, dtype=torch.float64)
-    y = torch.randn(16, dtype=torch.float64)
     model.double()
-
-    def logits(out: torch.Tensor) -> torch.Tensor:
-        h = last_norm(x + out)
-        return model.classifier(model.bert.pooler.activation(model.bert.pooler.dense(h)))
-
-    jac = torch.autograd.functional.jacobian(logits, y)
+    x, y = torch.randn(16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
+    jac = torch.autograd.functional.jacobian(lambda out: logits_of(x, out), y)
     centred = (x + y) - (x + y).mean()
-    sigma = float(torch.sqrt(centred.pow(2).mean() + last_norm.eps))
+    sigma = float(torch.sqrt(centred.pow(2).mean() + norm.eps))
     n = centred / sigma
     v = torch.randn(16, 4, dtype=torch.float64)
     v -= n[:, None] * (n @ v)[None] / (n @ n)  # orthogonal to n
     torch.testing.assert_close(jac @ v, head @ v / sigma, rtol=1e-10, atol=1e-12)
     assert float((jac @ n - head @ n / sigma).abs().max()) > 1e-3  # along n the per-row term shows: a real check
+
+
+def test_vit_run_takes_the_head_metric_solve_in_its_last_mlp(tmp_path):
+    cfg = build_head_side_case(tmp_path, "vit", head_metric=1.0)
+    run_pipeline(cfg, tmp_path / "run")
+    path = RunDir(tmp_path / "run").record(f"solve/l{VISION['num_hidden_layers'] - 1:02d}")["info"]["solve_path"]
+    assert list(path) == ["mlp.fc2"] and path["mlp.fc2"].startswith("head metric, ")
 
 
 def test_a_run_changes_the_last_output_dense_only_and_records_the_steps(tiny_example, tmp_path):
