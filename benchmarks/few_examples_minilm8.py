@@ -4,9 +4,10 @@ against the same setting at 256, as a share of its 256-example gain over task ar
     featcal bench run BENCH --runs ta_featcal ta_featcal_auto ta_featcal_auto_n008 ...   # the runs named below
     python benchmarks/few_examples_minilm8.py BENCH --out benchmarks/results/few_examples_minilm8.md
 
-A setting whose runs are missing is left out of its table; ta_featcal (task arithmetic's row) is required. The benchmark's runs all draw their 8 rows a task with
-one seed; to show how much the draw decides, this script also calibrates λ auto, λ auto + head metric and the tuned
-setting on three more draws (about a minute each on 2 cores, cached under BENCH/few_draws/).
+A setting whose runs are missing is left out of its table; ta_featcal (task arithmetic's row) is required. The
+benchmark's runs all draw their 8 rows a task with one seed; to show how much the draw decides, this script also
+calibrates λ auto, λ auto + head metric and the tuned setting on three more draws (about a minute each on 2 cores,
+cached under BENCH/few_draws/).
 """
 
 from __future__ import annotations
