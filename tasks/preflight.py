@@ -192,13 +192,12 @@ def check_head_side(cfg: RunConfig, adapter: Adapter) -> None:
 
 
 def check_head_metric(cfg: RunConfig, adapter: Adapter) -> None:
-    """featcal.head_metric needs an architecture whose head path is known, each expert's own head (not a zero-shot
-    one), and no head-side calibration (the metric reads the experts' pooler, which that would change)."""
+    """featcal.head_metric needs an architecture whose head path is known (which also refuses zero_shot: its experts
+    are head-less CLIPVisionModels), each expert's head tensors, and no head-side calibration (the metric reads the
+    experts' pooler, which that would change)."""
     if not cfg.featcal.head_metric:
         return
     adapter.head_input_module()
-    if cfg.zero_shot is not None:
-        raise ConfigError("featcal.head_metric: not with zero_shot (the metric reads each expert's own head)")
     if cfg.featcal.calibrate_head_side:
         raise ConfigError("featcal.head_metric: not with featcal.calibrate_head_side (the metric reads the pooler "
                           "as the experts have it)")
