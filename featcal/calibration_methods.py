@@ -17,8 +17,9 @@ from typing import Any, ClassVar, Literal, get_args
 import torch
 
 from featcal.closed_form import (
-    BiasTerm, Choice, Hyper, LinearMoments, choose_linear_hyper, choose_norm_hyper, head_factor, head_metric,
-    solve_linear_bias, solve_linear_weight, solve_linear_weight_head, solve_norm_affine, solve_regmean_weight,
+    BiasTerm, Choice, Hyper, LinearMoments, choose_linear_hyper, choose_norm_hyper, cross_validated, head_factor,
+    head_metric, solve_linear_bias, solve_linear_weight, solve_linear_weight_head, solve_norm_affine,
+    solve_regmean_weight,
 )
 from featcal.config import FeatCalConfig
 from featcal.statistics import fit_sums, held_out_sums, linear_moments, norm_moments
@@ -35,13 +36,15 @@ class StatisticsPlan:
     With `expert_side`, the second slot is x_e from the expert block on E_t and its moments are kept (C_se or the
     solve's products, μ_e); without, x_s fills both slots and only C_ss, μ_s are used. `pooled_token_weight`: in the
     last block, the weight of tokens other than the pooled one (None: every real token weighs 1).
-    `held_out_every`: every Nth example's sums are also kept apart, for choosing hyperparameters on them."""
+    `held_out_every`: every Nth example's sums are also kept apart, for choosing hyperparameters on them;
+    `held_out_folds` such folds (examples i with i mod N = N − 1, N − 2, …), each kept apart in turn."""
 
     fit_block: Side
     fit_stream: Side
     expert_side: bool
     pooled_token_weight: float | None = None
     held_out_every: int | None = None
+    held_out_folds: int = 1
 
     def __post_init__(self) -> None:
         if self.fit_block == "merged" and self.fit_stream == "expert":
@@ -136,15 +139,16 @@ def calibration_method(fc: FeatCalConfig, solve_precision: str = "float64") -> C
     return cls(MappingProxyType({key: values[key] for key in cls.keys}), solve_precision)
 
 
-def _fit_and_held(stats: dict[str, torch.Tensor], task: str, where: str,
-                  every: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """A module's sums over one task's fit rows and over its held-out rows (every `every`-th example)."""
-    held = held_out_sums(stats)
+def _fit_and_held(stats: dict[str, torch.Tensor], task: str, where: str, every: int,
+                  fold: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A module's sums over one task's fit rows and over its held-out rows (fold `fold` of every `every`-th
+    example)."""
+    held = held_out_sums(stats, fold)
     if float(held["sum_w"]) <= 0:
-        raise ValueError(f"{where}, task {task}: no held-out calibration rows to choose featcal.lambda / rho "
-                         f"(every {every}th example is held out; calibration.examples_per_task must be >= "
-                         f"featcal.holdout_every)")
-    return fit_sums(stats), held
+        raise ValueError(f"{where}, task {task}: no held-out calibration rows in fold {fold} to choose "
+                         f"featcal.lambda / rho (every {every}th example is held out, one fold per "
+                         f"featcal.holdout_folds; calibration.examples_per_task must be >= featcal.holdout_every)")
+    return fit_sums(stats, fold), held
 
 
 @register
@@ -154,7 +158,7 @@ class FeatCal(CalibrationMethod):
 
     name = "featcal"
     keys = ("lambda", "rho", "lambda_grid", "rho_grid", "shrinkage", "shrinkage_target", "shrinkage_grid",
-            "holdout_every", "alpha", "eps", "calibrate_bias",
+            "holdout_every", "holdout_folds", "alpha", "eps", "calibrate_bias",
             "calibrate_norm", "pooled_token_weight", "task_weight_power", "task_weights", "trust", "head_metric",
             "calibrate_head_side")
 
@@ -173,11 +177,12 @@ class FeatCal(CalibrationMethod):
     def statistics(self) -> StatisticsPlan:
         return StatisticsPlan(fit_block="merged", fit_stream="merged", expert_side=True,
                               pooled_token_weight=self.settings["pooled_token_weight"],
-                              held_out_every=self.settings["holdout_every"] if self.choosing else None)
+                              held_out_every=self.settings["holdout_every"] if self.choosing else None,
+                              held_out_folds=self.settings["holdout_folds"] if self.choosing else 1)
 
-    def _split(self, module: ModuleData, stats: dict[str, torch.Tensor],
-               t: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        return _fit_and_held(stats, module.tasks[t], module.where, self.settings["holdout_every"])
+    def _split(self, module: ModuleData, stats: dict[str, torch.Tensor], t: int,
+               fold: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return _fit_and_held(stats, module.tasks[t], module.where, self.settings["holdout_every"], fold)
 
     def _chosen(self, choice: Choice | None) -> tuple[Hyper, dict[str, Any]]:
         if choice is None:
@@ -192,14 +197,16 @@ class FeatCal(CalibrationMethod):
         w_merged = module.merged("weight")
         choice = None
         if self.choosing:
-            def split_tasks() -> Iterator[tuple[LinearMoments, LinearMoments, torch.Tensor]]:
+            def split_tasks(fold: int) -> Iterator[tuple[LinearMoments, LinearMoments, torch.Tensor]]:
                 for t, (stats, c) in enumerate(zip(module.stats(), weights, strict=True)):
-                    fit, held = self._split(module, stats, t)
+                    fit, held = self._split(module, stats, t, fold)
                     yield (replace(linear_moments(fit, where), weight=c),
                            replace(linear_moments(held, where), weight=c), module.expert(t, "weight"))
 
-            choice = choose_linear_hyper(split_tasks(), w_merged, module.base("weight"), self.hyper, self.lams,
-                                         self.rhos, self.shrinks)
+            choice = cross_validated([choose_linear_hyper(split_tasks(fold), w_merged, module.base("weight"),
+                                                          self.hyper, self.lams, self.rhos, self.shrinks)
+                                      for fold in range(self.settings["holdout_folds"])], self.lams, self.rhos,
+                                     self.shrinks)
         hp, report = self._chosen(choice)
         bias_terms: list[BiasTerm] = []
         eta = self.settings["head_metric"]
@@ -242,10 +249,13 @@ class FeatCal(CalibrationMethod):
                   module.merged("bias") if module.has_bias else None, module.base("bias") if module.has_bias else None)
         choice = None
         if self.choosing:
-            parts = [self._split(module, s, t) for t, s in enumerate(stats)]
-            fit = [replace(norm_moments(f, where), weight=c) for (f, _), c in zip(parts, weights, strict=True)]
-            held = [replace(norm_moments(h, where), weight=c) for (_, h), c in zip(parts, weights, strict=True)]
-            choice = choose_norm_hyper(fit, held, *affine, self.hyper, self.lams, self.rhos)
+            choices = []
+            for fold in range(self.settings["holdout_folds"]):
+                parts = [self._split(module, s, t, fold) for t, s in enumerate(stats)]
+                fit = [replace(norm_moments(f, where), weight=c) for (f, _), c in zip(parts, weights, strict=True)]
+                held = [replace(norm_moments(h, where), weight=c) for (_, h), c in zip(parts, weights, strict=True)]
+                choices.append(choose_norm_hyper(fit, held, *affine, self.hyper, self.lams, self.rhos))
+            choice = cross_validated(choices, self.lams, self.rhos, [self.hyper.shrink])
         hp, report = self._chosen(choice)
         report.pop("shrinkage", None)  # a norm's moments are per dimension: nothing off the diagonal to shrink
         moms = [replace(norm_moments(s, where), weight=c) for s, c in zip(stats, weights, strict=True)]

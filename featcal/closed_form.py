@@ -240,6 +240,17 @@ def _best(scores: torch.Tensor, lams: Sequence[float], rhos: Sequence[float],
                   shrink=float(shrinks[k]))
 
 
+def cross_validated(choices: Sequence[Choice], lams: Sequence[float], rhos: Sequence[float],
+                    shrinks: Sequence[float]) -> Choice:
+    """The grid point with the lowest score summed over the folds' choices (each fold held out in turn, scored on
+    its own rows; every score omits a constant of its fold only, so the sum ranks the grid as the full sums would).
+    One fold: that fold's choice."""
+    total = choices[0].scores.clone()
+    for choice in choices[1:]:
+        total.add_(choice.scores)
+    return _best(total, lams, rhos, shrinks)
+
+
 def choose_linear_hyper(
     tasks: Iterable[tuple[LinearMoments, LinearMoments, torch.Tensor]], merged: torch.Tensor, base: torch.Tensor,
     hp: Hyper, lams: Sequence[float], rhos: Sequence[float], shrinks: Sequence[float] | None = None,

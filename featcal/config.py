@@ -93,6 +93,10 @@ class FeatCalConfig(_Strict):
     rho_grid: list[float] = Field(default_factory=lambda: [1.0, 1.5, 2.2, 3.0, 4.0], min_length=1)
     holdout_every: int = Field(4, ge=2, description="with lambda, rho or shrinkage auto: every Nth calibration example of each "
                                                     "task is held out to score the grid")
+    holdout_folds: int = Field(
+        1, ge=1, description="how many of the holdout_every folds (examples i with i mod N = N−1, N−2, …) each take "
+                             "their turn as the held-out rows; the grid's scores are summed over them (cross-"
+                             "validation when equal to holdout_every); 1: one held-out fold")
     shrinkage: float | Literal["auto"] = Field(
         0.0, description="γ: each task's Gram C_ss and cross term C_st become (1−γ)·C + γ·T, T from shrinkage_target "
                          "(docs/design.md §2.8); 0: off; auto: chosen from shrinkage_grid with lambda and rho")
@@ -156,6 +160,13 @@ class FeatCalConfig(_Strict):
         if min(grid) <= 0:
             raise ValueError(f"every value must be > 0, got {grid}")
         return grid
+
+    @model_validator(mode="after")
+    def _folds_within_every(self) -> FeatCalConfig:
+        if self.holdout_folds > self.holdout_every:
+            raise ValueError(f"holdout_folds ({self.holdout_folds}) must be <= holdout_every ({self.holdout_every}): "
+                             "the examples fall into holdout_every folds")
+        return self
 
 
 EvaluatedModel = Literal["base", "merged", "calibrated", "expert"]

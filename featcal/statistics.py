@@ -169,6 +169,12 @@ def norm_moments(t: dict[str, torch.Tensor], module: str) -> NormMoments:
 HELD = "held_"
 
 
+def held_prefix(fold: int) -> str:
+    """The prefix of held-out fold `fold`'s sums: HELD for the first (the only one without cross-validation), then
+    held1_, held2_, … (no module sum's own key starts with "held")."""
+    return HELD if fold == 0 else f"held{fold}_"
+
+
 def flatten_stats(stats: Stats, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every tensor once, as `name:key`: a module's own sums under its name, an input's sums under the names of
     all the modules that read it joined by READERS."""
@@ -194,14 +200,16 @@ def stats_flops(stats: Stats) -> int:
                                                if isinstance(s, LinearStats) and s.owner == m)
 
 
-def held_out_sums(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One module's sums over its held-out rows."""
-    return {k[len(HELD):]: v for k, v in t.items() if k.startswith(HELD)}
+def held_out_sums(t: dict[str, torch.Tensor], fold: int = 0) -> dict[str, torch.Tensor]:
+    """One module's sums over the held-out rows of fold `fold`."""
+    prefix = held_prefix(fold)
+    return {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)}
 
 
-def fit_sums(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One module's sums over the rows that are not held out: all rows minus the held-out ones."""
-    return {k: v - t[HELD + k] for k, v in t.items() if not k.startswith(HELD)}
+def fit_sums(t: dict[str, torch.Tensor], fold: int = 0) -> dict[str, torch.Tensor]:
+    """One module's sums over the rows that fold `fold` does not hold out: all rows minus that fold's."""
+    prefix = held_prefix(fold)
+    return {k: v - t[prefix + k] for k, v in t.items() if not k.startswith("held")}
 
 
 def example_rows(

@@ -226,8 +226,9 @@ class Pipeline:
         featcal_cfg = cfg.slice("featcal")["featcal"]
         # The head side changes no transformer block's solve: switching it on reruns only the stages it adds.
         solve_cfg = {k: v for k, v in featcal_cfg.items() if k != "calibrate_head_side"}
-        every = calibration_method(cfg.featcal).statistics.held_out_every
-        held_out = [every] if every else []  # the Gram then also sums held-out rows
+        plan = calibration_method(cfg.featcal).statistics
+        # The Gram then also sums held-out rows, fold by fold.
+        held_out = [plan.held_out_every, plan.held_out_folds] if plan.held_out_every else []
         adapter = self.ctx.adapter
         for layer in range(last + 1):
             # With the head side, the last transformer block's Gram also writes E_t(L): not the same stage.

@@ -18,7 +18,7 @@ from featcal.devices import solve_device, to_device
 from featcal.hub import local_dir
 from featcal.modeling import as_out_in, calibrated_modules, is_norm, linear_dims, norm_scale_offset
 from featcal.statistics import (
-    HELD, Stats, accumulate, captured_inputs, example_rows, flatten_stats, input_owners, module_keys, new_stats,
+    Stats, accumulate, captured_inputs, example_rows, flatten_stats, held_prefix, input_owners, module_keys, new_stats,
     stats_flops, stats_layout,
 )
 from featcal.t5 import column_targets, decoder_batches, greedy_targets
@@ -198,7 +198,7 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
                     else None)
     fit_block, fit_checkpoint = (merged_block, MERGED) if merged_block is not None else (expert_block, task)
     stats_modules = calibrated_modules(merged_block) if merged_block is not None else modules_e
-    every = plan.held_out_every  # rows held out to choose hyperparameters get sums of their own
+    every = plan.held_out_every  # rows held out to choose hyperparameters get sums of their own, fold by fold
     # Built at the first chunk, whose module inputs show which modules read the same input.
     made: dict[str, Any] = {}
     emphasis = emphasis_for(ctx, layer, list(stats_modules), plan.pooled_token_weight)
@@ -227,7 +227,8 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
             forms, owners = stats_layout(stats_modules, weights, (sink_s, sink_e), examples, chunk_examples,
                                          keeps_expert=plan.expert_side)
             made.update(stats=new_stats(stats_modules, forms, owners, ctx.device), owners=owners,
-                        held=new_stats(stats_modules, forms, owners, ctx.device) if every else None)
+                        held=[new_stats(stats_modules, forms, owners, ctx.device) for _ in range(plan.held_out_folds)]
+                        if every else [])
         elif input_owners(list(made["owners"]), weights, sink_s, sink_e) != made["owners"]:
             raise RuntimeError(f"block {layer}, task {task}: modules that shared one input in the first chunk do "
                                "not in a later one")
@@ -254,12 +255,12 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
                         add_drift("out", out_s - out_e, out_e, mask)
                 sink_x = sink_e if plan.expert_side else sink_s  # one side only: it fills both of the statistics' slots
                 add(weights, sink_s, sink_x, outs_e, mask.shape[0])
-                if made["held"] is not None:
-                    chosen = (torch.arange(seen, seen + mask.shape[0], device=mask.device) % every) == every - 1
+                for fold, held in enumerate(made["held"]):  # fold k: the examples i with i mod N = N − 1 − k
+                    chosen = (torch.arange(seen, seen + mask.shape[0], device=mask.device) % every) == every - 1 - fold
                     if bool(chosen.any()):
                         held_w, held_s, held_x, held_o = example_rows(weights, chosen, sink_s, sink_x,
                                                                       outs_e if outs_e is not None else {})
-                        accumulate(made["held"], stats_modules, held_s, held_x, held_w, held_o, modules_e)
+                        accumulate(held, stats_modules, held_s, held_x, held_w, held_o, modules_e)
                 if finish_e is not None:
                     out_e = finish_e(out_e)
             add_drift("in", s - e, e, mask)
@@ -273,13 +274,14 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
     else:
         outputs.append(_write_next_boundary(ctx, task, layer, "expert", expert_outputs()))
     stats: Stats = made["stats"]
-    held: Stats | None = made["held"]
+    folds: list[Stats] = made["held"]
     stats_rel = ctx.run.stats(task, layer)
     with atomic_path(ctx.run / stats_rel) as tmp:
-        save_tensors({**flatten_stats(stats), **(flatten_stats(held, HELD) if held is not None else {})}, tmp)
+        save_tensors({**flatten_stats(stats), **{k: v for fold, held in enumerate(folds)
+                                                 for k, v in flatten_stats(held, held_prefix(fold)).items()}}, tmp)
     outputs.append(stats_rel)
     info = {"drift_in": (drift["in_diff"] / max(drift["in_ref"], 1e-30)) ** 0.5,
-            "gram_flops": stats_flops(stats) + (stats_flops(held) if held is not None else 0),
+            "gram_flops": stats_flops(stats) + sum(stats_flops(held) for held in folds),
             "product_form": sorted(m for m, s in stats.items() if getattr(s, "form", None) == "product")}
     if merged_block is not None:  # the uncalibrated merged block ran: how far its output is from the expert's
         info["drift_out_uncalibrated"] = (drift["out_diff"] / max(drift["out_ref"], 1e-30)) ** 0.5

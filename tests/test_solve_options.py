@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from featcal.closed_form import (
-    Hyper, LinearMoments, NormMoments, choose_linear_hyper, choose_norm_hyper, solve_linear_weight, solve_norm_affine,
+    Hyper, LinearMoments, NormMoments, choose_linear_hyper, choose_norm_hyper, cross_validated, solve_linear_weight,
+    solve_norm_affine,
 )
+from featcal.config import FeatCalConfig
 from flows.pipeline import run_pipeline
 from storage.atomic import digest
 from storage.rundir import RunDir
@@ -182,3 +184,68 @@ def test_mixed_precision_solve_keeps_the_weights_and_records_each_modules_path(t
     assert "attention.self.query" in info["solve_path"] and "output.LayerNorm" not in info["solve_path"]
     assert all(p.startswith(("mixed, ", "float64: ")) for p in info["solve_path"].values())
     assert "solve_path" not in RunDir(tmp_path / "exact").record("solve/l00")["info"]
+
+
+def test_cross_validated_scores_equal_brute_force_summed_over_folds():
+    """featcal.holdout_folds: each fold of rows held out in turn, the weight fitted on the others at every grid
+    point and scored on the fold; the summed scores match that brute force up to one constant, and rank the grid
+    as it does."""
+    g = torch.Generator().manual_seed(5)
+    w_t = [torch.randn(D_OUT, D_IN, generator=g, dtype=torch.float64) for _ in range(T)]
+    w_0 = torch.randn(D_OUT, D_IN, generator=g, dtype=torch.float64)
+    w_m = w_0 + 0.3 * sum(w - w_0 for w in w_t)
+    hp = Hyper(lam=0.0, rho=0.0, alpha=0.25, eps=1e-12)
+    folds = 3
+    rows = [_rows(g, 15, 0.5) for _ in range(T)]  # 5 rows a fold and task
+    parts = [[(xs[k::folds], xe[k::folds]) for xs, xe in rows] for k in range(folds)]
+
+    def rest(k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [tuple(torch.cat([parts[j][t][side] for j in range(folds) if j != k]) for side in (0, 1))
+                for t in range(T)]
+
+    choices = [choose_linear_hyper([(_moments(*f), _moments(*h), w) for f, h, w in zip(rest(k), parts[k], w_t)],
+                                   w_m, w_0, hp, LAMS, RHOS) for k in range(folds)]
+    choice = cross_validated(choices, LAMS, RHOS, [0.0])
+    brute = torch.tensor([[sum(_held_error(solve_linear_weight(
+        [(_moments(*f), w) for f, w in zip(rest(k), w_t)], w_m, w_0, Hyper(lam, rho, hp.alpha, hp.eps)).weight,
+        parts[k], w_t, hp) for k in range(folds)) for rho in RHOS] for lam in LAMS], dtype=torch.float64)
+    offset = brute - choice.scores[0]
+    torch.testing.assert_close(offset, torch.full_like(offset, float(offset[0, 0])), rtol=0, atol=1e-9)
+    best = int(brute.argmin())
+    assert (choice.lam, choice.rho) == (LAMS[best // len(RHOS)], RHOS[best % len(RHOS)])
+    # the folds disagree, so the sum decides (else the test is weak); one fold alone is that fold's own choice
+    assert len({(c.lam, c.rho) for c in choices}) > 1 and choice.lam not in (LAMS[0], LAMS[-1])
+    alone = cross_validated(choices[:1], LAMS, RHOS, [0.0])
+    assert (alone.lam, alone.rho) == (choices[0].lam, choices[0].rho) and torch.equal(alone.scores, choices[0].scores)
+
+
+def test_folds_partition_the_examples_and_the_first_is_the_single_held_out_fold(tiny_example, tmp_path):
+    """With holdout_folds = holdout_every every example's rows are in exactly one fold (the folds' sums add up to
+    the all-row sums), and fold 0 is the held-out fold of a one-fold run, bit for bit."""
+    from safetensors.torch import load_file
+
+    off = {"evaluation": {"enabled": False}, "runtime": {"keep_activations": True}}  # the statistics files stay
+    run_pipeline(example_config(tiny_example, "bert", featcal={"lambda": "auto", "holdout_every": 3}, **off),
+                 tmp_path / "one")
+    cfg = example_config(tiny_example, "bert", featcal={"lambda": "auto", "holdout_every": 3, "holdout_folds": 3},
+                         **off)
+    run_pipeline(cfg, tmp_path / "cv")
+    task = cfg.tasks[0]
+    rel = RunDir(tmp_path / "cv").stats(task, 0)  # block 0: no earlier solve, whose choice may differ, moved its input
+    one, cv = load_file(tmp_path / "one" / rel), load_file(tmp_path / "cv" / rel)
+    plain = [k for k in cv if ":held" not in k]
+    assert plain and {k for k in one if ":held_" in k} == {k for k in cv if ":held_" in k}
+    for key in plain:
+        reader, name = key.rsplit(":", 1)
+        folds = [cv[f"{reader}:{prefix}{name}"] for prefix in ("held_", "held1_", "held2_")]
+        assert all(float(f.abs().sum()) > 0 for f in folds), key  # every fold holds rows
+        # fp32 within a chunk: sums in another grouping differ by ~1e-6; a lost or doubled example by a third
+        torch.testing.assert_close(sum(folds), cv[key], rtol=1e-5, atol=1e-5 * float(cv[key].abs().max()))
+        assert torch.equal(cv[f"{reader}:held_{name}"], one[f"{reader}:held_{name}"])
+    info = RunDir(tmp_path / "cv").record("solve/l01")["info"]
+    assert set(info["lambda"].values()) <= set(cfg.featcal.lambda_grid)
+
+
+def test_more_folds_than_holdout_every_are_refused():
+    with pytest.raises(ValueError, match=r"holdout_folds \(5\) must be <= holdout_every \(4\)"):
+        FeatCalConfig.model_validate({"holdout_folds": 5})
