@@ -95,6 +95,11 @@ def method_runs(spec: BenchSpec | None = None) -> dict[str, MethodRun]:
                                              featcal={**AUTO, "holdout_every": 2}),
         "ta_featcal_auto_rho_n008": MethodRun("task_arithmetic", "featcal", examples=8,
                                               featcal={**AUTO, "rho": "auto"}),
+        # λ cross-validated (featcal.holdout_folds): every fold of examples held out in turn, the grid's held-out scores
+        # summed; 4 folds (2 of 8 examples each at 8 a task), and one example a fold at 8 (8 folds of 32 at 256).
+        **{f"ta_featcal_auto_{tag}{suffix}": MethodRun("task_arithmetic", "featcal", examples=n, featcal={
+            **AUTO, "holdout_every": folds, "holdout_folds": folds})
+           for tag, folds in (("cv4", 4), ("cv8", 8)) for suffix, n in (("", 256), ("_n008", 8))},
         # and the paper's fixed setting at 8 examples, against its own 256-example row (ta_featcal_paper)
         "ta_featcal_paper_n008": MethodRun("task_arithmetic", "featcal", examples=8, featcal=PAPER_FEATCAL),
     }
