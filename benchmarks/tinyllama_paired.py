@@ -42,6 +42,8 @@ ROWS = {  # label-free rows: fixed settings or chosen on held-out calibration ro
     "RegMean + FeatCal (paper's setting)": "regmean_featcal",
     "RegMean++ + FeatCal (paper's setting)": "regmean_pp_featcal",
     "RegMean + FeatCal (λ, ρ auto)": "regmean_featcal_auto",
+    "TA + FeatCal (λ auto) + head metric η 1": "ta_featcal_auto_head1",
+    "RegMean + FeatCal (λ, ρ auto) + head metric η 1": "regmean_featcal_auto_head1",
 }
 
 

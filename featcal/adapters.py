@@ -77,6 +77,9 @@ class Adapter:
     # The module of the last block whose output reaches the head through linear maps and norms only, per architecture
     # (its name inside the block); absent: featcal.head_metric is refused. `head_map` gives that path's matrix.
     head_input: ClassVar[dict[str, str]] = {}
+    # Whether every task's logits come through the merged model's head (a causal LM's LM head is merged with the
+    # body), so featcal.head_metric reads the merged checkpoint's head; else each task's expert's own head.
+    head_is_merged: ClassVar[bool] = False
 
     def __init__(self, config: PretrainedConfig):
         self.config = config
@@ -450,6 +453,7 @@ class _CausalLMAdapter(Adapter):
     file_prefixes = ("",)
     head_prefixes = ()
     language_model = True
+    head_is_merged = True
 
     @staticmethod
     def positions(mask: torch.Tensor) -> torch.Tensor:
@@ -481,7 +485,11 @@ class LlamaAdapter(_CausalLMAdapter):
     kv_modules = ("self_attn.k_proj", "self_attn.v_proj")
     pooled_token = {"LlamaForCausalLM": None, "Qwen2ForCausalLM": None, "MistralForCausalLM": None}
     head_side = {"LlamaForCausalLM": "model.norm", "Qwen2ForCausalLM": "model.norm", "MistralForCausalLM": "model.norm"}
+    head_input = {"LlamaForCausalLM": "mlp.down_proj", "Qwen2ForCausalLM": "mlp.down_proj",
+                  "MistralForCausalLM": "mlp.down_proj"}
     probe_key = "model.embed_tokens.weight"
+    # Rows of the LM head read at a time to form EᵀE: 16 MiB of float64 at a hidden size of 4096.
+    HEAD_ROWS = 512
 
     @classmethod
     def default_architecture(cls, config: PretrainedConfig) -> str:
@@ -493,6 +501,22 @@ class LlamaAdapter(_CausalLMAdapter):
 
     def embed(self, modules: dict[str, nn.Module], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return modules["model.embed_tokens"](inputs["input_ids"])
+
+    def head_map(self, checkpoint: CanonicalCheckpoint | LoraCheckpoint) -> torch.Tensor:
+        """y (the last block's mlp.down_proj) → x + y → RMSNorm → the LM head E [vocab, hidden]: E·diag(γ), the norm's
+        1/rms left out (a scale per row). Returned as the square (EᵀE)^½·diag(γ) [hidden, hidden], which has the same
+        HᵀH: a vocabulary-wide H would not fit beside a large model. E is `lm_head.weight`, or the embedding when the
+        two are tied; EᵀE is summed HEAD_ROWS rows at a time in float64."""
+        self.head_input_module()
+        name = "lm_head.weight" if "lm_head.weight" in checkpoint else "model.embed_tokens.weight"
+        vocab, hidden = checkpoint.shape(name)
+        gram = torch.zeros(hidden, hidden, dtype=torch.float64)
+        for start in range(0, vocab, self.HEAD_ROWS):
+            rows = checkpoint.get(name, (start, min(start + self.HEAD_ROWS, vocab))).double()
+            gram.addmm_(rows.T, rows)
+        evals, vecs = torch.linalg.eigh(gram)
+        root = (vecs * evals.clamp_min(0).sqrt()) @ vecs.T
+        return root * checkpoint.get("model.norm.weight").double()[None, :]
 
 
     def rotary_module(self) -> nn.Module:

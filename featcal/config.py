@@ -118,7 +118,8 @@ class FeatCalConfig(_Strict):
                                                 "merged module's on that task's rows")
     head_metric: float = Field(
         0.0, ge=0, le=1, description="η: in the last block's module that feeds the head (BERT's output.dense, ViT's "
-                                     "mlp.fc2), each task's output error is measured in (1−η)I + η·H_tᵀH_t (scaled "
+                                     "mlp.fc2, a Llama-layout LM's mlp.down_proj), each task's output error is "
+                                     "measured in (1−η)I + η·H_tᵀH_t (scaled "
                                      "to the same trace), H_t the linear path to the task's logits; 0: off "
                                      "(docs/design.md §2.8)")
     calibrate_head_side: bool = Field(

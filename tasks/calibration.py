@@ -446,9 +446,13 @@ def _module_data(ctx: RunContext, layer: int, name: str, module: torch.nn.Module
 
 def _head(ctx: RunContext, layer: int, name: str, experts: list[CanonicalCheckpoint | LoraCheckpoint],
           device: torch.device | None) -> Callable[[int], torch.Tensor] | None:
-    """Task t's head map for module `name` of block `layer` where featcal.head_metric weighs its error, else None."""
+    """Task t's head map for module `name` of block `layer` where featcal.head_metric weighs its error, else None:
+    from the task's expert, or from the merged checkpoint where every task reads the merged head (causal LMs)."""
     if not ctx.cfg.featcal.head_metric or layer != ctx.num_blocks - 1 or name != ctx.adapter.head_input_module():
         return None
+    if ctx.adapter.head_is_merged:
+        shared = ctx.adapter.head_map(ctx.checkpoint(MERGED)).to(device)
+        return lambda t: shared
     return lambda t: ctx.adapter.head_map(experts[t]).to(device)
 
 

@@ -18,6 +18,7 @@ from featcal.modeling import Skeleton, calibrated_modules, is_norm, task_model
 from featcal.statistics import accumulate, captured_inputs, new_stats
 from flows.pipeline import run_pipeline
 from storage.checkpoint import INDEX_NAME, CanonicalCheckpoint
+from storage.rundir import RunDir
 from tasks.calibration import token_weights
 from tests.perturbed_experts import perturbed
 
@@ -292,3 +293,49 @@ def test_bf16_sharded_checkpoints(tmp_path):
     calibrated = task_model(cfg.experts["task0"], CanonicalCheckpoint(tmp_path / "run" / "calibrated", adapter))
     deviation = _deviations(calibrated.float(), task_model(cfg.experts["task0"]).float(), _batch(_rows(0)))
     assert 0 < max(deviation) < 2**-8, deviation
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_lm_head_map_has_the_jacobians_gram_off_the_row_direction(tmp_path, arch):
+    """featcal.head_metric on a causal LM: the logits' Jacobian with respect to the last down_proj's output at one row
+    is E·diag(γ)/rms on every direction orthogonal to the row's normalised vector (RMSNorm's per-row terms are what
+    head_map leaves out). head_map returns the square (EᵀE)^½·diag(γ), so its Gram is compared: HᵀH = JᵀJ·rms² there
+    (tied embeddings for llama, a separate lm_head for qwen2)."""
+    torch.manual_seed(0)
+    model = _model(arch)
+    with torch.no_grad():
+        model.model.norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path)
+    adapter = adapter_for(model.config)
+    adapter.HEAD_ROWS = 10  # several row chunks of the 64-token vocabulary, the last one short
+    head = adapter.head_map(CanonicalCheckpoint(tmp_path, adapter))
+    assert head.shape == (SHAPE["hidden_size"],) * 2
+    model.double()
+    norm = model.model.norm
+    x, y = torch.randn(32, dtype=torch.float64), torch.randn(32, dtype=torch.float64)
+    jac = torch.autograd.functional.jacobian(lambda out: model.lm_head(norm(x + out)), y)
+    rms = float(torch.sqrt((x + y).pow(2).mean() + norm.variance_epsilon))
+    n = (x + y) / rms
+    v = torch.randn(32, 6, dtype=torch.float64)
+    v -= n[:, None] * (n @ v)[None] / (n @ n)
+    # HF's RMSNorm computes in float32 whatever the input: agreement to its precision
+    torch.testing.assert_close((jac @ v).T @ (jac @ v), (head @ v).T @ (head @ v) / rms**2, rtol=1e-5, atol=1e-7)
+    off = (jac @ n).norm() ** 2 - (head @ n).norm() ** 2 / rms**2
+    assert abs(float(off)) > 1e-3  # along n the per-row term shows: a real check
+
+
+def test_head_metric_run_takes_the_lm_heads_metric_in_the_last_down_proj(tmp_path):
+    """Every task reads the merged LM head, so the metric is the merged checkpoint's; only the last block's down_proj
+    changes against the plain run, and it records its conjugate-gradient steps."""
+    from safetensors.torch import load_file
+
+    cfg = _build(tmp_path / "plain", "llama", experts=2)
+    run_pipeline(cfg, tmp_path / "plain" / "run")
+    head = _build(tmp_path / "head", "llama", experts=2, featcal={"lambda": 0.01, "rho": 1.0, "alpha": 1.0,
+                                                                    "head_metric": 1.0})
+    run_pipeline(head, tmp_path / "head" / "run")
+    plain, metric = (load_file(tmp_path / r / "run" / "calibrated" / "model.safetensors") for r in ("plain", "head"))
+    last = SHAPE["num_hidden_layers"] - 1
+    assert {n for n in plain if not torch.equal(plain[n], metric[n])} == {f"model.layers.{last}.mlp.down_proj.weight"}
+    path = RunDir(tmp_path / "head" / "run").record(f"solve/l{last:02d}")["info"]["solve_path"]
+    assert list(path) == ["mlp.down_proj"] and path["mlp.down_proj"].startswith("head metric, ")

@@ -40,6 +40,12 @@ def tinyllama_method_runs() -> dict[str, MethodRun]:
         "ta_featcal_auto_shrink": MethodRun("task_arithmetic", "featcal", EXAMPLES, featcal=FEW),
         "regmean_featcal_auto": MethodRun("given", "featcal", EXAMPLES, featcal={**AUTO, "rho": "auto"},
                                           start="regmean"),
+        # The head metric (η 1, as MiniLM-8 kept it) on a decoder: the last down_proj's error measured through the
+        # merged LM head and final norm, from TA and from RegMean's checkpoint.
+        "ta_featcal_auto_head1": MethodRun("task_arithmetic", "featcal", EXAMPLES,
+                                           featcal={**AUTO, "head_metric": 1.0}),
+        "regmean_featcal_auto_head1": MethodRun("given", "featcal", EXAMPLES,
+                                                featcal={**AUTO, "rho": "auto", "head_metric": 1.0}, start="regmean"),
     }
 
 

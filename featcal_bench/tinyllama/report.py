@@ -30,6 +30,8 @@ ROWS = (
     ("TA + FeatCal (λ, ρ auto)", "ta_featcal_auto_rho", "calibrated", "total"),
     ("TA + FeatCal (λ auto from 0.001 + shrinkage auto)", "ta_featcal_auto_shrink", "calibrated", "total"),
     ("RegMean + FeatCal (λ, ρ auto)", "regmean_featcal_auto", "calibrated", "total"),
+    ("TA + FeatCal (λ auto) + head metric η 1", "ta_featcal_auto_head1", "calibrated", "total"),
+    ("RegMean + FeatCal (λ, ρ auto) + head metric η 1", "regmean_featcal_auto_head1", "calibrated", "total"),
     ("task arithmetic 1.0 (sum)", "ta10_featcal", "merged", "merge"),
     ("TA 1.0 + FeatCal", "ta10_featcal", "calibrated", "total"),
 )
