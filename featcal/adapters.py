@@ -636,6 +636,7 @@ class Qwen3Adapter(LlamaAdapter):
     body_attr = {"Qwen3ForCausalLM": ""}
     pooled_token = {"Qwen3ForCausalLM": None}
     head_side = {"Qwen3ForCausalLM": "model.norm"}
+    head_input = {"Qwen3ForCausalLM": "mlp.down_proj"}
 
     @classmethod
     def default_architecture(cls, config: PretrainedConfig) -> str:

@@ -295,12 +295,12 @@ def test_bf16_sharded_checkpoints(tmp_path):
     assert 0 < max(deviation) < 2**-8, deviation
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_lm_head_map_has_the_jacobians_gram_off_the_row_direction(tmp_path, arch):
     """featcal.head_metric on a causal LM: the logits' Jacobian with respect to the last down_proj's output at one row
     is E·diag(γ)/rms on every direction orthogonal to the row's normalised vector (RMSNorm's per-row terms are what
     head_map leaves out). head_map returns the square (EᵀE)^½·diag(γ), so its Gram is compared: HᵀH = JᵀJ·rms² there
-    (tied embeddings for llama, a separate lm_head for qwen2)."""
+    (tied embeddings for llama and qwen3, a separate lm_head for qwen2)."""
     torch.manual_seed(0)
     model = _model(arch)
     with torch.no_grad():
