@@ -193,19 +193,26 @@ def check_head_side(cfg: RunConfig, adapter: Adapter) -> None:
 
 def check_head_metric(cfg: RunConfig, adapter: Adapter) -> None:
     """featcal.head_metric needs an architecture whose head path is known (which also refuses zero_shot: its experts
-    are head-less CLIPVisionModels), each expert's head tensors, and no head-side calibration (the metric reads the
-    experts' pooler, which that would change)."""
+    are head-less CLIPVisionModels), the head tensors it will read, and no head-side calibration (the metric reads
+    the experts' pooler, which that would change). Those tensors are each expert's, or, where every task reads the
+    merged head (causal LMs), the base's: the merge makes its head from them, and the experts' are never read."""
     if not cfg.featcal.head_metric:
         return
     adapter.head_input_module()
     if cfg.featcal.calibrate_head_side:
         raise ConfigError("featcal.head_metric: not with featcal.calibrate_head_side (the metric reads the pooler "
                           "as the experts have it)")
-    for task in cfg.tasks:
+    def read(field: str, checkpoint: Callable[[], CanonicalCheckpoint | LoraCheckpoint]) -> None:
         try:
-            adapter.head_map(_expert_checkpoint(cfg, task, adapter))
+            adapter.head_map(checkpoint())
         except CheckpointError as err:
-            raise CheckpointError(f"featcal.head_metric: experts.{task}: {err}") from None
+            raise CheckpointError(f"featcal.head_metric: {field}: {err}") from None
+
+    if adapter.head_is_merged:
+        read("base", lambda: CanonicalCheckpoint(cfg.base, adapter))
+        return
+    for task in cfg.tasks:
+        read(f"experts.{task}", lambda: _expert_checkpoint(cfg, task, adapter))  # noqa: B023 (called at once)
 
 
 def check_zero_shot(cfg: RunConfig) -> list[str]:

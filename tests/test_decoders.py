@@ -4,6 +4,7 @@ block-by-block forward on a right-padded batch, single-expert exactness at every
 two experts."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -324,16 +325,23 @@ def test_lm_head_map_has_the_jacobians_gram_off_the_row_direction(tmp_path, arch
     assert abs(float(off)) > 1e-3  # along n the per-row term shows: a real check
 
 
-def test_head_metric_run_takes_the_lm_heads_metric_in_the_last_down_proj(tmp_path):
-    """Every task reads the merged LM head, so the metric is the merged checkpoint's; only the last block's down_proj
-    changes against the plain run, and it records its conjugate-gradient steps."""
+def test_head_metric_run_takes_the_lm_heads_metric_in_the_last_down_proj(tmp_path, monkeypatch):
+    """Every task reads the merged LM head, so the metric is the merged checkpoint's (and the preflight reads the
+    base's head, whose tensors the merge uses, never an expert's); only the last block's down_proj changes against the
+    plain run, and it records its conjugate-gradient steps."""
     from safetensors.torch import load_file
+
+    from featcal.adapters import LlamaAdapter
 
     cfg = _build(tmp_path / "plain", "llama", experts=2)
     run_pipeline(cfg, tmp_path / "plain" / "run")
     head = _build(tmp_path / "head", "llama", experts=2, featcal={"lambda": 0.01, "rho": 1.0, "alpha": 1.0,
                                                                     "head_metric": 1.0})
+    read, head_map = [], LlamaAdapter.head_map
+    monkeypatch.setattr(LlamaAdapter, "head_map",
+                        lambda self, ckpt: read.append(ckpt.directory) or head_map(self, ckpt))
     run_pipeline(head, tmp_path / "head" / "run")
+    assert [Path(d).name for d in read] == ["base", "merged"]
     plain, metric = (load_file(tmp_path / r / "run" / "calibrated" / "model.safetensors") for r in ("plain", "head"))
     last = SHAPE["num_hidden_layers"] - 1
     assert {n for n in plain if not torch.equal(plain[n], metric[n])} == {f"model.layers.{last}.mlp.down_proj.weight"}
