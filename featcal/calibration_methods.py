@@ -151,6 +151,19 @@ def _fit_and_held(stats: dict[str, torch.Tensor], task: str, where: str, every: 
     return fit_sums(stats, fold), held
 
 
+def _head_factors(module: ModuleData, tasks: int) -> list[torch.Tensor]:
+    """Each task's U_t (head_factor), computed once per head map: where every task reads one head (a causal LM's
+    merged LM head) they all get the same tensor."""
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(H) → (H, U); H is held, so no id is reused
+    factors = []
+    for t in range(tasks):
+        head = module.head(t)
+        if id(head) not in made:
+            made[id(head)] = (head, head_factor(head))
+        factors.append(made[id(head)][1])
+    return factors
+
+
 @register
 class FeatCal(CalibrationMethod):
     """docs/design.md §2: linear weights, then biases, and norms, towards each expert's features on the merged
@@ -210,7 +223,7 @@ class FeatCal(CalibrationMethod):
         hp, report = self._chosen(choice)
         bias_terms: list[BiasTerm] = []
         eta = self.settings["head_metric"]
-        heads = None if module.head is None or not eta else [head_factor(module.head(t)) for t in range(len(weights))]
+        heads = None if module.head is None or not eta else _head_factors(module, len(weights))
 
         def per_task() -> Iterator[tuple[LinearMoments, torch.Tensor]]:
             for t, (stats, c) in enumerate(zip(module.stats(), weights, strict=True)):

@@ -163,11 +163,13 @@ def solve_linear_weight_head(
     with M̄ = (1−η+μ)I + η Σ_t (tr G_t/tr a)·S_t, which two eigendecompositions invert exactly (and which is the
     whole system when the tasks' Grams are proportional, or at η = 0).
 
-    `tasks` yields (moments, W_t, U_t [k, out]); each task's G_t is kept for the iterations (T·in² floats)."""
+    `tasks` yields (moments, W_t, U_t [k, out]). Tasks with equal U_t share one S and so one summed Gram in the
+    iterations: one in² per distinct head (a causal LM's tasks all read the merged head: one in all, and the
+    preconditioner is then the system), at most T·in² floats."""
     d, f64 = merged.shape[1], {"dtype": torch.float64, "device": merged.device}
     a = torch.zeros(d, d, **f64)
     b = hp.lam * anchor(merged, base, hp.rho).T
-    grams: list[torch.Tensor] = []
+    grams: list[torch.Tensor] = []  # per distinct U: Σ G_t over the tasks that read it
     factors: list[torch.Tensor] = []
     for mom, w_t, u_t in tasks:
         g_t = torch.zeros(d, d, **f64)
@@ -176,8 +178,12 @@ def solve_linear_weight_head(
         u_t = u_t.to(**f64)
         a += g_t
         b.add_(b_t, alpha=1.0 - eta).add_((b_t @ u_t.T) @ u_t, alpha=eta)
-        grams.append(g_t)
-        factors.append(u_t)
+        same = next((k for k, u in enumerate(factors) if u is u_t or torch.equal(u, u_t)), None)
+        if same is None:
+            grams.append(g_t)
+            factors.append(u_t)
+        else:
+            grams[same].add_(g_t)
     if hp.trust:
         b += hp.trust * a @ merged.double().T
     plain, reg = 1.0 - eta + hp.trust, hp.lam + hp.eps

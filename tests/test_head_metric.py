@@ -70,6 +70,20 @@ def test_head_metric_solve_equals_the_dense_brute_force(problem, eta, trust, shr
     assert float((plain - ref).abs().max()) > 1e-3  # the metric changes the answer: the test can fail
 
 
+@pytest.mark.parametrize("shared_object", [True, False])
+def test_tasks_that_read_one_head_share_a_gram_and_match_the_brute_force(problem, shared_object):
+    """Every task with the same U (one tensor, as a causal LM's merged head gives, or equal values): one summed Gram
+    serves them, the preconditioner is then the whole system, and the weight is the dense brute force's."""
+    tasks, w_m, w_0 = problem
+    u = tasks[0][2]
+    shared = [(mom, w_t, u if shared_object else u.clone()) for mom, w_t, _ in tasks]
+    hp = Hyper(lam=0.1, rho=2.0, alpha=0.25, eps=1e-12, trust=0.5, shrink=0.2)
+    sol = solve_linear_weight_head(shared, w_m, w_0, hp, 1.0)
+    ref = _brute_force(shared, w_m, w_0, hp, 1.0)
+    torch.testing.assert_close(sol.weight, ref, rtol=0, atol=1e-10 * float(ref.abs().max()))
+    assert sol.path == "head metric, 0 CG steps"
+
+
 def test_a_solve_that_does_not_converge_says_so(problem, monkeypatch):
     tasks, w_m, w_0 = problem
     monkeypatch.setattr(closed_form, "HEAD_MAX_STEPS", 2)
