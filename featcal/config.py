@@ -56,6 +56,16 @@ class DataSource(_Strict):
                                       "token ids ending in EOS); default: the expert's own greedy output")
 
 
+class ViewsConfig(_Strict):
+    """Extra views of each text calibration example: copies with a random share of their tokens deleted. The expert
+    and the merged model read the same views, so they are rows with a target and no label; with few examples a
+    task, the last block's solve otherwise rests on one pooled row per example (docs/design.md §2.8)."""
+
+    count: int = Field(0, ge=0, description="views added to each example (0: none; the example itself is kept)")
+    token_drop: float = Field(0.15, gt=0, lt=1, description="share of each view's tokens deleted, never the first "
+                              "or last token, a segment's last token, or one of the tokenizer's special tokens")
+
+
 class CalibrationConfig(_Strict):
     data: dict[str, DataSource]
     examples_per_task: int = Field(256, ge=1)
@@ -64,6 +74,7 @@ class CalibrationConfig(_Strict):
     max_target_length: int = Field(16, ge=1, description="encoder–decoder: at most this many target tokens "
                                    "(greedy generation stops there; a target column is truncated to it)")
     seed: int = 42
+    views: ViewsConfig = Field(default_factory=ViewsConfig)
 
 
 class FeatCalConfig(_Strict):

@@ -141,6 +141,7 @@ class InputBuilder:
             raise DataError(f"{where}.text_pair_column: {self.pair_column!r} is not a column of the data (it has {columns})")
         self.ready = [c for c in ("input_ids", "pixel_values") if c in columns and c in input_names]
         self.padding_notice: str | None = None  # set where a tokenizer without a padding token pads with EOS
+        self.special_ids: frozenset[int] = frozenset()  # a tokenizer's, which token views never delete
         if self.ready:
             self.column = None
             self.processor = None
@@ -170,6 +171,7 @@ class InputBuilder:
             raise DataError(f"{where}: raw column {self.column!r} needs the base's tokenizer/processor: {exc}") from exc
         if "pixel_values" not in input_names:
             self.padding_notice = pad_with_eos(self.processor, base_dir)
+            self.special_ids = frozenset(self.processor.all_special_ids)
         self.pad_id = getattr(self.processor, "pad_token_id", None) or 0
 
     def text_inputs(self, rows: dict[str, list]) -> dict[str, torch.Tensor]:
@@ -226,6 +228,42 @@ def pad_to(inputs: dict[str, torch.Tensor], width: int, pad_id: int) -> dict[str
         extra = width - value.shape[1]
         out[name] = torch.nn.functional.pad(value, (0, extra), value=fill) if extra > 0 else value
     return out
+
+
+def token_views(inputs: dict[str, torch.Tensor], count: int, drop: float, keep_ids: frozenset[int], pad_id: int,
+                seed: int, first: int) -> dict[str, torch.Tensor]:
+    """Each row followed by `count` views of it with round(drop·m) of its m droppable tokens deleted (at least one),
+    in the row's width. Row i is example `first + i`, and its views are seeded by (seed, first + i, view), so a view
+    does not depend on the batch size. Kept always: the first and last real token, the last token of each segment
+    (a pair's separator, even without a tokenizer) and `keep_ids`."""
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    segments = inputs.get("token_type_ids")
+    rows: dict[str, list[torch.Tensor]] = {name: [] for name in inputs}
+    for i in range(ids.shape[0]):
+        real = mask[i].nonzero().flatten()
+        keep = torch.zeros(ids.shape[1], dtype=torch.bool)
+        keep[real[[0, -1]]] = True
+        keep |= torch.isin(ids[i], torch.tensor(sorted(keep_ids), dtype=ids.dtype))
+        if segments is not None:
+            keep[:-1] |= segments[i, :-1] != segments[i, 1:]
+        droppable = real[~keep[real]]
+        for name in inputs:
+            rows[name].append(inputs[name][i])
+        for view in range(1, count + 1):
+            gone = _dropped(droppable, drop, np.random.default_rng([seed, first + i, view]))
+            kept = real[~torch.isin(real, gone)]
+            for name, value in inputs.items():
+                row = torch.full_like(value[i], pad_id if name == "input_ids" else 0)
+                row[int(real[0]):int(real[0]) + len(kept)] = value[i, kept]
+                rows[name].append(row)
+    return {name: torch.stack(values) for name, values in rows.items()}
+
+
+def _dropped(droppable: torch.Tensor, drop: float, rng: np.random.Generator) -> torch.Tensor:
+    if len(droppable) < 2:  # deleting the only free token would leave nothing to vary
+        return droppable[:0]
+    k = max(1, round(drop * len(droppable)))
+    return droppable[torch.from_numpy(np.sort(rng.choice(len(droppable), k, replace=False)))]
 
 
 def row_batches(ds: datasets.Dataset, batch_size: int) -> Iterator[dict[str, list]]:

@@ -108,6 +108,12 @@ def stage_count(tasks: int, blocks: int, solve_groups: int, evaluate: bool, head
             + (2 * tasks + 1) * int(head_side))
 
 
+def prepare_settings(cal: dict[str, Any]) -> dict[str, Any]:
+    """The calibration settings a task's prepared inputs depend on. Without views, the key is what it was before
+    views existed, so runs made then still resume from their cache."""
+    return {k: v for k, v in cal.items() if k != "data" and (k != "views" or v["count"])}
+
+
 def solve_stage(layer: int, group: int, groups: int) -> str:
     return f"solve/l{layer:02d}" if groups == 1 else f"solve/l{layer:02d}/g{group}"
 
@@ -209,7 +215,7 @@ class Pipeline:
         # (record, rel) of the current block boundary per task and side: S (merged) and E (expert).
         side: dict[tuple[str, str], tuple[Record, str]] = {}
         prepared = dict(zip(tasks, self.call_all([StageCall("prepare", f"prepare/{t}", f"prepare · {t}", self.key(
-            "prepare", t, {k: v for k, v in cal.items() if k != "data"}, cal["data"][t], precision,
+            "prepare", t, prepare_settings(cal), cal["data"][t], precision,
             self.inputs[f"calibration/{t}"], self.inputs[f"expert/{t}"], merged_digest),
             needs={"merged": "merge"}, params={"task": t}) for t in tasks]), strict=True))
         for t in tasks:

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from featcal.adapters import BlockInput
 from featcal.calibration_methods import ModuleData, calibration_method
-from featcal.data import InputBuilder, load_split, pad_to, pick_examples, row_batches
+from featcal.data import InputBuilder, load_split, pad_to, pick_examples, row_batches, token_views
 from featcal.devices import solve_device, to_device
 from featcal.hub import local_dir
 from featcal.modeling import as_out_in, calibrated_modules, is_norm, linear_dims, norm_scale_offset
@@ -41,14 +41,19 @@ def _model_inputs(ctx: RunContext, task: str) -> tuple[Callable[[], Iterator[dic
     picked = pick_examples(load_split(source, where), cal.examples_per_task, cal.seed, where)
     builder = InputBuilder(ctx.cfg.base, ctx.adapter.model_input_names(), source, cal.max_length, picked.column_names, where)
     width = max(builder(rows)["input_ids"].shape[1] for rows in row_batches(picked, cal.batch_size)) if builder.is_text else 0
+    views = cal.views.count  # preflight refused views of images and of encoder–decoder inputs
 
     def batches() -> Iterator[dict[str, torch.Tensor]]:
-        for rows in row_batches(picked, cal.batch_size):
-            yield pad_to(builder(rows), width, builder.pad_id) if builder.is_text else builder(rows)
+        for first, rows in zip(range(0, len(picked), cal.batch_size), row_batches(picked, cal.batch_size)):
+            inputs = pad_to(builder(rows), width, builder.pad_id) if builder.is_text else builder(rows)
+            yield token_views(inputs, views, cal.views.token_drop, builder.special_ids, builder.pad_id, cal.seed,
+                              first) if views else inputs
 
     info = {"examples": len(picked), "examples_requested": cal.examples_per_task}
+    if views:
+        info["views_per_example"] = views
     if not ctx.adapter.has_decoder:
-        return batches, len(picked), info
+        return batches, len(picked) * (1 + views), info
     encoder = list(batches())  # token ids only: small, and generation must not run once per stored array
     if source.target_column is not None:  # preflight checked that the column exists
         targets = column_targets(picked[source.target_column], local_dir(ctx.cfg.base), cal.max_target_length, where)
@@ -199,6 +204,7 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
     fit_block, fit_checkpoint = (merged_block, MERGED) if merged_block is not None else (expert_block, task)
     stats_modules = calibrated_modules(merged_block) if merged_block is not None else modules_e
     every = plan.held_out_every  # rows held out to choose hyperparameters get sums of their own, fold by fold
+    rows_per_example = 1 + ctx.cfg.calibration.views.count  # an example's views are held out with it
     # Built at the first chunk, whose module inputs show which modules read the same input.
     made: dict[str, Any] = {}
     emphasis = emphasis_for(ctx, layer, list(stats_modules), plan.pooled_token_weight)
@@ -255,8 +261,9 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
                         add_drift("out", out_s - out_e, out_e, mask)
                 sink_x = sink_e if plan.expert_side else sink_s  # one side only: it fills both of the statistics' slots
                 add(weights, sink_s, sink_x, outs_e, mask.shape[0])
+                example = torch.arange(seen, seen + mask.shape[0], device=mask.device) // rows_per_example
                 for fold, held in enumerate(made["held"]):  # fold k: the examples i with i mod N = N − 1 − k
-                    chosen = (torch.arange(seen, seen + mask.shape[0], device=mask.device) % every) == every - 1 - fold
+                    chosen = (example % every) == every - 1 - fold
                     if bool(chosen.any()):
                         held_w, held_s, held_x, held_o = example_rows(weights, chosen, sink_s, sink_x,
                                                                       outs_e if outs_e is not None else {})

@@ -306,6 +306,10 @@ def _check_source(cfg: RunConfig, adapter: Adapter, section: str, task: str, sou
                            ds.column_names, where)
     if builder.padding_notice:
         notices.append(builder.padding_notice)
+    if section == "calibration.data" and cfg.calibration.views.count and (not builder.is_text or adapter.has_decoder):
+        raise DataError(f"calibration.views.count: {cfg.calibration.views.count} views need token inputs of an "
+                        f"encoder or a causal LM; {where} gives " +
+                        ("images" if not builder.is_text else "encoder–decoder inputs") + "; expected views.count 0")
     if builder.is_text and builder.column is not None:
         for column in filter(None, (builder.column, builder.pair_column)):
             wrong = text_type_error(ds, column, where)

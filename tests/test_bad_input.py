@@ -185,6 +185,8 @@ CASES = [
     Case("lambda-negative", "config", _set("featcal.lambda", -1), ["featcal.lambda", "must be >= 0", "-1"]),
     Case("examples-per-task-zero", "config", _set("calibration.examples_per_task", 0),
          ["calibration.examples_per_task", "greater than or equal to 1", "got 0"]),
+    Case("views-token-drop-one", "config", _set("calibration.views", {"count": 2, "token_drop": 1}),
+         ["calibration.views.token_drop", "less than 1"]),
     Case("experts-empty", "config", lambda r: edit_example_yaml(r, _no_experts), ["experts:", "needs at least one task"]),
     Case("task-name-with-slash", "config", lambda r: edit_example_yaml(r, _slash_task),
          ["experts", "'a/b'", "without '/'"]),
@@ -316,7 +318,7 @@ def test_the_table_holds_every_kind_once():
     """The count the issue asks for (40 across config, checkpoint, data, run directory and degenerate set-ups: the
     last two are in tests/test_run_dir_config.py and tests/test_setup_checks.py)."""
     kinds = [c.kind for c in CASES]
-    assert len(set(kinds)) == len(kinds) == 65
+    assert len(set(kinds)) == len(kinds) == 66
     assert {c.area for c in CASES} == {"config", "checkpoint", "data"}
 
 
