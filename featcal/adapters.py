@@ -446,6 +446,20 @@ class T5Adapter(Adapter):
         return out[0]
 
 
+def lm_head_root(checkpoint: CanonicalCheckpoint | LoraCheckpoint, embedding: str, rows: int) -> torch.Tensor:
+    """(EᵀE)^½ [hidden, hidden] of a causal LM's head E [vocab, hidden]: it has E's Gram, which is all a head metric
+    reads, and a vocabulary-wide H would not fit beside a large model. E is `lm_head.weight`, or `embedding` when the
+    two are tied; EᵀE is summed `rows` rows at a time in float64."""
+    name = "lm_head.weight" if "lm_head.weight" in checkpoint else embedding
+    vocab, hidden = checkpoint.shape(name)
+    gram = torch.zeros(hidden, hidden, dtype=torch.float64)
+    for start in range(0, vocab, rows):
+        band = checkpoint.get(name, (start, min(start + rows, vocab))).double()
+        gram.addmm_(band.T, band)
+    evals, vecs = torch.linalg.eigh(gram)
+    return (vecs * evals.clamp_min(0).sqrt()) @ vecs.T
+
+
 class _CausalLMAdapter(Adapter):
     """What every decoder-only causal LM shares: token ids and a padding mask in, positions counted over real tokens,
     and no per-task head (the LM head is merged with the body)."""
@@ -504,19 +518,10 @@ class LlamaAdapter(_CausalLMAdapter):
 
     def head_map(self, checkpoint: CanonicalCheckpoint | LoraCheckpoint) -> torch.Tensor:
         """y (the last block's mlp.down_proj) → x + y → RMSNorm → the LM head E [vocab, hidden]: E·diag(γ), the norm's
-        1/rms left out (a scale per row). Returned as the square (EᵀE)^½·diag(γ) [hidden, hidden], which has the same
-        HᵀH: a vocabulary-wide H would not fit beside a large model. E is `lm_head.weight`, or the embedding when the
-        two are tied; EᵀE is summed HEAD_ROWS rows at a time in float64."""
+        1/rms left out (a scale per row), as the square (EᵀE)^½·diag(γ) (`lm_head_root`)."""
         self.head_input_module()
-        name = "lm_head.weight" if "lm_head.weight" in checkpoint else "model.embed_tokens.weight"
-        vocab, hidden = checkpoint.shape(name)
-        gram = torch.zeros(hidden, hidden, dtype=torch.float64)
-        for start in range(0, vocab, self.HEAD_ROWS):
-            rows = checkpoint.get(name, (start, min(start + self.HEAD_ROWS, vocab))).double()
-            gram.addmm_(rows.T, rows)
-        evals, vecs = torch.linalg.eigh(gram)
-        root = (vecs * evals.clamp_min(0).sqrt()) @ vecs.T
-        return root * checkpoint.get("model.norm.weight").double()[None, :]
+        return lm_head_root(checkpoint, "model.embed_tokens.weight", self.HEAD_ROWS) * \
+            checkpoint.get("model.norm.weight").double()[None, :]
 
 
     def rotary_module(self) -> nn.Module:
@@ -576,7 +581,9 @@ class GPT2Adapter(_CausalLMAdapter):
     kv_modules = ("attn.c_attn",)  # q, k and v in one map
     pooled_token = {"GPT2LMHeadModel": None}
     head_side = {"GPT2LMHeadModel": "transformer.ln_f"}
+    head_input = {"GPT2LMHeadModel": "mlp.c_proj"}
     probe_key = "transformer.wte.weight"
+    HEAD_ROWS = LlamaAdapter.HEAD_ROWS
 
     def __init__(self, config: PretrainedConfig):
         if (config.architectures or [None])[0] == "GPT2ForSequenceClassification":
@@ -588,6 +595,13 @@ class GPT2Adapter(_CausalLMAdapter):
 
     def embedding_modules(self) -> tuple[str, ...]:
         return ("transformer.wte", "transformer.wpe")
+
+    def head_map(self, checkpoint: CanonicalCheckpoint | LoraCheckpoint) -> torch.Tensor:
+        """y (the last block's mlp.c_proj) → x + y → ln_f → the LM head E (tied to wte): E·diag(γ)·(I − 11ᵀ/d), the
+        norm's per-row 1/σ left out, as (EᵀE)^½·diag(γ)·(I − 11ᵀ/d) (`lm_head_root`)."""
+        self.head_input_module()
+        return lm_head_root(checkpoint, "transformer.wte.weight", self.HEAD_ROWS) @ norm_path(
+            checkpoint.get("transformer.ln_f.weight"))
 
     def embed(self, modules: dict[str, nn.Module], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         ids = inputs["input_ids"]
@@ -618,6 +632,17 @@ class Gemma2Adapter(LlamaAdapter):
     body_attr = {"Gemma2ForCausalLM": ""}
     pooled_token = {"Gemma2ForCausalLM": None}
     head_side = {"Gemma2ForCausalLM": "model.norm"}
+    head_input = {"Gemma2ForCausalLM": "mlp.down_proj"}
+
+    def head_map(self, checkpoint: CanonicalCheckpoint | LoraCheckpoint) -> torch.Tensor:
+        """y (the last block's mlp.down_proj) → the block's post-MLP RMSNorm → x + · → the final RMSNorm → the LM head
+        E (tied) → the logit soft cap: E·diag(1 + w_final)·diag(1 + w_post), each norm's 1/rms and the cap's tanh′
+        left out (per row), as (EᵀE)^½·diag(1 + w_final)·diag(1 + w_post). The post-MLP norm is the merged
+        checkpoint's: the block's solve calibrates it beside down_proj."""
+        self.head_input_module()
+        post = f"{self.block_prefix(self.num_blocks() - 1)}post_feedforward_layernorm.weight"
+        scale = (1 + checkpoint.get("model.norm.weight").double()) * (1 + checkpoint.get(post).double())
+        return lm_head_root(checkpoint, "model.embed_tokens.weight", self.HEAD_ROWS) * scale[None, :]
 
     @classmethod
     def default_architecture(cls, config: PretrainedConfig) -> str:

@@ -177,3 +177,70 @@ def test_gpt2_plan(tmp_path):
     cfg = decoders._build(tmp_path, "gpt2", experts=2)
     planned = plan(cfg)
     assert planned["architecture"] == "GPT2LMHeadModel" and planned["modules_per_block"][:2] == ["ln_1", "attn.c_attn"]
+
+
+def _orthogonal_to(v: torch.Tensor, *directions: torch.Tensor) -> torch.Tensor:
+    basis, _ = torch.linalg.qr(torch.stack(directions, dim=1))
+    return v - basis @ (basis.T @ v)
+
+
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_lm_head_map_has_the_jacobians_gram_off_the_per_row_directions(tmp_path, arch):
+    """featcal.head_metric: the logits' Jacobian with respect to the last MLP's output y at one row, on directions
+    where the norms' per-row terms vanish, is head_map's H over those norms' per-row scales (HᵀH compared, as head_map
+    returns a square with E's Gram). GPT-2: ln_f's (I − 11ᵀ/d) is in H, its 1/σ and n nᵀ/d are not (v ⟂ n). Gemma2:
+    the post-MLP norm and the final norm, each (1 + w), their 1/rms and per-row terms left out (v ⟂ y and
+    v ⟂ (1 + w_post)·z, z the final norm's input); the logit soft cap comes after E and is left out too."""
+    torch.manual_seed(0)
+    model = _model(arch)
+    model.save_pretrained(tmp_path)
+    adapter = adapter_for(model.config)
+    adapter.HEAD_ROWS = 10  # several row bands of the 64-token vocabulary, the last one short
+    head = adapter.head_map(CanonicalCheckpoint(tmp_path, adapter))
+    assert head.shape == (32, 32)
+    model.double()
+    x, y = torch.randn(32, dtype=torch.float64), torch.randn(32, dtype=torch.float64)
+    v = torch.randn(32, 6, dtype=torch.float64)
+    final = _final_norm(model)
+    if arch == "gpt2":
+        def logits(out): return model.lm_head(final(x + out))
+        centred = (x + y) - (x + y).mean()
+        sigma = float(torch.sqrt(centred.pow(2).mean() + final.eps))
+        v, scale, along = _orthogonal_to(v, centred), sigma, centred
+    else:
+        post = model.model.layers[-1].post_feedforward_layernorm
+
+        def logits(out): return model.lm_head(final(x + post(out)))
+        with torch.no_grad():
+            z = x + post(y)
+            v = _orthogonal_to(v, y, (1 + post.weight) * z)
+            scale = float(torch.sqrt(y.pow(2).mean() + post.eps) * torch.sqrt(z.pow(2).mean() + final.eps))
+        along = y
+    jac = torch.autograd.functional.jacobian(logits, y)
+    want = (head @ v).T @ (head @ v) / scale**2
+    # Gemma2's RMSNorm computes in float32 whatever the input (two of them here): agreement to that precision
+    torch.testing.assert_close((jac @ v).T @ (jac @ v), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    off = (jac @ along).norm() ** 2 - (head @ along).norm() ** 2 / scale**2
+    assert abs(float(off)) > 1e-3  # along the per-row direction the terms left out show: a real check
+
+
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_head_metric_run_changes_the_module_that_feeds_the_lm_head(tmp_path, arch):
+    """head_metric 1 against the plain solve: only the last block's MLP output map changes (GPT-2's Conv1D c_proj,
+    stored [in, out]; Gemma2's down_proj), and its solve takes the head-metric path."""
+    from safetensors.torch import load_file
+
+    from storage.rundir import RunDir
+
+    plain = {"lambda": 0.01, "rho": 1.0, "alpha": 1.0}
+    runs = {}
+    for name, featcal in (("plain", plain), ("head", {**plain, "head_metric": 1.0})):
+        cfg = decoders._build(tmp_path / name, arch, experts=2, featcal=featcal)
+        run_pipeline(cfg, tmp_path / name / "run")
+        runs[name] = load_file(tmp_path / name / "run" / "calibrated" / "model.safetensors")
+    module = {"gpt2": "mlp.c_proj", "gemma2": "mlp.down_proj"}[arch]
+    prefix = adapter_for(_model(arch).config).block_prefix(1)
+    changed = {n for n in runs["plain"] if not torch.equal(runs["plain"][n], runs["head"][n])}
+    assert changed == {f"{prefix}{module}.weight"} | ({f"{prefix}{module}.bias"} if arch == "gpt2" else set())
+    path = RunDir(tmp_path / "head" / "run").record("solve/l01")["info"]["solve_path"]
+    assert list(path) == [module] and path[module].startswith("head metric, ")
