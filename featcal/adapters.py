@@ -6,7 +6,7 @@ Adding an architecture means subclassing `Adapter`, filling in the names, and re
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -284,7 +284,22 @@ class CLIPVisionAdapter(_ImageAdapter):
     pooled_token = {"CLIPVisionModel": 0, "CLIPForImageClassification": None, "CLIPModel": 0}
     # post_layernorm makes the pooled output; CLIPForImageClassification's head reads the last block's output.
     head_side = {"CLIPVisionModel": "post_layernorm", "CLIPModel": "post_layernorm"}
+    # With zero_shot only: a CLIPVisionModel has no head of its own, its tasks' heads come from their class names.
+    head_input = {"CLIPVisionModel": "mlp.fc2"}
     probe_key = "embeddings.patch_embedding.weight"
+
+    def head_map(self, expert: CanonicalCheckpoint | LoraCheckpoint) -> torch.Tensor:
+        raise UnsupportedModelError("featcal.head_metric: a CLIPVisionModel has no head of its own; its tasks' heads "
+                                    "come from zero_shot (class names through the CLIPModel's text tower)")
+
+    def zero_shot_head_map(self, head: Mapping[str, torch.Tensor],
+                           merged: CanonicalCheckpoint | LoraCheckpoint) -> torch.Tensor:
+        """y (the last block's mlp.fc2) → x + y → post_layernorm at the class token → the visual projection P → unit
+        length → the class embeddings C (`featcal.zeroshot`): C·P·diag(γ)·(I − 11ᵀ/d), the norm's 1/σ and the unit
+        length's per-row terms left out. γ is the merged checkpoint's: post_layernorm is outside the blocks."""
+        self.head_input_module()
+        return (head["class_embeddings"].double() @ head["visual_projection.weight"].double()
+                @ norm_path(merged.get("post_layernorm.weight")))
 
     @classmethod
     def default_architecture(cls, config: PretrainedConfig) -> str:

@@ -26,7 +26,7 @@ from storage.atomic import atomic_path
 from storage.checkpoint import CanonicalCheckpoint, read_header, read_tensor, save_tensors
 from storage.lora import LoraCheckpoint
 from tasks.context import RunContext
-from tasks.merge import MERGED
+from tasks.merge import MERGED, head_file
 
 log = logging.getLogger("featcal")
 
@@ -460,6 +460,9 @@ def _head(ctx: RunContext, layer: int, name: str, experts: list[CanonicalCheckpo
     if ctx.adapter.head_is_merged:
         shared = ctx.adapter.head_map(ctx.checkpoint(MERGED)).to(device)
         return lambda t: shared
+    if ctx.cfg.zero_shot is not None:  # head-less experts: the merge wrote each task's head from its class names
+        return lambda t: ctx.adapter.zero_shot_head_map(
+            load_file(ctx.run / MERGED / head_file(ctx.tasks[t])), ctx.checkpoint(MERGED)).to(device)
     return lambda t: ctx.adapter.head_map(experts[t]).to(device)
 
 

@@ -192,10 +192,11 @@ def check_head_side(cfg: RunConfig, adapter: Adapter) -> None:
 
 
 def check_head_metric(cfg: RunConfig, adapter: Adapter) -> None:
-    """featcal.head_metric needs an architecture whose head path is known (which also refuses zero_shot: its experts
-    are head-less CLIPVisionModels), the head tensors it will read, and no head-side calibration (the metric reads
-    the experts' pooler, which that would change). Those tensors are each expert's, or, where every task reads the
-    merged head (causal LMs), the base's: the merge makes its head from them, and the experts' are never read."""
+    """featcal.head_metric needs an architecture whose head path is known, the head tensors it will read, and no
+    head-side calibration (the metric reads the experts' pooler, which that would change). Those tensors are each
+    expert's, or, where every task reads the merged head (causal LMs), the base's: the merge makes its head from them,
+    and the experts' are never read. With zero_shot the heads are made by the merge from the class names, and the
+    path to them reads the base's post_layernorm (merged from it)."""
     if not cfg.featcal.head_metric:
         return
     adapter.head_input_module()
@@ -210,6 +211,12 @@ def check_head_metric(cfg: RunConfig, adapter: Adapter) -> None:
 
     if adapter.head_is_merged:
         read("base", lambda: CanonicalCheckpoint(cfg.base, adapter))
+        return
+    if cfg.zero_shot is not None:
+        try:
+            CanonicalCheckpoint(cfg.base, adapter).get("post_layernorm.weight")
+        except CheckpointError as err:
+            raise CheckpointError(f"featcal.head_metric: base: {err}") from None
         return
     for task in cfg.tasks:
         read(f"experts.{task}", lambda: _expert_checkpoint(cfg, task, adapter))  # noqa: B023 (called at once)

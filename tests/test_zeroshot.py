@@ -189,3 +189,73 @@ def test_bad_zero_shot_config_names_the_field(tmp_path, zero_shot, message):
     raw = {"base": "b", "experts": {"a": "e"}, "calibration": {"data": {"a": {"path": "d"}}}, "zero_shot": zero_shot}
     with pytest.raises(ConfigError, match=message):
         config_from_dict(raw, tmp_path)
+
+
+def test_zero_shot_head_map_has_the_jacobians_gram_off_the_per_row_directions(tmp_path, tiny_clip):
+    """featcal.head_metric with zero-shot heads: the logits' Jacobian with respect to the last fc2's output y at the
+    class token is C·P·diag(γ)·(I − 11ᵀ/d) over the row's scales (post_layernorm's σ, the projected feature's length,
+    the logit scale), on directions where post_layernorm's and the unit length's per-row terms vanish."""
+    from featcal.adapters import adapter_for
+    from featcal.zeroshot import zero_shot_logits
+    from storage.checkpoint import CanonicalCheckpoint
+
+    clip, tokenizer, clip_dir = tiny_clip
+    head, _ = zero_shot_head(clip, tokenizer, NAMES, [TEMPLATE], clip_dir)
+    with torch.no_grad():
+        clip.vision_model.post_layernorm.weight.uniform_(0.5, 1.5)
+    tower = CLIPVisionModel(clip.config.vision_config)
+    tower.load_state_dict(clip.vision_model.state_dict())
+    tower.save_pretrained(tmp_path / "vision")
+    adapter = adapter_for(tower.config)
+    h = adapter.zero_shot_head_map(head, CanonicalCheckpoint(tmp_path / "vision", adapter))
+    assert h.shape == (len(NAMES), VISION["hidden_size"])
+    norm = clip.vision_model.post_layernorm.double()
+    double = {k: v.double() for k, v in head.items()}
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(VISION["hidden_size"], generator=g, dtype=torch.float64) for _ in range(2))
+    with torch.no_grad():
+        centred = (x + y) - (x + y).mean()
+        sigma = float(torch.sqrt(centred.pow(2).mean() + norm.eps))
+        feature = double["visual_projection.weight"] @ norm(x + y)
+        lin = double["visual_projection.weight"] @ torch.diag(norm.weight) @ (torch.eye(len(x), dtype=torch.float64)
+                                                                           - 1 / len(x))
+        v = torch.randn(len(x), 5, generator=g, dtype=torch.float64)
+        basis, _ = torch.linalg.qr(torch.stack([centred, lin.T @ feature], dim=1))
+        v -= basis @ (basis.T @ v)
+    jac = torch.autograd.functional.jacobian(
+        lambda out: (double["logit_scale"].exp() * torch.nn.functional.normalize(
+            double["visual_projection.weight"] @ norm(x + out), dim=0) @ double["class_embeddings"].T), y)
+    # the double-precision path is zero_shot_logits' formula (which casts to float32)
+    torch.testing.assert_close(zero_shot_logits(norm(x + y)[None].float(), head)[0].double(),
+                               double["logit_scale"].exp() * torch.nn.functional.normalize(feature, dim=0)
+                               @ double["class_embeddings"].T, rtol=1e-5, atol=1e-5)
+    scale = float(double["logit_scale"].exp()) / (sigma * float(feature.norm()))
+    want = (h @ v).T @ (h @ v) * scale**2
+    torch.testing.assert_close((jac @ v).T @ (jac @ v), want, rtol=1e-6, atol=1e-8 * float(want.abs().max()))
+    along = (jac @ centred).norm() ** 2 - (h @ centred).norm() ** 2 * scale**2
+    assert abs(float(along)) > 1e-3 * float(want.abs().max())  # where the left-out terms act, they show
+
+
+def test_zero_shot_head_metric_run_changes_only_the_last_fc2(tmp_path):
+    """head_metric 1 against the plain solve, with zero-shot heads: only the last block's mlp.fc2 changes, through the
+    head-metric solve; head-less experts without zero_shot are refused in one line."""
+    from featcal.adapters import UnsupportedModelError
+    from storage.rundir import RunDir
+
+    raw = _head_less_config(tmp_path, experts=2)
+    raw["zero_shot"]["class_names"] = {task: NAMES[:4] for task in raw["experts"]}
+    raw["evaluation"]["enabled"] = False
+    raw["featcal"].update({"lambda": 0.01, "rho": 1.0, "alpha": 1.0})
+    weights = {}
+    for name, eta in (("plain", 0.0), ("head", 1.0)):
+        raw["featcal"]["head_metric"] = eta
+        run_pipeline(config_from_dict(raw, tmp_path), tmp_path / name)
+        weights[name] = load_file(tmp_path / name / "calibrated" / "model.safetensors")
+    last = VISION["num_hidden_layers"] - 1
+    changed = {n for n in weights["plain"] if not torch.equal(weights["plain"][n], weights["head"][n])}
+    assert changed == {f"encoder.layers.{last}.mlp.fc2.{p}" for p in ("weight", "bias")}
+    path = RunDir(tmp_path / "head").record(f"solve/l{last:02d}")["info"]["solve_path"]
+    assert list(path) == ["mlp.fc2"] and path["mlp.fc2"].startswith("head metric, ")
+    del raw["zero_shot"]
+    with pytest.raises(UnsupportedModelError, match="^featcal.head_metric: a CLIPVisionModel has no head of its own"):
+        run_pipeline(config_from_dict(raw, tmp_path), tmp_path / "no-zero-shot")
