@@ -171,7 +171,7 @@ class FeatCal(CalibrationMethod):
 
     name = "featcal"
     keys = ("lambda", "rho", "lambda_grid", "rho_grid", "shrinkage", "shrinkage_target", "shrinkage_grid",
-            "holdout_every", "holdout_folds", "alpha", "eps", "calibrate_bias",
+            "holdout_every", "holdout_folds", "lambda_choice", "alpha", "eps", "calibrate_bias",
             "calibrate_norm", "pooled_token_weight", "task_weight_power", "task_weights", "trust", "head_metric",
             "calibrate_head_side")
 
@@ -182,6 +182,7 @@ class FeatCal(CalibrationMethod):
         self.rhos: list[float] = s["rho_grid"] if s["rho"] == "auto" else [s["rho"]]
         self.shrinks: list[float] = s["shrinkage_grid"] if s["shrinkage"] == "auto" else [s["shrinkage"]]
         self.choosing = "auto" in (s["lambda"], s["rho"], s["shrinkage"])
+        self.one_standard_error = s["lambda_choice"] == "one_standard_error"
         # With a choice, the solve runs at the module's chosen (λ, ρ, γ); the first grid point otherwise.
         self.hyper = Hyper(lam=self.lams[0], rho=self.rhos[0], alpha=s["alpha"], eps=s["eps"], trust=s["trust"],
                            shrink=self.shrinks[0], shrink_target=s["shrinkage_target"])
@@ -219,7 +220,7 @@ class FeatCal(CalibrationMethod):
             choice = cross_validated([choose_linear_hyper(split_tasks(fold), w_merged, module.base("weight"),
                                                           self.hyper, self.lams, self.rhos, self.shrinks)
                                       for fold in range(self.settings["holdout_folds"])], self.lams, self.rhos,
-                                     self.shrinks)
+                                     self.shrinks, self.one_standard_error)
         hp, report = self._chosen(choice)
         bias_terms: list[BiasTerm] = []
         eta = self.settings["head_metric"]
@@ -268,7 +269,7 @@ class FeatCal(CalibrationMethod):
                 fit = [replace(norm_moments(f, where), weight=c) for (f, _), c in zip(parts, weights, strict=True)]
                 held = [replace(norm_moments(h, where), weight=c) for (_, h), c in zip(parts, weights, strict=True)]
                 choices.append(choose_norm_hyper(fit, held, *affine, self.hyper, self.lams, self.rhos))
-            choice = cross_validated(choices, self.lams, self.rhos, [self.hyper.shrink])
+            choice = cross_validated(choices, self.lams, self.rhos, [self.hyper.shrink], self.one_standard_error)
         hp, report = self._chosen(choice)
         report.pop("shrinkage", None)  # a norm's moments are per dimension: nothing off the diagonal to shrink
         moms = [replace(norm_moments(s, where), weight=c) for s, c in zip(stats, weights, strict=True)]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -247,14 +247,29 @@ def _best(scores: torch.Tensor, lams: Sequence[float], rhos: Sequence[float],
 
 
 def cross_validated(choices: Sequence[Choice], lams: Sequence[float], rhos: Sequence[float],
-                    shrinks: Sequence[float]) -> Choice:
+                    shrinks: Sequence[float], one_standard_error: bool = False) -> Choice:
     """The grid point with the lowest score summed over the folds' choices (each fold held out in turn, scored on
     its own rows; every score omits a constant of its fold only, so the sum ranks the grid as the full sums would).
-    One fold: that fold's choice."""
+    One fold: that fold's choice.
+
+    `one_standard_error`: then the largest λ, at the best point's γ and ρ, whose excess over the best point is
+    within one standard error of that excess, from its spread over the folds: each fold's excess d_k is the
+    difference of two scores of that fold, so the folds' unknown constants cancel; λ is kept if mean(d) ≤
+    std(d)/√K. Few held-out rows make the lowest score a noisy pick, and the rule then leans to the stronger pull
+    towards the anchor that the folds cannot tell apart from it."""
     total = choices[0].scores.clone()
     for choice in choices[1:]:
         total.add_(choice.scores)
-    return _best(total, lams, rhos, shrinks)
+    best = _best(total, lams, rhos, shrinks)
+    if not one_standard_error or len(choices) < 2:
+        return best
+    k, i, j = shrinks.index(best.shrink), lams.index(best.lam), rhos.index(best.rho)
+    folds = torch.stack([c.scores[k, :, j] for c in choices])  # [K, λ]
+    excess = folds - folds[:, i:i + 1]
+    mean, spread = excess.mean(0), excess.std(0) / len(choices) ** 0.5
+    within = [m for m, lam in enumerate(lams) if lam >= best.lam and float(mean[m]) <= float(spread[m])]
+    chosen = max(within, key=lambda m: lams[m])  # the best point itself always qualifies (excess 0)
+    return replace(best, lam=float(lams[chosen]))
 
 
 def choose_linear_hyper(

@@ -108,6 +108,10 @@ class FeatCalConfig(_Strict):
         1, ge=1, description="how many of the holdout_every folds (examples i with i mod N = N−1, N−2, …) each take "
                              "their turn as the held-out rows; the grid's scores are summed over them (cross-"
                              "validation when equal to holdout_every); 1: one held-out fold")
+    lambda_choice: Literal["lowest", "one_standard_error"] = Field(
+        "lowest", description="with auto and holdout_folds ≥ 2: lowest: the grid point of lowest summed held-out "
+                              "score; one_standard_error: then the largest λ within one standard error of it over "
+                              "the folds (docs/design.md §2.8)")
     shrinkage: float | Literal["auto"] = Field(
         0.0, description="γ: each task's Gram C_ss and cross term C_st become (1−γ)·C + γ·T, T from shrinkage_target "
                          "(docs/design.md §2.8); 0: off; auto: chosen from shrinkage_grid with lambda and rho")
@@ -178,6 +182,9 @@ class FeatCalConfig(_Strict):
         if self.holdout_folds > self.holdout_every:
             raise ValueError(f"holdout_folds ({self.holdout_folds}) must be <= holdout_every ({self.holdout_every}): "
                              "the examples fall into holdout_every folds")
+        if self.lambda_choice == "one_standard_error" and self.holdout_folds < 2:
+            raise ValueError(f"lambda_choice one_standard_error needs the folds' spread: holdout_folds >= 2 (got "
+                             f"{self.holdout_folds})")
         return self
 
 

@@ -108,10 +108,11 @@ def stage_count(tasks: int, blocks: int, solve_groups: int, evaluate: bool, head
             + (2 * tasks + 1) * int(head_side))
 
 
-def prepare_settings(cal: dict[str, Any]) -> dict[str, Any]:
-    """The calibration settings a task's prepared inputs depend on. Without views, the key is what it was before
-    views existed, so runs made then still resume from their cache."""
-    return {k: v for k, v in cal.items() if k != "data" and (k != "views" or v["count"])}
+def keyed(settings: dict[str, Any]) -> dict[str, Any]:
+    """A config section as stage keys hold it: fields added after runs were made (calibration.views,
+    featcal.lambda_choice) are left out while they are off, so those runs still resume from their cache."""
+    off = {"views": lambda v: not v["count"], "lambda_choice": lambda v: v == "lowest"}
+    return {k: v for k, v in settings.items() if not (k in off and off[k](v))}
 
 
 def solve_stage(layer: int, group: int, groups: int) -> str:
@@ -215,7 +216,7 @@ class Pipeline:
         # (record, rel) of the current block boundary per task and side: S (merged) and E (expert).
         side: dict[tuple[str, str], tuple[Record, str]] = {}
         prepared = dict(zip(tasks, self.call_all([StageCall("prepare", f"prepare/{t}", f"prepare · {t}", self.key(
-            "prepare", t, prepare_settings(cal), cal["data"][t], precision,
+            "prepare", t, keyed({k: v for k, v in cal.items() if k != "data"}), cal["data"][t], precision,
             self.inputs[f"calibration/{t}"], self.inputs[f"expert/{t}"], merged_digest),
             needs={"merged": "merge"}, params={"task": t}) for t in tasks]), strict=True))
         for t in tasks:
@@ -231,7 +232,7 @@ class Pipeline:
         blocks: list[dict[str, Record]] = []  # per block: {solve group's file: its record}
         featcal_cfg = cfg.slice("featcal")["featcal"]
         # The head side changes no transformer block's solve: switching it on reruns only the stages it adds.
-        solve_cfg = {k: v for k, v in featcal_cfg.items() if k != "calibrate_head_side"}
+        solve_cfg = keyed({k: v for k, v in featcal_cfg.items() if k != "calibrate_head_side"})
         plan = calibration_method(cfg.featcal).statistics
         # The Gram then also sums held-out rows, fold by fold.
         held_out = [plan.held_out_every, plan.held_out_folds] if plan.held_out_every else []

@@ -186,10 +186,10 @@ def test_mixed_precision_solve_keeps_the_weights_and_records_each_modules_path(t
     assert "solve_path" not in RunDir(tmp_path / "exact").record("solve/l00")["info"]
 
 
-def test_cross_validated_scores_equal_brute_force_summed_over_folds():
-    """featcal.holdout_folds: each fold of rows held out in turn, the weight fitted on the others at every grid
-    point and scored on the fold; the summed scores match that brute force up to one constant, and rank the grid
-    as it does."""
+@pytest.fixture
+def folded():
+    """Three folds of 5 rows a task: each fold's choice from the sums, and the brute-force held-out error of each fold
+    at every grid point (the weight solved from the other folds' rows, scored on the fold's) [fold, λ, ρ]."""
     g = torch.Generator().manual_seed(5)
     w_t = [torch.randn(D_OUT, D_IN, generator=g, dtype=torch.float64) for _ in range(T)]
     w_0 = torch.randn(D_OUT, D_IN, generator=g, dtype=torch.float64)
@@ -205,18 +205,42 @@ def test_cross_validated_scores_equal_brute_force_summed_over_folds():
 
     choices = [choose_linear_hyper([(_moments(*f), _moments(*h), w) for f, h, w in zip(rest(k), parts[k], w_t)],
                                    w_m, w_0, hp, LAMS, RHOS) for k in range(folds)]
-    choice = cross_validated(choices, LAMS, RHOS, [0.0])
-    brute = torch.tensor([[sum(_held_error(solve_linear_weight(
+    brute = torch.tensor([[[_held_error(solve_linear_weight(
         [(_moments(*f), w) for f, w in zip(rest(k), w_t)], w_m, w_0, Hyper(lam, rho, hp.alpha, hp.eps)).weight,
-        parts[k], w_t, hp) for k in range(folds)) for rho in RHOS] for lam in LAMS], dtype=torch.float64)
-    offset = brute - choice.scores[0]
+        parts[k], w_t, hp) for rho in RHOS] for lam in LAMS] for k in range(folds)], dtype=torch.float64)
+    return choices, brute
+
+
+def test_cross_validated_scores_equal_brute_force_summed_over_folds(folded):
+    """featcal.holdout_folds: each fold of rows held out in turn, the weight fitted on the others at every grid
+    point and scored on the fold; the summed scores match that brute force up to one constant, and rank the grid
+    as it does."""
+    choices, brute = folded
+    choice = cross_validated(choices, LAMS, RHOS, [0.0])
+    offset = brute.sum(0) - choice.scores[0]
     torch.testing.assert_close(offset, torch.full_like(offset, float(offset[0, 0])), rtol=0, atol=1e-9)
-    best = int(brute.argmin())
+    best = int(brute.sum(0).argmin())
     assert (choice.lam, choice.rho) == (LAMS[best // len(RHOS)], RHOS[best % len(RHOS)])
     # the folds disagree, so the sum decides (else the test is weak); one fold alone is that fold's own choice
     assert len({(c.lam, c.rho) for c in choices}) > 1 and choice.lam not in (LAMS[0], LAMS[-1])
     alone = cross_validated(choices[:1], LAMS, RHOS, [0.0])
     assert (alone.lam, alone.rho) == (choices[0].lam, choices[0].rho) and torch.equal(alone.scores, choices[0].scores)
+
+
+def test_one_standard_error_rule_equals_its_brute_force(folded):
+    """featcal.lambda_choice one_standard_error: from the brute-force fold errors, the largest λ (at the best point's
+    ρ) whose mean excess over the best point is at most the standard error of that excess over the folds."""
+    choices, brute = folded
+    lowest = cross_validated(choices, LAMS, RHOS, [0.0])
+    rule = cross_validated(choices, LAMS, RHOS, [0.0], one_standard_error=True)
+    i, j = LAMS.index(lowest.lam), RHOS.index(lowest.rho)
+    excess = brute[:, :, j] - brute[:, i:i + 1, j]
+    kept = [lam for m, lam in enumerate(LAMS) if lam >= lowest.lam
+            and float(excess[:, m].mean()) <= float(excess[:, m].std()) / 3 ** 0.5]
+    assert (rule.lam, rule.rho) == (max(kept), lowest.rho)
+    assert rule.lam > lowest.lam  # the rule moves λ here: the test can fail
+    with pytest.raises(ValueError, match=r"lambda_choice one_standard_error needs the folds' spread: holdout_folds >= 2"):
+        FeatCalConfig.model_validate({"lambda": "auto", "lambda_choice": "one_standard_error"})
 
 
 def test_folds_partition_the_examples_and_the_first_is_the_single_held_out_fold(tiny_example, tmp_path):
@@ -244,6 +268,12 @@ def test_folds_partition_the_examples_and_the_first_is_the_single_held_out_fold(
         assert torch.equal(cv[f"{reader}:held_{name}"], one[f"{reader}:held_{name}"])
     info = RunDir(tmp_path / "cv").record("solve/l01")["info"]
     assert set(info["lambda"].values()) <= set(cfg.featcal.lambda_grid)
+    # one_standard_error on the same statistics: block 0 (same inputs) takes λ at least the lowest score's
+    run_pipeline(example_config(tiny_example, "bert", featcal={"lambda": "auto", "holdout_every": 3, "holdout_folds": 3,
+                                                               "lambda_choice": "one_standard_error"}, **off),
+                 tmp_path / "se")
+    lowest, se = (RunDir(tmp_path / r).record("solve/l00")["info"]["lambda"] for r in ("cv", "se"))
+    assert lowest.keys() == se.keys() and all(se[m] >= lowest[m] for m in lowest)
 
 
 def test_more_folds_than_holdout_every_are_refused():
