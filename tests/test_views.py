@@ -100,3 +100,15 @@ def test_a_views_held_out_fold_holds_every_view_of_its_examples(tiny_example, tm
     torch.testing.assert_close(stats[key], expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
     record = run.record(f"prepare/{task}")["info"]
     assert record["views_per_example"] == views and record["examples"] == n
+
+
+def test_stage_keys_leave_out_fields_added_later_while_they_are_off():
+    """Runs made before calibration.views and featcal.lambda_choice existed resume from their cache: with those off,
+    the sections stage keys hold are what they were."""
+    from flows.pipeline import keyed
+
+    before = {"examples_per_task": 8, "seed": 42}
+    assert keyed({**before, "views": {"count": 0, "token_drop": 0.3}}) == before
+    assert keyed({**before, "views": {"count": 2, "token_drop": 0.15}})["views"]["count"] == 2
+    assert keyed({"lambda": "auto", "lambda_choice": "lowest"}) == {"lambda": "auto"}
+    assert keyed({"lambda_choice": "one_standard_error"}) == {"lambda_choice": "one_standard_error"}
