@@ -51,9 +51,9 @@ SETTINGS = [Setting("λ auto (pooled-token weight 0.01)", "auto", AUTO),
             Setting("λ auto, pooled-token weight 0.1", "auto_ptw01", {**AUTO, "pooled_token_weight": 0.1}),
             Setting("λ auto, every token alike", "auto_ptw1", {**AUTO, "pooled_token_weight": None}),
             Setting("λ auto + 7 views, 15 % of tokens deleted (8 examples only)", "auto_views7", AUTO,
-                    {"count": 7, "token_drop": 0.15}),
+                    {"count": 7, "drop": 0.15}),
             Setting("λ auto + 7 views, 30 % of tokens deleted (8 examples only)", "auto_views7d30", AUTO,
-                    {"count": 7, "token_drop": 0.3}),
+                    {"count": 7, "drop": 0.3}),
             # λ auto chose 0.035–0.15 at 8 examples where a fixed 0.5 scored higher: with 4 folds (2 examples each at
             # 8 a task), the largest λ within one standard error of the lowest held-out score (decided before its
             # runs, 2026-12-05, after the views' rows above).

@@ -62,7 +62,7 @@ class ViewsConfig(_Strict):
     task, the last block's solve otherwise rests on one pooled row per example (docs/design.md §2.8)."""
 
     count: int = Field(0, ge=0, description="views added to each example (0: none; the example itself is kept)")
-    token_drop: float = Field(0.15, gt=0, lt=1, description="share of each view's tokens deleted, never the first "
+    drop: float = Field(0.15, gt=0, lt=1, description="share of each view's tokens deleted, never the first "
                               "or last token, a segment's last token, or one of the tokenizer's special tokens")
 
 

@@ -46,7 +46,7 @@ def _model_inputs(ctx: RunContext, task: str) -> tuple[Callable[[], Iterator[dic
     def batches() -> Iterator[dict[str, torch.Tensor]]:
         for first, rows in zip(range(0, len(picked), cal.batch_size), row_batches(picked, cal.batch_size)):
             inputs = pad_to(builder(rows), width, builder.pad_id) if builder.is_text else builder(rows)
-            yield token_views(inputs, views, cal.views.token_drop, builder.special_ids, builder.pad_id, cal.seed,
+            yield token_views(inputs, views, cal.views.drop, builder.special_ids, builder.pad_id, cal.seed,
                               first) if views else inputs
 
     info = {"examples": len(picked), "examples_requested": cal.examples_per_task}

@@ -268,6 +268,21 @@ def test_what_looks_like_a_credential():
                             "connection_string", "api_key", "credentials"]))
     assert not any(map(secret, ["pooled_token_weight", "endpoint_url", "client_kwargs", "region_name", "anon",
                                 "keep_activations", "key_column", "tokenizer", "max_new_tokens", "num_keys"]))
+    # no field of the config itself looks like one (calibration.views.token_drop once did, and was redacted)
+    from pydantic import BaseModel
+
+    from featcal.config import RunConfig
+
+    def fields(model: type[BaseModel]) -> list[str]:
+        out = []
+        for name, info in model.model_fields.items():
+            out.append(info.alias or name)
+            nested = [t for t in (info.annotation, *getattr(info.annotation, "__args__", ()))
+                      if isinstance(t, type) and issubclass(t, BaseModel)]
+            out += [f for t in nested for f in fields(t)]
+        return out
+
+    assert [f for f in fields(RunConfig) if secret(f)] == []
     # task names are names, not settings: a task called "token" keeps its expert path, label words, prompts
     named = {"experts": {"token": "/m/e"}, "evaluation": {"label_words": {"token": ["no", "yes"]}},
              "zero_shot": {"class_names": {"token": ["a"]}, "task_templates": {"token": ["{}"]}}}

@@ -108,7 +108,7 @@ def test_stage_keys_leave_out_fields_added_later_while_they_are_off():
     from flows.pipeline import keyed
 
     before = {"examples_per_task": 8, "seed": 42}
-    assert keyed({**before, "views": {"count": 0, "token_drop": 0.3}}) == before
-    assert keyed({**before, "views": {"count": 2, "token_drop": 0.15}})["views"]["count"] == 2
+    assert keyed({**before, "views": {"count": 0, "drop": 0.3}}) == before
+    assert keyed({**before, "views": {"count": 2, "drop": 0.15}})["views"]["count"] == 2
     assert keyed({"lambda": "auto", "lambda_choice": "lowest"}) == {"lambda": "auto"}
     assert keyed({"lambda_choice": "one_standard_error"}) == {"lambda_choice": "one_standard_error"}
