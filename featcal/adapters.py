@@ -483,6 +483,8 @@ class _CausalLMAdapter(Adapter):
     head_prefixes = ()
     language_model = True
     head_is_merged = True
+    # Rows of the LM head read at a time to form EᵀE (`lm_head_root`): 16 MiB of float64 at a hidden size of 4096.
+    HEAD_ROWS = 512
 
     @staticmethod
     def positions(mask: torch.Tensor) -> torch.Tensor:
@@ -517,8 +519,6 @@ class LlamaAdapter(_CausalLMAdapter):
     head_input = {"LlamaForCausalLM": "mlp.down_proj", "Qwen2ForCausalLM": "mlp.down_proj",
                   "MistralForCausalLM": "mlp.down_proj"}
     probe_key = "model.embed_tokens.weight"
-    # Rows of the LM head read at a time to form EᵀE: 16 MiB of float64 at a hidden size of 4096.
-    HEAD_ROWS = 512
 
     @classmethod
     def default_architecture(cls, config: PretrainedConfig) -> str:
@@ -598,7 +598,6 @@ class GPT2Adapter(_CausalLMAdapter):
     head_side = {"GPT2LMHeadModel": "transformer.ln_f"}
     head_input = {"GPT2LMHeadModel": "mlp.c_proj"}
     probe_key = "transformer.wte.weight"
-    HEAD_ROWS = LlamaAdapter.HEAD_ROWS
 
     def __init__(self, config: PretrainedConfig):
         if (config.architectures or [None])[0] == "GPT2ForSequenceClassification":

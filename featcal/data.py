@@ -238,12 +238,12 @@ def token_views(inputs: dict[str, torch.Tensor], count: int, drop: float, keep_i
     (a pair's separator, even without a tokenizer) and `keep_ids`."""
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
     segments = inputs.get("token_type_ids")
+    special = torch.tensor(sorted(keep_ids), dtype=ids.dtype)
     rows: dict[str, list[torch.Tensor]] = {name: [] for name in inputs}
     for i in range(ids.shape[0]):
         real = mask[i].nonzero().flatten()
-        keep = torch.zeros(ids.shape[1], dtype=torch.bool)
+        keep = torch.isin(ids[i], special)
         keep[real[[0, -1]]] = True
-        keep |= torch.isin(ids[i], torch.tensor(sorted(keep_ids), dtype=ids.dtype))
         if segments is not None:
             keep[:-1] |= segments[i, :-1] != segments[i, 1:]
         droppable = real[~keep[real]]

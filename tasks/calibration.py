@@ -461,8 +461,9 @@ def _head(ctx: RunContext, layer: int, name: str, experts: list[CanonicalCheckpo
         shared = ctx.adapter.head_map(ctx.checkpoint(MERGED)).to(device)
         return lambda t: shared
     if ctx.cfg.zero_shot is not None:  # head-less experts: the merge wrote each task's head from its class names
-        return lambda t: ctx.adapter.zero_shot_head_map(
-            load_file(ctx.run / MERGED / head_file(ctx.tasks[t])), ctx.checkpoint(MERGED)).to(device)
+        merged = ctx.checkpoint(MERGED)
+        return lambda t: ctx.adapter.zero_shot_head_map(load_file(ctx.run / MERGED / head_file(ctx.tasks[t])),
+                                                        merged).to(device)
     return lambda t: ctx.adapter.head_map(experts[t]).to(device)
 
 

@@ -203,23 +203,19 @@ def check_head_metric(cfg: RunConfig, adapter: Adapter) -> None:
     if cfg.featcal.calibrate_head_side:
         raise ConfigError("featcal.head_metric: not with featcal.calibrate_head_side (the metric reads the pooler "
                           "as the experts have it)")
-    def read(field: str, checkpoint: Callable[[], CanonicalCheckpoint | LoraCheckpoint]) -> None:
+    def read(field: str, tensors: Callable[[], object]) -> None:
         try:
-            adapter.head_map(checkpoint())
+            tensors()
         except CheckpointError as err:
             raise CheckpointError(f"featcal.head_metric: {field}: {err}") from None
 
     if adapter.head_is_merged:
-        read("base", lambda: CanonicalCheckpoint(cfg.base, adapter))
-        return
-    if cfg.zero_shot is not None:
-        try:
-            CanonicalCheckpoint(cfg.base, adapter).get("post_layernorm.weight")
-        except CheckpointError as err:
-            raise CheckpointError(f"featcal.head_metric: base: {err}") from None
-        return
-    for task in cfg.tasks:
-        read(f"experts.{task}", lambda: _expert_checkpoint(cfg, task, adapter))  # noqa: B023 (called at once)
+        read("base", lambda: adapter.head_map(CanonicalCheckpoint(cfg.base, adapter)))
+    elif cfg.zero_shot is not None:
+        read("base", lambda: CanonicalCheckpoint(cfg.base, adapter).get("post_layernorm.weight"))
+    else:
+        for task in cfg.tasks:
+            read(f"experts.{task}", lambda: adapter.head_map(_expert_checkpoint(cfg, task, adapter)))  # noqa: B023
 
 
 def check_zero_shot(cfg: RunConfig) -> list[str]:
