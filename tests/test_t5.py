@@ -225,3 +225,16 @@ def test_text_to_text_scores_match_generate(tmp_path):
     assert report["tasks"]["task1"]["metric"] == "spearman"
     drift = report["tasks"]["task0"]["drift"]
     assert len(drift["merged"]) == len(drift["calibrated"]) == 6  # 3 encoder, then 3 decoder boundaries
+
+
+def test_views_of_encoder_decoder_inputs_are_refused_before_work(tmp_path):
+    """calibration.views deletes tokens of one input sequence; an encoder–decoder's targets would not follow it."""
+    from featcal.data import DataError
+
+    cfg = _build(tmp_path, experts=1, calibration={
+        "data": {"task0": {"path": str(tmp_path / "d0"), "target_column": "target"}}, "examples_per_task": EXAMPLES,
+        "views": {"count": 2}})
+    with pytest.raises(DataError, match=r"^calibration.views.count: 2 views need token inputs of an encoder or a causal "
+                                        r"LM; calibration.data.task0 gives encoder–decoder inputs"):
+        run_pipeline(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
