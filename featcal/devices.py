@@ -10,6 +10,7 @@ stages run there whatever runtime.device ('auto' or 'cuda') would pick: `pin_wor
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from collections.abc import Iterator
 
 import torch
@@ -133,6 +134,26 @@ def reset_device_peak(device: torch.device) -> None:
     CUDA: torch then has no allocator to reset and refuses with 'Invalid device argument')."""
     if device.type == "cuda" and torch.cuda.is_initialized():
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def _malloc_trim() -> ctypes._CFuncPtr | None:
+    """glibc's malloc_trim, or None where the C library has none (macOS, musl)."""
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system. glibc keeps what the Gram stages freed (about 0.5 GiB on
+    the ViT-B/32 shape), while a solve's d × d float64 matrices are too large for its heap and are mapped afresh, on
+    top of it: released before each solve, the run's peak RSS drops by that much (benchmarks/results/freed_memory.md).
+    Not after every stage: each would then fault its heap back in, 10 % more CPU on that shape."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 @contextlib.contextmanager

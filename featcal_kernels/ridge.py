@@ -52,11 +52,13 @@ def _ridge_solve_op(
     check_ridge_inputs(a, b)
     _check_damping(damping, max_damping)
     d = a.shape[0]
-    shifted = a.clone()
     current = damping
     while current <= max_damping * (1 + 1e-9):  # slack for rounding in current *= 10
-        shifted.diagonal().copy_(a.diagonal()).add_(current)
-        factor, info = torch.linalg.cholesky_ex(shifted)
+        # Factored in place: a is symmetric, so its copy read column-major is a again, which is the layout LAPACK
+        # writes; one d × d copy instead of two (72 MiB less at d = 3072).
+        factor = a.clone().mT
+        factor.diagonal().add_(current)
+        _, info = torch.linalg.cholesky_ex(factor, out=(factor, torch.empty((), dtype=torch.int32, device=a.device)))
         if int(info) == 0:
             if current != damping:
                 log.warning(

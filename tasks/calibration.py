@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from featcal.adapters import BlockInput
 from featcal.calibration_methods import ModuleData, calibration_method
 from featcal.data import InputBuilder, load_split, pad_to, pick_examples, row_batches, token_views
-from featcal.devices import solve_device, to_device
+from featcal.devices import release_freed_memory, solve_device, to_device
 from featcal.hub import local_dir
 from featcal.modeling import as_out_in, calibrated_modules, is_norm, linear_dims, norm_scale_offset
 from featcal.statistics import (
@@ -365,6 +365,7 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
     """The modules of solve group `group` (of `groups`) of block `layer`, each solved by the run's calibration method
     (featcal/calibration_methods.py) from the tasks' statistics summed in task order; the group's file holds every
     parameter of its modules, solved or kept (a part the method leaves keeps the merged value)."""
+    release_freed_memory()
     fc = ctx.cfg.featcal
     method = calibration_method(fc, ctx.cfg.runtime.solve_precision)
     weights = (_task_weights(ctx, layer, fc.task_weight_power, fc.task_weights) if method.weighs_tasks

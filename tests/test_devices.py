@@ -191,3 +191,26 @@ def test_forward_and_gram_on_the_test_device_match_the_cpu(dtype):
         torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-3, msg=name)
     assert want.sum_w.item() == pytest.approx(w.sum().item(), rel=1e-6)
     assert (peak_device_mib(TEST_DEVICE) > 0) == (TEST_DEVICE.type == "cuda")
+
+
+def _rss_anon_mib() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+def test_release_freed_memory_returns_the_heap_a_stage_freed() -> None:
+    """Tensors below glibc's mmap threshold come from its heap, which keeps their pages when they are freed (a live
+    one at the top stops the heap from shrinking by itself): released, those pages leave the process's RSS."""
+    from featcal.devices import release_freed_memory
+
+    release_freed_memory()
+    freed = [torch.ones(16384) for _ in range(3200)]  # 64 KiB each, 200 MiB in all
+    top = torch.ones(16384)
+    del freed
+    before = _rss_anon_mib()
+    release_freed_memory()
+    after = _rss_anon_mib()
+    assert top.sum() == 16384
+    assert before - after > 150, (before, after)

@@ -179,6 +179,22 @@ def test_ridge_solve_grows_damping_on_singular_matrix(caplog: pytest.LogCaptureF
     assert any("damping" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
 
 
+def test_ridge_solve_leaves_a_as_it_was_on_both_paths() -> None:
+    """The factor is written in place over a column-major copy of a: a itself must come back untouched, whether
+    the first damping succeeds or it grows (a failed factorisation has overwritten the copy by then)."""
+    d = 30
+    good = spd_matrix(d, torch.logspace(-2, 1, d))
+    bad = spd_matrix(d, torch.cat([torch.linspace(1, 10, d - 1), torch.tensor([-1e-7])]), seed=2)
+    b = randn64(d, 2, seed=12)
+    for a, grew in ((good, False), (bad, True)):
+        kept = a.clone()
+        sol = ridge_solve(a, b, damping=1e-8)
+        assert (sol.damping > 1e-8) == grew
+        assert torch.equal(a, kept)
+        expected = torch.linalg.solve(a + sol.damping * torch.eye(d, dtype=torch.float64), b)
+        torch.testing.assert_close(sol.x, expected, rtol=1e-8, atol=1e-8 * float(expected.abs().max()))
+
+
 def test_ridge_solve_gives_up_past_max_damping() -> None:
     a = -torch.eye(3, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"3x3.*max_damping=0\.01"):
