@@ -9,12 +9,14 @@ map every name to the body-relative one, and fail loudly when a checkpoint does 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
-from collections.abc import Iterable
+import struct
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from safetensors import SafetensorError
@@ -43,6 +45,19 @@ DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+class TensorSpec(NamedTuple):
+    """A tensor as a checkpoint's header records it, known before the tensor is computed."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _raw_header(path: Path) -> tuple[dict, int]:
@@ -180,6 +195,10 @@ class CanonicalCheckpoint:
     def dtype(self, canonical: str) -> torch.dtype:
         return self.files.dtype(self._file_name[canonical])
 
+    def spec(self, canonical: str) -> TensorSpec:
+        """The tensor as a checkpoint written in this one's file names records it."""
+        return TensorSpec(self.file_name(canonical), self.dtype(canonical), tuple(self.shape(canonical)))
+
     def with_prefix(self, prefix: str) -> dict[str, torch.Tensor]:
         """All tensors whose canonical name starts with `prefix`, keyed relative to it."""
         return {n[len(prefix):]: self.get(n) for n in self.names() if n.startswith(prefix)}
@@ -218,43 +237,75 @@ def copy_side_files(source: Path, target: Path) -> None:
             shutil.copy2(Path(source) / name, Path(target) / name)
 
 
+def write_streamed(path: Path, specs: list[TensorSpec], tensors: Iterator[torch.Tensor],
+                   metadata: dict[str, str] | None = None) -> None:
+    """One safetensors file, the header first (from `specs`), then each tensor's bytes as `tensors` yields it: one
+    tensor in memory at a time, where safetensors' save_file needs them all at once (a whole shard, 0.33 GiB of a
+    ViT-B/32 checkpoint). A yielded tensor must match its spec; a failed write is an OSError naming the file."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    for spec in specs:
+        header[spec.name] = {"dtype": DTYPE_NAMES[spec.dtype], "shape": list(spec.shape),
+                             "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # tensor data 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as fh:
+        _naming(path, fh.write, struct.pack("<Q", len(raw)) + raw)
+        for spec in specs:
+            tensor = next(tensors, None)  # the producer's own errors pass as they are
+            if tensor is None:
+                raise ValueError(f"{path}: no tensor came for {spec.name}: fewer tensors than specs")
+            if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+                raise ValueError(f"{path}: tensor {spec.name}: expected {spec.dtype} {list(spec.shape)}, got "
+                                 f"{tensor.dtype} {list(tensor.shape)}")
+            data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            _naming(path, fh.write, memoryview(data.numpy()))
+            del tensor, data  # before the next is computed
+        _naming(path, fh.flush)
+
+
+def _naming(path: Path, call: Callable[..., object], *args: object) -> None:
+    """`call(*args)` on an open file, an OSError re-raised naming it: a failed write says only 'No space left on
+    device'."""
+    try:
+        call(*args)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+
+
 def write_checkpoint(
     target: Path,
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    specs: list[TensorSpec],
+    tensors: Iterable[torch.Tensor],
     side_files_from: Path | None = None,
     extra_files: dict[str, dict[str, torch.Tensor]] | None = None,
     max_shard_bytes: int = 512 * 1024**2,
     extra_metadata: dict[str, dict[str, str]] | None = None,
 ) -> None:
-    """Stream (name, tensor) pairs into safetensors shards; the directory appears only when complete.
+    """Stream `tensors`, one per spec and in their order, into safetensors shards of at most `max_shard_bytes` (a
+    tensor larger than that gets a shard of its own); the directory appears only when complete.
 
     `extra_files` are small side tensors files (per-task heads) written inside the same directory, with the
     safetensors metadata `extra_metadata` gives for the same relative path, if any."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if shards[-1] and size + spec.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    names = [WEIGHTS_NAME] if len(shards) == 1 else [f"model-{i + 1:05d}.safetensors" for i in range(len(shards))]
+    stream = iter(tensors)
     with atomic_path(Path(target)) as tmp:
         tmp.mkdir()
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        sizes = [0]
-        weight_map: dict[str, str] = {}
-        written: list[str] = []
-
-        def flush() -> None:
-            name = f"model-{len(written) + 1:05d}.safetensors"
-            save_tensors(shards[-1], tmp / name)
-            written.append(name)
-            weight_map.update({k: name for k in shards[-1]})
-            shards[-1], sizes[-1] = {}, 0
-
-        for name, tensor in tensors:
-            nbytes = tensor.numel() * tensor.element_size()
-            if shards[-1] and sizes[-1] + nbytes > max_shard_bytes:
-                flush()
-            shards[-1][name] = tensor.contiguous()
-            sizes[-1] += nbytes
-        if shards[-1] or not written:
-            flush()
-        if len(written) == 1:
-            (tmp / written[0]).rename(tmp / WEIGHTS_NAME)
-        else:
+        for name, shard in zip(names, shards, strict=True):
+            write_streamed(tmp / name, shard, stream)
+        if next(stream, None) is not None:
+            raise ValueError(f"{target}: more tensors than the {len(specs)} its specs name")
+        if len(shards) > 1:
+            weight_map = {spec.name: name for name, shard in zip(names, shards, strict=True) for spec in shard}
             index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2))
         if side_files_from is not None:

@@ -21,19 +21,19 @@ def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
     merged = ctx.checkpoint(MERGED)
     prefixes = [ctx.adapter.block_prefix(layer) for layer in range(ctx.calibrated_blocks)]  # and the head side
 
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors() -> Iterator[torch.Tensor]:
         layer_loaded, block = -1, {}
         for name in merged.names():
             layer = next((i for i, p in enumerate(prefixes) if name.startswith(p)), None)
             if layer is None:
-                yield merged.file_name(name), merged.get(name)
+                yield merged.get(name)
                 continue
             if layer != layer_loaded:  # one calibrated block in memory at a time
                 block, layer_loaded = calibrated_tensors(ctx, layer), layer
-            yield merged.file_name(name), block[name[len(prefixes[layer]):]]
+            yield block[name[len(prefixes[layer]):]]
 
     paths = {head_file(t): ctx.run / MERGED / head_file(t) for t in ctx.tasks}
-    write_checkpoint(ctx.run / CALIBRATED, tensors(), side_files_from=merged.directory,
+    write_checkpoint(ctx.run / CALIBRATED, [merged.spec(n) for n in merged.names()], tensors(), side_files_from=merged.directory,
                      extra_files={rel: load_file(path) for rel, path in paths.items()},
                      extra_metadata={rel: read_metadata(path) for rel, path in paths.items()})
     return [CALIBRATED], {"blocks": ctx.num_blocks}

@@ -54,12 +54,9 @@ def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
         return merged_rows(shape, dtype, lambda a, b: read("base", base, name, (a, b)),
                            lambda a, b: (read(o, e, name, (a, b)) for o, e in experts.items()), cfg.merge, rows, masks)
 
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors() -> Iterator[torch.Tensor]:
         for name in base.names():
-            if ctx.adapter.is_head(name):
-                yield base.file_name(name), read("base", base, name)
-                continue
-            yield base.file_name(name), merged(name)
+            yield read("base", base, name) if ctx.adapter.is_head(name) else merged(name)
 
     heads = {
         head_file(task): {n: read(owner, e, n) for n in e.names() if ctx.adapter.is_head(n)}
@@ -69,6 +66,6 @@ def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
     if cfg.zero_shot is not None:  # head-less experts: each task's head comes from the CLIPModel's text tower
         for task, (head, meta) in zero_shot_heads(cfg).items():
             heads[head_file(task)], metadata[head_file(task)] = head, meta
-    write_checkpoint(ctx.run / MERGED, tensors(), side_files_from=base.directory, extra_files=heads,
+    write_checkpoint(ctx.run / MERGED, [base.spec(n) for n in base.names()], tensors(), side_files_from=base.directory, extra_files=heads,
                      extra_metadata=metadata)
     return [MERGED], {"method": cfg.merge.method, "tensors": len(base.names())}

@@ -143,7 +143,8 @@ def test_failed_assemble_leaves_no_half_checkpoint(resume_config, tmp_path, monk
 
     cfg = example_config(resume_config.parent.parent, "bert", evaluation={"enabled": False})
     real = assemble.write_checkpoint
-    monkeypatch.setattr(assemble, "write_checkpoint", lambda target, tensors, **kw: real(target, _exploding(tensors), **kw))
+    monkeypatch.setattr(assemble, "write_checkpoint",
+                        lambda target, specs, tensors, **kw: real(target, specs, _exploding(tensors), **kw))
     with pytest.raises(OSError, match="disk full"):
         run_pipeline(cfg, tmp_path / "run")
     assert not (tmp_path / "run" / "calibrated").exists()

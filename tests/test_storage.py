@@ -1,17 +1,20 @@
 """Run-directory storage: atomic writes, checkpoint layouts, activation arrays, records and the lock."""
 
 import json
+import weakref
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import BertConfig
 
 from featcal.adapters import adapter_for
 from storage.activations import ActivationError, ActivationStore
 from storage.atomic import atomic_path, digest
-from storage.checkpoint import CanonicalCheckpoint, CheckpointError, TensorFiles, write_checkpoint
+from storage.checkpoint import (
+    CanonicalCheckpoint, CheckpointError, TensorFiles, TensorSpec, read_metadata, write_checkpoint, write_streamed,
+)
 from storage.rundir import MissingOutput, RunDir, RunDirLocked
 
 pytest_plugins = ("tests.s3_server",)
@@ -36,16 +39,69 @@ def test_digest_sees_content_changes(tmp_path):
     assert digest(tmp_path / "d") != before
 
 
+def specs_of(tensors: list[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
+    return [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in tensors]
+
+
 def test_sharded_checkpoint_round_trip(tmp_path):
     tensors = [(f"t{i}", torch.full((100,), float(i))) for i in range(4)] + [("bf", torch.ones(3, dtype=torch.bfloat16))]
-    write_checkpoint(tmp_path / "ck", iter(tensors), extra_files={"heads/a.safetensors": {"w": torch.ones(2)}},
-                     max_shard_bytes=900)
+    write_checkpoint(tmp_path / "ck", specs_of(tensors), (t for _, t in tensors),
+                     extra_files={"heads/a.safetensors": {"w": torch.ones(2)}}, max_shard_bytes=900)
     files = TensorFiles(tmp_path / "ck")
     assert (tmp_path / "ck" / "model.safetensors.index.json").is_file()
     assert len(list((tmp_path / "ck").glob("model-*.safetensors"))) == 2  # [t0 t1] [t2 t3 bf] under 900 bytes
     for name, t in tensors:
         assert torch.equal(files.get(name), t)
     assert (tmp_path / "ck" / "heads" / "a.safetensors").is_file()
+
+
+def test_streamed_file_is_what_safetensors_reads_back(tmp_path):
+    """Our header-first writer against the library's own reader, every dtype we store, 0-d and empty tensors."""
+    tensors = [("w", torch.randn(5, 3, dtype=torch.float64)), ("b", torch.arange(4, dtype=torch.bfloat16)),
+               ("h", torch.randn(2, 3).half()), ("m", torch.tensor([True, False, True])), ("i", torch.arange(3)),
+               ("s", torch.tensor(2.5)), ("e", torch.empty(0, 7)), ("u", torch.arange(5, dtype=torch.uint8))]
+    path = tmp_path / "x.safetensors"
+    write_streamed(path, specs_of(tensors), (t for _, t in tensors), {"prompt": "a photo of {}"})
+    back = load_file(path)
+    assert sorted(back) == sorted(name for name, _ in tensors)
+    for name, t in tensors:
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+    assert read_metadata(path) == {"format": "pt", "prompt": "a photo of {}"}
+    assert (path.stat().st_size - 8 - sum(t.numel() * t.element_size() for _, t in tensors)) % 8 == 0
+
+
+def test_streamed_checkpoint_holds_one_tensor_at_a_time(tmp_path):
+    """Each tensor is written before the next is asked for: the writer keeps no reference to the one before."""
+    alive: list[bool] = []
+    ref: list[weakref.ref] = []
+
+    def tensors():
+        for i in range(6):
+            alive.append(bool(ref) and ref[-1]() is not None)
+            t = torch.full((1000,), float(i))
+            ref.append(weakref.ref(t))
+            yield t
+            del t
+
+    specs = [TensorSpec(f"t{i}", torch.float32, (1000,)) for i in range(6)]
+    write_checkpoint(tmp_path / "ck", specs, tensors(), max_shard_bytes=10_000)
+    assert alive == [False] * 6
+    files = TensorFiles(tmp_path / "ck")
+    assert [float(files.get(f"t{i}")[0]) for i in range(6)] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert len(list((tmp_path / "ck").glob("model-*.safetensors"))) == 3  # 2 × 4000 bytes a shard under 10 000
+
+
+@pytest.mark.parametrize("given,message", [
+    ([torch.ones(3), torch.ones(4)], r"tensor b: expected torch.float32 \[3\], got torch.float32 \[4\]"),
+    ([torch.ones(3), torch.ones(3).double()], r"tensor b: expected torch.float32 \[3\], got torch.float64 \[3\]"),
+    ([torch.ones(3)], r"no tensor came for b: fewer tensors than specs"),
+    ([torch.ones(3)] * 3, r"more tensors than the 2 its specs name"),
+])
+def test_streamed_checkpoint_refuses_tensors_that_do_not_fit_their_specs(tmp_path, given, message):
+    specs = [TensorSpec("a", torch.float32, (3,)), TensorSpec("b", torch.float32, (3,))]
+    with pytest.raises(ValueError, match=message):
+        write_checkpoint(tmp_path / "ck", specs, iter(given))
+    assert not (tmp_path / "ck").exists()
 
 
 def test_tensors_read_back_exactly_and_a_cut_file_is_named(tmp_path):
