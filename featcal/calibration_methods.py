@@ -212,10 +212,13 @@ class FeatCal(CalibrationMethod):
         choice = None
         if self.choosing:
             def split_tasks(fold: int) -> Iterator[tuple[LinearMoments, LinearMoments, torch.Tensor]]:
-                for t, (stats, c) in enumerate(zip(module.stats(), weights, strict=True)):
+                task_stats = module.stats()  # next(), not zip: zip's reused result tuple keeps the previous task's
+                for t, c in enumerate(weights):
+                    stats = next(task_stats)
                     fit, held = self._split(module, stats, t, fold)
                     yield (replace(linear_moments(fit, where), weight=c),
                            replace(linear_moments(held, where), weight=c), module.expert(t, "weight"))
+                    del stats, fit, held  # before the next task's are read: one task's d × d sums at a time
 
             choice = cross_validated([choose_linear_hyper(split_tasks(fold), w_merged, module.base("weight"),
                                                           self.hyper, self.lams, self.rhos, self.shrinks)
@@ -226,22 +229,26 @@ class FeatCal(CalibrationMethod):
         eta = self.settings["head_metric"]
         heads = None if module.head is None or not eta else _head_factors(module, len(weights))
 
-        def per_task() -> Iterator[tuple[LinearMoments, torch.Tensor]]:
-            for t, (stats, c) in enumerate(zip(module.stats(), weights, strict=True)):
+        def per_task() -> Iterator[tuple[LinearMoments, torch.Tensor]
+                                   | tuple[LinearMoments, torch.Tensor, torch.Tensor]]:
+            """(moments, W_t), and task t's head factor U_t with featcal.head_metric."""
+            task_stats = module.stats()  # next(), not zip: zip's reused result tuple keeps the previous task's
+            for t, c in enumerate(weights):
+                stats = next(task_stats)
                 # W_t in float64 once: the right-hand side's product and the bias term both read it
                 mom = replace(linear_moments(stats, where, in_place=True), weight=c)
                 w_t = module.expert(t, "weight").double()
                 if module.has_bias:
                     metric = None if heads is None else head_metric(heads[t], eta)
                     bias_terms.append(BiasTerm.of(mom, w_t, module.expert(t, "bias"), hp.alpha, metric))
-                yield mom, w_t
+                yield (mom, w_t) if heads is None else (mom, w_t, heads[t])
+                del stats, mom, w_t  # before the next task's are read: one task's d × d moments at a time
 
         if heads is None:
             sol = solve_linear_weight(per_task(), w_merged, module.base("weight"), hp, self.mixed)
         else:  # λ and ρ as chosen above, by the plain held-out data term
-            with_heads = ((mom, w_t, heads[t]) for t, (mom, w_t) in enumerate(per_task()))
             try:
-                sol = solve_linear_weight_head(with_heads, w_merged, module.base("weight"), hp, eta)
+                sol = solve_linear_weight_head(per_task(), w_merged, module.base("weight"), hp, eta)
             except ValueError as err:
                 raise ValueError(f"{where}: {err}") from None
         if sol.path is not None:

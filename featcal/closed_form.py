@@ -127,6 +127,7 @@ def solve_linear_weight(
     b = hp.lam * anchor(merged, base, hp.rho).T
     for mom, w_t in tasks:
         mom.add_shrunk(a, b, hp, w_t, 1.0 / mom.normaliser())
+        del mom, w_t  # before the next task's are read
     if hp.trust:  # + μ Σ_t E‖W x_s − W_m x_s‖²/n_t: the data Gram again, with the merged weight as target
         b += hp.trust * a @ merged.double().T
         a *= 1.0 + hp.trust
@@ -184,6 +185,7 @@ def solve_linear_weight_head(
             factors.append(u_t)
         else:
             grams[same].add_(g_t)
+        del mom, w_t, g_t, b_t  # before the next task's are read
     if hp.trust:
         b += hp.trust * a @ merged.double().T
     plain, reg = 1.0 - eta + hp.trust, hp.lam + hp.eps
@@ -305,6 +307,7 @@ def choose_linear_hyper(
             t = fit.shrink_target(hp.shrink_target).div_(n_fit)
             diag.add_(t)
             e_rhs.add_(t[:, None] * w_t.double().T)
+        del fit, held, w_t  # before the next task's are read
     shared = hp.shrink_target == "identity"  # D = c·I: every γ has A's eigenvectors
     delta = merged.double() - base.double()
     rho = torch.tensor(rhos, **f64)

@@ -2,6 +2,8 @@
 the statistics it needs, the config accepts exactly the registered names, and a method's module solve is its
 objective's least-squares solution when called the way the solve stage calls it."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -256,3 +258,26 @@ def test_solve_precision_is_checked_with_a_one_line_error(tmp_path):
     with pytest.raises(ConfigError) as err:
         config_from_dict({**RAW, "runtime": {"solve_precision": "fp16"}}, tmp_path)
     assert str(err.value) == "runtime.solve_precision: Input should be 'float64' or 'mixed' (got 'fp16', from config)"
+
+
+@pytest.mark.parametrize("keys", [{}, {"lambda": "auto"}], ids=["fixed λ", "λ auto"])
+def test_a_module_solve_holds_one_task_statistics_at_a_time(linear, keys):
+    """A solve streams the tasks' d × d sums (fc2's C_ss is 72 MiB a task on ViT-B/32): when a task's statistics are
+    read, nothing may still hold the previous task's (not the loop variables, not zip's reused result tuple)."""
+    import weakref
+
+    data, rows, _ = linear
+    held = (torch.arange(N) % 4 == 3).double()
+    alive: list[bool] = []
+
+    def stats():
+        before = None
+        for r in rows:
+            alive.append(before is not None and before() is not None)
+            sums = _sums(*r, held)
+            before = weakref.ref(sums["ss"])
+            yield sums
+            del sums
+
+    solved = calibration_method(_featcal(**keys)).solve_linear(replace(data, stats=stats))
+    assert len(alive) >= T and not any(alive) and torch.isfinite(solved.tensors["weight"]).all()
