@@ -19,8 +19,9 @@ from featcal.config import DEVICE_FORMS, DEVICE_SPEC
 
 # runtime.precision -> dtype of block forwards and stored activations (Grams still sum in fp32, then float64).
 STORAGE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# A float64 solve needs about 4 [dim, dim] matrices (Gram, damped copy, Cholesky factor, workspace) plus the
-# right-hand side and solution; this factor leaves room for the allocator's fragmentation and other tensors.
+# A float64 solve needs up to 4 [dim, dim] matrices (the summed Gram, one task's Gram while summing or the Cholesky
+# factor after, the solver's workspace, one to spare) plus the right-hand side and solution; this factor leaves room
+# for the allocator's fragmentation and other tensors.
 SOLVE_MEMORY_MARGIN = 1.5
 
 
