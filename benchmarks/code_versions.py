@@ -20,12 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import median
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.pipeline_cost import KINDS, build_inputs, config_file, run_once  # noqa: E402
+from benchmarks.pipeline_cost import KINDS, build_inputs, config_file, run_once, same_weights  # noqa: E402
 from benchmarks.solve_precision import cpu_line  # noqa: E402
 from flows.pipeline import machine  # noqa: E402
 
@@ -35,14 +33,6 @@ def commit_of(code: Path) -> str:
     dirty = subprocess.run(["git", "-C", str(code), "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True).stdout.strip()
     return (out.stdout.strip() or "?") + (" + uncommitted changes" if dirty else "")
-
-
-def same_tensors(a: Path, b: Path) -> bool:
-    """Whether two runs' calibrated checkpoints hold the same tensors, bit for bit."""
-    from safetensors.torch import load_file
-
-    ta, tb = (load_file(d / "calibrated" / "model.safetensors") for d in (a, b))
-    return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
 def main() -> None:
@@ -75,7 +65,7 @@ def main() -> None:
             for name, future in futures.items():
                 results[name].append(future.result())
                 print(rep, name, results[name][-1], flush=True)
-    identical = same_tensors(dirs["after"], dirs["before"])
+    identical = same_weights(dirs["after"], dirs["before"])
     lines = [
         f"# Two code versions side by side — {args.shape} shape, {args.experts} experts × {args.examples} examples, "
         f"{args.precision}, {args.threads} thread(s), evaluation off",
@@ -90,8 +80,9 @@ def main() -> None:
     ]
     for name, runs in results.items():
         for rep, r in enumerate(runs):
-            lines.append(f"| {name} (repeat {rep + 1}) | {r['cpu_s']:.1f} | {r['wall_s']:.1f} | {r['peak_rss_gib']:.3f} | "
-                         + " | ".join(f"{r['stages_s'].get(k, 0.0):.1f}" for k in KINDS) + " |")
+            lines.append(f"| {name} (repeat {rep + 1}) | {r['cpu_s']:.1f} | {r['wall_s']:.1f} | "
+                         f"{r['peak_rss_gib']:.3f} | " + " | ".join(f"{r['stages_s'].get(k, 0.0):.1f}" for k in KINDS)
+                         + " |")
     ratio = {key: median(a[key] / b[key] for a, b in zip(results["after"], results["before"], strict=True))
              for key in ("cpu_s", "wall_s", "peak_rss_gib")}
     lines += ["", f"After / before, median over repeats: CPU {ratio['cpu_s']:.3f}, wall {ratio['wall_s']:.3f}, "

@@ -191,6 +191,14 @@ def weight_gap(a: Path, b: Path) -> float:
                for k in wa if wa[k].dim() == 2)
 
 
+def same_weights(a: Path, b: Path) -> bool:
+    """Whether two runs' calibrated checkpoints hold the same tensors, bit for bit."""
+    from safetensors.torch import load_file
+
+    x, y = load_file(a / "calibrated" / "model.safetensors"), load_file(b / "calibrated" / "model.safetensors")
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
 def model_gib(work: Path) -> float:
     return (work / "base" / "model.safetensors").stat().st_size / 1024**3
 

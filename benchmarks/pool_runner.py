@@ -17,11 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
-
 from flows.pipeline import machine
-from pipeline_cost import SHAPES, build_inputs, config_file  # this script's neighbour: the same synthetic inputs
+# this script's neighbour: the same synthetic inputs
+from pipeline_cost import SHAPES, build_inputs, config_file, same_weights
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = Path("/tmp/featcal-bench")  # pipeline_cost.py's default: its inputs are reused
@@ -43,11 +41,6 @@ def run(config: Path, run_dir: Path, options: list[str]) -> float:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr}")
     return wall
-
-
-def same_weights(a: Path, b: Path) -> bool:
-    x, y = load_file(a / "calibrated" / "model.safetensors"), load_file(b / "calibrated" / "model.safetensors")
-    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
 def main() -> None:

@@ -72,6 +72,15 @@ class ModuleData:
     head: Callable[[int], torch.Tensor] | None = None
 
 
+def _each_task_stats(module: ModuleData) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """(t, task t's sums), one task's at a time if the caller drops them before asking for the next: zip or
+    enumerate over `module.stats()` would keep the previous task's (72 MiB for a 3072-wide C_ss) in their reused
+    result tuple while the next task's are read."""
+    sums = module.stats()
+    for t in range(len(module.tasks)):
+        yield t, next(sums)
+
+
 @dataclass(frozen=True)
 class Solved:
     """A module's solved parameters (solve layout; parts left out keep the merged values), with the Cholesky damping
@@ -212,9 +221,8 @@ class FeatCal(CalibrationMethod):
         choice = None
         if self.choosing:
             def split_tasks(fold: int) -> Iterator[tuple[LinearMoments, LinearMoments, torch.Tensor]]:
-                task_stats = module.stats()  # next(), not zip: zip's reused result tuple keeps the previous task's
-                for t, c in enumerate(weights):
-                    stats = next(task_stats)
+                for t, stats in _each_task_stats(module):
+                    c = weights[t]
                     fit, held = self._split(module, stats, t, fold)
                     yield (replace(linear_moments(fit, where), weight=c),
                            replace(linear_moments(held, where), weight=c), module.expert(t, "weight"))
@@ -232,9 +240,8 @@ class FeatCal(CalibrationMethod):
         def per_task() -> Iterator[tuple[LinearMoments, torch.Tensor]
                                    | tuple[LinearMoments, torch.Tensor, torch.Tensor]]:
             """(moments, W_t), and task t's head factor U_t with featcal.head_metric."""
-            task_stats = module.stats()  # next(), not zip: zip's reused result tuple keeps the previous task's
-            for t, c in enumerate(weights):
-                stats = next(task_stats)
+            for t, stats in _each_task_stats(module):
+                c = weights[t]
                 # W_t in float64 once: the right-hand side's product and the bias term both read it
                 mom = replace(linear_moments(stats, where, in_place=True), weight=c)
                 w_t = module.expert(t, "weight").double()

@@ -151,8 +151,9 @@ _MALLOC_TRIM = _malloc_trim()
 def release_freed_memory() -> None:
     """Hand the C heap's free pages back to the system. glibc keeps what the Gram stages freed (about 0.5 GiB on
     the ViT-B/32 shape), while a solve's d × d float64 matrices are too large for its heap and are mapped afresh, on
-    top of it: released before each solve, the run's peak RSS drops by that much (benchmarks/results/freed_memory.md).
-    Not after every stage: each would then fault its heap back in, 10 % more CPU on that shape."""
+    top of it: released before each solve, the run's peak RSS there fell 1.135 → 1.061 GiB for about 2 % CPU
+    (benchmarks/results/peak_rss_changes.md). Not after every stage: each would then fault its heap back in, 10 %
+    more CPU on that shape."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
 

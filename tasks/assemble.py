@@ -33,7 +33,8 @@ def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
             yield block[name[len(prefixes[layer]):]]
 
     paths = {head_file(t): ctx.run / MERGED / head_file(t) for t in ctx.tasks}
-    write_checkpoint(ctx.run / CALIBRATED, [merged.spec(n) for n in merged.names()], tensors(), side_files_from=merged.directory,
+    write_checkpoint(ctx.run / CALIBRATED, [merged.spec(n) for n in merged.names()], tensors(),
+                     side_files_from=merged.directory,
                      extra_files={rel: load_file(path) for rel, path in paths.items()},
                      extra_metadata={rel: read_metadata(path) for rel, path in paths.items()})
     return [CALIBRATED], {"blocks": ctx.num_blocks}

@@ -66,6 +66,6 @@ def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
     if cfg.zero_shot is not None:  # head-less experts: each task's head comes from the CLIPModel's text tower
         for task, (head, meta) in zero_shot_heads(cfg).items():
             heads[head_file(task)], metadata[head_file(task)] = head, meta
-    write_checkpoint(ctx.run / MERGED, [base.spec(n) for n in base.names()], tensors(), side_files_from=base.directory, extra_files=heads,
-                     extra_metadata=metadata)
+    write_checkpoint(ctx.run / MERGED, [base.spec(n) for n in base.names()], tensors(), side_files_from=base.directory,
+                     extra_files=heads, extra_metadata=metadata)
     return [MERGED], {"method": cfg.merge.method, "tensors": len(base.names())}
