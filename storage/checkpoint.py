@@ -19,8 +19,6 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import save_file
 
 from storage.atomic import atomic_path
 
@@ -214,21 +212,11 @@ def finite(tensor: torch.Tensor, name: str, owner: str, directory: Path) -> torc
     return tensor
 
 
-_OS_ERROR = re.compile(r"os error (\d+)")
-
-
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """safetensors' save_file, with its I/O failures (a full disk, say) raised as the OSError they are, naming
-    the file: safetensors reports them as a SafetensorError that names neither."""
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
-                  metadata={"format": "pt", **(metadata or {})})
-    except SafetensorError as exc:
-        found = _OS_ERROR.search(str(exc))
-        if found is None:
-            raise
-        code = int(found.group(1))
-        raise OSError(code, os.strerror(code), str(path)) from exc
+    """A safetensors file of `tensors`, each written from its own memory (`write_streamed`): safetensors' save_file
+    first copies them all into one buffer, 2.2 GiB more for a Llama-3.2-3B block's statistics."""
+    specs = [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+    write_streamed(path, specs, iter(tensors.values()), metadata)
 
 
 def copy_side_files(source: Path, target: Path) -> None:
