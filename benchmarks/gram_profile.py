@@ -34,11 +34,14 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.pipeline_cost import matmul_rate  # noqa: E402
 from benchmarks.solve_precision import cpu_line  # noqa: E402
 from featcal_kernels import bf16 as bf16_module  # noqa: E402
-from featcal_kernels.bf16 import bf16_products  # noqa: E402
+from featcal_kernels.bf16 import bf16_target_product  # noqa: E402
 from featcal_kernels.gram import bf16_dual_gram, dual_gram  # noqa: E402
 from flows.pipeline import machine  # noqa: E402
 from tasks.calibration import gram  # noqa: E402
 from tasks.context import context  # noqa: E402
+
+
+ALPHA = 0.25  # featcal.alpha's default: the products' cost does not depend on it
 
 
 def cpu_seconds(fn: Callable[[], object], before: Callable[[], None] = lambda: None, repeats: int = 5) -> float:
@@ -57,17 +60,16 @@ def fp32_products(xs32: torch.Tensor, xe32: torch.Tensor | None, w: torch.Tensor
                   y32: torch.Tensor | None) -> None:
     """The fp32 path's products of one module input, on rows already upcast."""
     dual_gram(xs32, xe32, w)
-    if w_t is not None and y32 is not None:
-        wxs = xs32 * w[:, None]
-        wxs.T @ y32
-        wxs.T @ (xs32 @ w_t.float().T)
+    if w_t is not None and y32 is not None:  # P_t as featcal.statistics.LinearStats.add_target_product takes it
+        target = (xs32 @ w_t.float().T).mul_(1.0 - ALPHA).add_(y32, alpha=ALPHA)
+        (xs32 * w[:, None]).T @ target
 
 
 def bf16_path(xs: torch.Tensor, xe: torch.Tensor | None, w: torch.Tensor, w_t: torch.Tensor | None,
               y: torch.Tensor | None) -> None:
     bf16_dual_gram(xs, xe, w)
     if w_t is not None and y is not None:
-        bf16_products(xs, w, w_t, y, None)
+        bf16_target_product(xs, w, w_t, y, None, ALPHA)
 
 
 def main() -> None:

@@ -50,7 +50,7 @@ PARTS = {
         ("block forwards (linear, attention, activations)", ("_nn.linear", "scaled_dot_product", "sigmoid",
                                                              "layer_norm", "'var'", "gelu")),
         ("C_ss panels and C_se (addmm_)", ("addmm_",)),
-        ("P_e, P_s products (add_products)", ("add_products", "bf16_products")),
+        ("P_t product (add_target_product)", ("add_target_product", "bf16_target_product")),
         ("fp32 → float64 accumulation", ("add_widened", "statistics.py:")),
         ("zeroed buffers (zeros)", ("torch.zeros",)),
         ("mirror of C_ss", ("mirror_upper", "'copy_'", "'triu'")),

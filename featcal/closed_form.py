@@ -25,25 +25,25 @@ class Hyper:
 class LinearMoments:
     """Weighted uncentred moments of one linear module's inputs for one task (sums already divided by Σw).
 
-    The expert side comes as C_se, or as the products the solve needs (featcal/statistics.py picks the cheaper)."""
+    The expert side comes as C_se, or as the product the solve needs (featcal/statistics.py picks the cheaper)."""
 
     c_ss: torch.Tensor  # E_w[x_s x_sᵀ]   [in, in]
     mu_s: torch.Tensor  # E_w[x_s]        [in]
     mu_e: torch.Tensor  # E_w[x_e]        [in]
     c_se: torch.Tensor | None = None  # E_w[x_s x_eᵀ]   [in, in]
-    p_se: torch.Tensor | None = None  # E_w[x_s (W_t x_e)ᵀ]   [in, out]
-    p_ss: torch.Tensor | None = None  # E_w[x_s (W_t x_s)ᵀ]   [in, out]
+    p_st: torch.Tensor | None = None  # E_w[x_s (W_t x_t)ᵀ]   [in, out], for the α its Gram stage was keyed with
     weight: float = 1.0  # c_t, the task's weight in the shared solve (featcal.task_weight_power, task_weights)
     _norm: float | None = field(default=None, init=False, repr=False, compare=False)  # ‖C_ss‖_F, once
 
     def add_target(self, out: torch.Tensor, alpha: float, w_t: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         """out += scale·C_st·W_tᵀ, in place, with C_st·W_tᵀ = E_w[x_s (W_t x_t)ᵀ], x_t = α·x_e + (1−α)·x_s, [in, out]
         float64 and W_t [out, in]. The product goes straight into `out`: [in, out] temporaries cost a tenth of the
-        solve on ViT-B/32."""
-        if self.p_se is not None and self.p_ss is not None:
-            return out.add_(self.p_se, alpha=scale * alpha).add_(self.p_ss, alpha=scale * (1.0 - alpha))
+        solve on ViT-B/32. P_t already holds the product, summed for the run's α (tasks/calibration.py checks the
+        statistics file's α against the run's)."""
+        if self.p_st is not None:
+            return out.add_(self.p_st, alpha=scale)
         if self.c_se is None:
-            raise ValueError("these moments keep no expert side (C_se or its products): RegMean statistics?")
+            raise ValueError("these moments keep no expert side (C_se or its product): RegMean statistics?")
         c_st = torch.mul(self.c_se, alpha).add_(self.c_ss, alpha=1.0 - alpha)
         return out.addmm_(c_st, w_t.double().T, alpha=scale)
 
@@ -88,9 +88,10 @@ class NormMoments:
     weight: float = 1.0  # c_t, as LinearMoments.weight
 
 
-def anchor(merged: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor:
-    """A(θ) = ρ·θ_m + (1−ρ)·θ0."""
-    return rho * merged.double() + (1.0 - rho) * base.double()
+def anchor(merged: torch.Tensor, base: torch.Tensor, rho: float, scale: float = 1.0) -> torch.Tensor:
+    """scale·A(θ), A(θ) = ρ·θ_m + (1−ρ)·θ0, in float64, in one fresh buffer: widening and scaling each term apart
+    took five weight-sized float64 temporaries, a tenth of an LLM block's solve."""
+    return base.to(torch.float64, copy=True).mul_(scale * (1.0 - rho)).add_(merged, alpha=scale * rho)
 
 
 @dataclass
@@ -124,7 +125,7 @@ def solve_linear_weight(
     `tasks` yields (moments, W_t) one task at a time, so only one task's d×d moments are ever held."""
     d = merged.shape[1]
     a = torch.zeros(d, d, dtype=torch.float64, device=merged.device)
-    b = hp.lam * anchor(merged, base, hp.rho).T
+    b = anchor(merged, base, hp.rho, hp.lam).T
     for mom, w_t in tasks:
         mom.add_shrunk(a, b, hp, w_t, 1.0 / mom.normaliser())
         del mom, w_t  # before the next task's are read
@@ -169,7 +170,7 @@ def solve_linear_weight_head(
     preconditioner is then the system), at most T·in² floats."""
     d, f64 = merged.shape[1], {"dtype": torch.float64, "device": merged.device}
     a = torch.zeros(d, d, **f64)
-    b = hp.lam * anchor(merged, base, hp.rho).T
+    b = anchor(merged, base, hp.rho, hp.lam).T
     grams: list[torch.Tensor] = []  # per distinct U: Σ G_t over the tasks that read it
     factors: list[torch.Tensor] = []
     for mom, w_t, u_t in tasks:
@@ -386,7 +387,7 @@ def solve_linear_bias(
     """b = [Σ_t (b_t + W_t μ_t − W μ_s)/n_t + λ A(b)] / (Σ_t 1/n_t + λ), after the weight is solved; with a trust
     weight μ each task adds μ(b_m + W_m μ_s − W μ_s)/n_t and μ/n_t (`merged_weight` is then W_m). A term with a head
     metric M_t enters as M_t(b_t + W_t μ_t − W μ_s)/n_t and M_t/n_t, and b solves (Σ_t M_t/n_t + c·I) b = num."""
-    num = hp.lam * anchor(merged, base, hp.rho)
+    num = anchor(merged, base, hp.rho, hp.lam)
     den = hp.lam
     den_metric: torch.Tensor | None = None  # Σ_t M_t/n_t over the terms with a metric
     w = weight.double()
@@ -416,13 +417,13 @@ def solve_norm_affine(
     """Per dimension, min Σ_t E‖γ⊙z + β − (γ_t⊙z + β_t)‖² + λ(‖γ−A(γ)‖² + ‖β−A(β)‖²): a 2×2 system (1×1 without β)."""
     reg = hp.lam + hp.eps
     sum_e = sum(m.weight * m.e for m in moments)
-    rhs_g = hp.lam * anchor(merged_gamma, base_gamma, hp.rho)
+    rhs_g = anchor(merged_gamma, base_gamma, hp.rho, hp.lam)
     for mom, g_t in zip(moments, expert_gammas, strict=True):
         rhs_g = rhs_g + mom.weight * mom.e * g_t.double()
     if expert_betas is None:
         return rhs_g / (sum_e + reg), None
     sum_m = sum(m.weight * m.m for m in moments)
-    rhs_b = hp.lam * anchor(merged_beta, base_beta, hp.rho)
+    rhs_b = anchor(merged_beta, base_beta, hp.rho, hp.lam)
     for mom, g_t, b_t in zip(moments, expert_gammas, expert_betas, strict=True):
         rhs_g = rhs_g + mom.weight * mom.m * b_t.double()
         rhs_b = rhs_b + mom.weight * (mom.m * g_t.double() + b_t.double())

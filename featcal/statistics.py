@@ -5,8 +5,9 @@ Two savings keep the Gram stage near its floor (docs/design.md §3):
   sums (C_ss, C_se, means): the first of them in block order owns it, the stats file stores it once, named for all
   its readers (`q+k+v:ss`);
 - a module keeps the expert side in the cheaper of two forms: C_se = Σ w x_s x_eᵀ (in × in), which the solve
-  multiplies by W_tᵀ in float64, or the products themselves, P_e = Σ w x_s (W_t x_e)ᵀ and P_s = Σ w x_s (W_t x_s)ᵀ
-  (in × out, fp32 within a chunk): W_t x_e is the expert module's own output, so P_e costs one product.
+  multiplies by W_tᵀ in float64, or the product it stands for, P_t = Σ w x_s (W_t x_t)ᵀ (in × out, fp32 within a
+  chunk), with W_t x_t = α·y_e + (1−α)·W_t x_s: y_e = W_t x_e is the expert module's own output, so P_t costs
+  W_t x_s and one product, for the run's α (featcal.alpha, part of the Gram stage's key).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 import featcal_kernels
-from featcal_kernels.bf16 import bf16_products, bf16_units_serve
+from featcal_kernels.bf16 import bf16_target_product, bf16_units_serve
 from featcal.closed_form import LinearMoments, NormMoments
 from featcal.modeling import as_out_in, is_norm, linear_dims, normalized
 
@@ -28,11 +29,19 @@ FORMS = ("none", "gram", "product")
 READERS = "+"
 
 
+# How much cheaper P_t must be than C_se to be kept instead. C_se has an edge in accuracy: in the solve C_st·W_tᵀ is
+# then formed from the same rounded sums as C_ss, and with one expert at λ → 0 those roundings cancel (the solve gives
+# W_t back); P_t's own rounding does not cancel. At 1 (cost alone) the single-expert exactness test's BERT features
+# move 1.5e-4 from the expert's, past its 1e-4; at 1.5, 5.9e-5, where they were when P_e and P_s were kept apart.
+PRODUCT_MARGIN = 1.5
+
+
 def expert_side_form(rows: int, d_in: int, d_out: int, sharers: int) -> str:
-    """'product' when P_e and P_s (6·rows·in·out fp32 FLOPs: W_t x_s and two products) cost less than C_se shared
-    by `sharers` modules (2·rows·in²/sharers) plus its float64 product with W_tᵀ in the solve (2·in²·out at about
-    half the fp32 rate); else 'gram'. `rows` is the task's token rows for the module."""
-    return "product" if 6 * rows * d_out < 2 * rows * d_in / sharers + 4 * d_in * d_out else "gram"
+    """'product' when P_t (4·rows·in·out fp32 FLOPs: W_t x_s and one product), with PRODUCT_MARGIN, costs less than
+    C_se shared by `sharers` modules (2·rows·in²/sharers) plus its float64 product with W_tᵀ in the solve
+    (2·in²·out at about half the fp32 rate); else 'gram'. `rows` is the task's token rows for the module."""
+    product = PRODUCT_MARGIN * 4 * rows * d_out
+    return "product" if product < 2 * rows * d_in / sharers + 4 * d_in * d_out else "gram"
 
 
 # Rows of a fp32 chunk sum widened into a float64 running sum at a time: 2 MiB of float64.
@@ -84,38 +93,35 @@ class InputSums:
 
 class LinearStats:
     """One linear module's statistics: the sums of its input (its own, or shared with the module `owner` that
-    reads the same input) and, in product form, P_e and P_s."""
+    reads the same input) and, in product form, P_t for the target mix `alpha`."""
 
-    def __init__(self, d_in: int, d_out: int, form: str, owner: str, inputs: InputSums):
+    def __init__(self, d_in: int, d_out: int, form: str, owner: str, inputs: InputSums, alpha: float | None):
         if form not in FORMS:
             raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-        self.form, self.owner, self.inputs = form, owner, inputs
-        product = form == "product"
+        if form == "product" and alpha is None:
+            raise ValueError("product-form statistics need featcal.alpha, the target mix they sum")
+        self.form, self.owner, self.inputs, self.alpha = form, owner, inputs, alpha
         f64 = {"dtype": torch.float64, "device": inputs.ss.device}
-        self.pe = torch.zeros(d_in, d_out, **f64) if product else None
-        self.ps = torch.zeros(d_in, d_out, **f64) if product else None
+        self.pt = torch.zeros(d_in, d_out, **f64) if form == "product" else None
         self.flops = 0
 
-    def add_products(self, xs: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor, y: torch.Tensor,
+    def add_target_product(self, xs: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor, y: torch.Tensor,
                      bias: torch.Tensor | None) -> None:
-        """P_e += Σ w x_s y_eᵀ and P_s += Σ w x_s (W_t x_s)ᵀ, with y_e = W_t x_e = y − bias (y the expert module's
-        output) and W_t [out, in]. bf16 rows, output and W_t on a CPU with bf16 units: on those units
-        (featcal_kernels.bf16.bf16_products); else in fp32."""
+        """P_t += Σ w x_s (α·y_e + (1−α)·W_t x_s)ᵀ with y_e = W_t x_e = y − bias (y the expert module's output) and
+        W_t [out, in]. bf16 rows, output and W_t on a CPU with bf16 units: on those units
+        (featcal_kernels.bf16.bf16_target_product); else in fp32."""
         w32 = w.float()
         if y.dtype == w_t.dtype == torch.bfloat16 and bf16_units_serve(xs, y, w32):
-            pe, ps = bf16_products(xs, w32, w_t, y, bias)
-            add_widened(self.pe, pe)
-            add_widened(self.ps, ps)
+            add_widened(self.pt, bf16_target_product(xs, w32, w_t, y, bias, self.alpha))
         else:
             xs32 = xs.float()
-            wxs = xs32 * w32[:, None]
-            y_e = y.float() if bias is None else y.float() - bias.float()
-            add_widened(self.pe, wxs.T @ y_e)
-            add_widened(self.ps, wxs.T @ (xs32 @ w_t.float().T))
-        self.flops += 6 * xs.shape[0] * w_t.shape[0] * w_t.shape[1]
+            target = torch.mm(xs32, w_t.float().T).mul_(1.0 - self.alpha)
+            target.add_(y.float() if bias is None else y.float() - bias.float(), alpha=self.alpha)
+            add_widened(self.pt, (xs32 * w32[:, None]).T @ target)
+        self.flops += 4 * xs.shape[0] * w_t.shape[0] * w_t.shape[1]
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {} if self.pe is None or self.ps is None else {"pe": self.pe, "ps": self.ps}
+        return {} if self.pt is None else {"pt": self.pt}
 
 
 class NormStats:
@@ -156,8 +162,7 @@ def linear_moments(t: dict[str, torch.Tensor], module: str, in_place: bool = Fal
     def mean(key: str) -> torch.Tensor | None:
         return of(key) if key in t else None
 
-    return LinearMoments(c_ss=of("ss"), mu_s=of("sum_s"), mu_e=of("sum_e"), c_se=mean("se"), p_se=mean("pe"),
-                         p_ss=mean("ps"))
+    return LinearMoments(c_ss=of("ss"), mu_s=of("sum_s"), mu_e=of("sum_e"), c_se=mean("se"), p_st=mean("pt"))
 
 
 def norm_moments(t: dict[str, torch.Tensor], module: str) -> NormMoments:
@@ -246,9 +251,10 @@ def input_owners(names: list[str], weights: dict[str, torch.Tensor], *sides: dic
 
 
 def new_stats(modules: dict[str, nn.Module], forms: dict[str, str] | None = None,
-              owners: dict[str, str] | None = None, device: torch.device | None = None) -> Stats:
+              owners: dict[str, str] | None = None, device: torch.device | None = None,
+              alpha: float | None = None) -> Stats:
     """Empty statistics (on `device`: where the Gram sums run); by default every linear module owns its input's
-    sums and keeps C_se."""
+    sums and keeps C_se. Product-form modules need the target mix `alpha`."""
     forms, owners = forms or {}, owners or {}
     sums: dict[str, InputSums] = {}
     out: Stats = {}
@@ -261,7 +267,7 @@ def new_stats(modules: dict[str, nn.Module], forms: dict[str, str] | None = None
         if owner not in sums:
             readers = [n for n in modules if owners.get(n, n) == owner]
             sums[owner] = InputSums(d_in, any(forms.get(n, "gram") == "gram" for n in readers), device)
-        out[name] = LinearStats(d_in, d_out, forms.get(name, "gram"), owner, sums[owner])
+        out[name] = LinearStats(d_in, d_out, forms.get(name, "gram"), owner, sums[owner], alpha)
     return out
 
 
@@ -314,7 +320,7 @@ def accumulate(
             if expert_outputs is None or expert_modules is None:
                 raise ValueError(f"module {name}: product-form statistics need the expert module and its outputs")
             expert = expert_modules[name]
-            s.add_products(xs, w, as_out_in(expert, expert.weight), expert_outputs[name], expert.bias)
+            s.add_target_product(xs, w, as_out_in(expert, expert.weight), expert_outputs[name], expert.bias)
 
 
 def stats_layout(modules: dict[str, nn.Module], weights: dict[str, torch.Tensor], sides: tuple[dict[str, torch.Tensor], ...],

@@ -53,20 +53,21 @@ def bf16_units_serve(xs: torch.Tensor, xe: torch.Tensor | None, w32: torch.Tenso
             and cpu_has_native_bf16() and len(torch.unique(w32[w32 != 0])) <= BF16_WEIGHT_VALUES)
 
 
-def bf16_products(xs: torch.Tensor, w32: torch.Tensor, w_t: torch.Tensor, y: torch.Tensor,
-                  bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P_e, P_s) fp32 [in, out] of one chunk of bf16 rows on the bf16 units: P_e = Σ w x (y − b)ᵀ with y the expert
-    module's bf16 output, as Σ_v v·X_vᵀY_v − (Σ w x) bᵀ (the bias never rounded into y); P_s = Σ w x (W_t x)ᵀ with
-    W_t x as two bf16 terms (hi from `product_terms`, lo its rounding error), X_vᵀ·hi in two terms and X_vᵀ·lo, a
-    2⁻⁹-relative correction, in one."""
-    pe = torch.zeros(xs.shape[1], w_t.shape[0], dtype=torch.float32, device=xs.device)
-    ps = torch.zeros_like(pe)
+def bf16_target_product(xs: torch.Tensor, w32: torch.Tensor, w_t: torch.Tensor, y: torch.Tensor,
+                        bias: torch.Tensor | None, alpha: float) -> torch.Tensor:
+    """P_t = Σ w x (α·(y − b) + (1−α)·W_t x)ᵀ, fp32 [in, out], of one chunk of bf16 rows on the bf16 units, y the
+    expert module's bf16 output. W_t x comes as two bf16 terms (`product_terms`); the target, mixed in fp32, goes
+    back to bf16 as two terms too (hi and its rounding error lo): X_vᵀ·hi in two terms and X_vᵀ·lo, a 2⁻⁹-relative
+    correction, in one. Five bf16 products in all, where P_e and P_s apart took seven."""
     z_hi, z_lo = product_terms(xs.T, w_t.T)
+    target = z_hi.float().add_(z_lo.float()).mul_(1.0 - alpha)
+    target.add_(y.float() if bias is None else y.float() - bias.float(), alpha=alpha)
+    t_hi = target.bfloat16()
+    t_lo = target.sub_(t_hi.float()).bfloat16()
+    del target
+    pt = torch.zeros(xs.shape[1], w_t.shape[0], dtype=torch.float32, device=xs.device)
     for value, picked in weight_groups(w32):
         x_v = group_rows(xs, picked)
-        add_product(pe, x_v, group_rows(y, picked), value)
-        add_product(ps, x_v, group_rows(z_hi, picked), value)
-        ps.add_(x_v.T @ group_rows(z_lo, picked), alpha=value)
-    if bias is not None:
-        pe.sub_(torch.outer(xs.float().T @ w32, bias.float()))
-    return pe, ps
+        add_product(pt, x_v, group_rows(t_hi, picked), value)
+        pt.add_(x_v.T @ group_rows(t_lo, picked), alpha=value)
+    return pt

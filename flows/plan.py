@@ -50,9 +50,9 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
     act = activation_dtype(cfg.runtime.precision).itemsize  # bytes of one stored activation / forward value
     boundary = n * tokens * hidden * act  # one side of one boundary
     # One task's float64 statistics of one block, at most (modules that read the same input share theirs): C_ss per
-    # module, and for FeatCal the expert side as the Gram stage keeps it, C_se or the products P_e, P_s.
+    # module, and for FeatCal the expert side as the Gram stage keeps it, C_se or the product P_t.
     keeps_expert = calibration_method(cfg.featcal).statistics.expert_side
-    stats = sum(8 * (d_in * d_in + (0 if not keeps_expert else 2 * d_in * d_out
+    stats = sum(8 * (d_in * d_in + (0 if not keeps_expert else d_in * d_out
                                     if expert_side_form(n * tokens, d_in, d_out, 1) == "product" else d_in * d_in))
                 for d_in, d_out in linear)
     chunk = bs * tokens * max([hidden, *linear_in]) * act * (2 + len(modules))

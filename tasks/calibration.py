@@ -23,7 +23,7 @@ from featcal.statistics import (
 )
 from featcal.t5 import column_targets, decoder_batches, greedy_targets
 from storage.atomic import atomic_path
-from storage.checkpoint import CanonicalCheckpoint, read_header, read_tensor, save_tensors
+from storage.checkpoint import CanonicalCheckpoint, read_header, read_metadata, read_tensor, save_tensors
 from storage.lora import LoraCheckpoint
 from tasks.context import RunContext
 from tasks.merge import MERGED, head_file
@@ -232,9 +232,10 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
         if not made:
             forms, owners = stats_layout(stats_modules, weights, (sink_s, sink_e), examples, chunk_examples,
                                          keeps_expert=plan.expert_side)
-            made.update(stats=new_stats(stats_modules, forms, owners, ctx.device), owners=owners,
-                        held=[new_stats(stats_modules, forms, owners, ctx.device) for _ in range(plan.held_out_folds)]
-                        if every else [])
+            alpha = ctx.cfg.featcal.alpha
+            made.update(stats=new_stats(stats_modules, forms, owners, ctx.device, alpha), owners=owners,
+                        held=[new_stats(stats_modules, forms, owners, ctx.device, alpha)
+                              for _ in range(plan.held_out_folds)] if every else [])
         elif input_owners(list(made["owners"]), weights, sink_s, sink_e) != made["owners"]:
             raise RuntimeError(f"block {layer}, task {task}: modules that shared one input in the first chunk do "
                                "not in a later one")
@@ -285,7 +286,8 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
     stats_rel = ctx.run.stats(task, layer)
     with atomic_path(ctx.run / stats_rel) as tmp:
         save_tensors({**flatten_stats(stats), **{k: v for fold, held in enumerate(folds)
-                                                 for k, v in flatten_stats(held, held_prefix(fold)).items()}}, tmp)
+                                                 for k, v in flatten_stats(held, held_prefix(fold)).items()}}, tmp,
+                     {STATS_ALPHA: repr(ctx.cfg.featcal.alpha)})
     outputs.append(stats_rel)
     info = {"drift_in": (drift["in_diff"] / max(drift["in_ref"], 1e-30)) ** 0.5,
             "gram_flops": stats_flops(stats) + sum(stats_flops(held) for held in folds),
@@ -324,6 +326,10 @@ def _mask(ctx: RunContext, task: str, layer: int = 0) -> str:
 
 
 # ---- solve --------------------------------------------------------------------------------------
+# The statistics file's metadata key for the α its product-form sums P_t were taken with.
+STATS_ALPHA = "featcal.alpha"
+
+
 def _task_stats(ctx: RunContext, layer: int, module: str,
                 device: torch.device | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """One module's statistics (on `device`), task after task in task order, read without mmap: one task's at a
@@ -332,6 +338,11 @@ def _task_stats(ctx: RunContext, layer: int, module: str,
         path = ctx.run / ctx.run.stats(task, layer)
         header, start = read_header(path)
         keys = module_keys(list(header), module)
+        if "pt" in keys.values():  # P_t holds α: sums for another α are not this run's
+            summed_for = read_metadata(path).get(STATS_ALPHA)
+            if summed_for != repr(ctx.cfg.featcal.alpha):
+                raise ValueError(f"{path}: module {module}'s P_t was summed for featcal.alpha {summed_for}, the run "
+                                 f"asks {ctx.cfg.featcal.alpha}; rerun its Gram stage")
         yield {part: read_tensor(path, header[key], start).to(device) for key, part in keys.items()}
 
 

@@ -8,7 +8,7 @@ import torch
 
 from featcal_kernels import bf16 as bf16_module
 from featcal_kernels import dual_gram
-from featcal_kernels.bf16 import bf16_products, product_terms, weight_groups
+from featcal_kernels.bf16 import bf16_target_product, product_terms, weight_groups
 from featcal_kernels.gram import bf16_dual_gram
 
 # hi + lo is the fp32-accumulated product to ~2⁻¹⁸ relative; one bf16 product alone is ~2⁻⁹ off.
@@ -66,15 +66,16 @@ def test_bf16_dual_gram_matches_float64_reference(with_xe):
         assert c_se.shape == sum_e.shape == (0,)
 
 
-def test_bf16_products_match_float64_reference():
+@pytest.mark.parametrize("alpha", [0.0, 0.25, 1.0])
+def test_bf16_target_product_matches_float64_reference(alpha):
     n, d_in, d_out = 420, 96, 160
     xs, w = bf16_rows(n, d_in, 4, 0.5), pooled_weights(n)
     w_t = (0.1 * torch.randn(d_out, d_in, generator=torch.Generator().manual_seed(5))).bfloat16()
     y, bias = bf16_rows(n, d_out, 6), 0.3 * torch.randn(d_out, generator=torch.Generator().manual_seed(7))
-    pe, ps = bf16_products(xs, w, w_t, y, bias)
+    pt = bf16_target_product(xs, w, w_t, y, bias, alpha)
     wx = w.double()[:, None] * xs.double()
-    assert rel(pe, wx.T @ (y.double() - bias.double())) < TWO_TERMS
-    assert rel(ps, wx.T @ (xs.double() @ w_t.double().T)) < TWO_TERMS
+    target = alpha * (y.double() - bias.double()) + (1 - alpha) * (xs.double() @ w_t.double().T)
+    assert rel(pt, wx.T @ target) < TWO_TERMS
 
 
 def test_dual_gram_takes_the_bf16_units_only_for_bf16_rows_with_few_weight_values(monkeypatch):

@@ -1,8 +1,11 @@
 """The Gram stage's two savings (featcal/statistics.py): one set of input sums per shared input, and the expert
 side kept as products where that is cheaper. Both must give the solve what C_se gave it."""
 
+import shutil
+
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from torch import nn
 
@@ -13,6 +16,8 @@ from featcal.statistics import (
     stats_layout,
 )
 from flows.pipeline import run_pipeline
+from tasks import calibration
+from tasks.context import context
 from tests.conftest import example_config, torch_threads_restored
 
 
@@ -28,6 +33,9 @@ class SharedInputBlock(nn.Module):
     def forward(self, x):
         h = self.q(x) + self.k(x) * self.v(x)
         return self.down(torch.tanh(self.up(h)))
+
+
+ALPHA = 0.25
 
 
 def _chunks():
@@ -53,7 +61,7 @@ def _stats(forced: str | None, monkeypatch):
         weights = dict.fromkeys(mods_m, mask.reshape(-1))
         if stats is None:
             forms, owners = stats_layout(mods_m, weights, (sink_m, sink_e), 6, 2, keeps_expert=True)
-            stats = new_stats(mods_m, forms, owners)
+            stats = new_stats(mods_m, forms, owners, alpha=ALPHA)
         accumulate(stats, mods_m, sink_m, sink_e, weights, outs_e, mods_e)
     return stats, merged, expert
 
@@ -81,13 +89,12 @@ def test_moments_match_brute_force_in_either_form(form, monkeypatch):
         xs = torch.cat([c[name] for c in xs_all])
         xe = torch.cat([c[name] for c in xe_all])
         w_t = getattr(expert, name).weight.double()
-        alpha = 0.25
-        x_t = alpha * xe + (1 - alpha) * xs
+        x_t = ALPHA * xe + (1 - ALPHA) * xs
         want = (xs * w[:, None]).T @ (x_t @ w_t.T) / w.sum()
-        torch.testing.assert_close(mom.add_target(torch.zeros_like(want), alpha, w_t), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mom.add_target(torch.zeros_like(want), ALPHA, w_t), want, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(mom.c_ss, (xs * w[:, None]).T @ xs / w.sum(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(mom.mu_e, (xe * w[:, None]).sum(0) / w.sum(), rtol=1e-5, atol=1e-6)
-        assert (mom.p_se is not None) == (form == "product") and (mom.c_se is not None) == (form == "gram")
+        assert (mom.p_st is not None) == (form == "product") and (mom.c_se is not None) == (form == "gram")
 
 
 def test_expert_side_form_is_the_cheaper_one():
@@ -127,3 +134,19 @@ def test_product_form_gives_the_weights_of_the_gram_form(product_run, one_thread
     shared = [n for n in names if "+" in n]  # one set of sums for query, key and value
     assert [sorted(n.split("+")) for n in shared] == [
         ["attention.self.key", "attention.self.query", "attention.self.value"]]
+
+
+def test_product_sums_for_another_alpha_are_refused(product_run, tmp_path):
+    """P_t holds α: a statistics file summed for one α must not feed a solve that asks another."""
+    run = tmp_path / "run"
+    shutil.copytree(product_run, run)
+    raw = yaml.safe_load((run / "run.yaml").read_text())
+    raw["featcal"]["alpha"] = 0.5
+    (run / "run.yaml").write_text(yaml.safe_dump(raw))
+    ctx = context(run)
+    with pytest.raises(ValueError, match=r"P_t was summed for featcal.alpha 0.25, the run asks 0.5; rerun its Gram"):
+        next(calibration._task_stats(ctx, 0, "attention.self.query"))
+    raw["featcal"]["alpha"] = 0.25  # the α it was summed for: read as it is
+    (run / "run.yaml").write_text(yaml.safe_dump(raw))
+    sums = next(calibration._task_stats(context(run), 0, "attention.self.query"))
+    assert sums["pt"].shape == (64, 64) and "se" not in sums
