@@ -23,7 +23,9 @@ from statistics import median
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.pipeline_cost import KINDS, build_inputs, config_file, run_once, same_weights  # noqa: E402
+from benchmarks.pipeline_cost import (  # noqa: E402
+    KINDS, build_inputs, config_file, run_once, same_weights, weight_gap,
+)
 from benchmarks.solve_precision import cpu_line  # noqa: E402
 from flows.pipeline import machine  # noqa: E402
 
@@ -87,7 +89,8 @@ def main() -> None:
              for key in ("cpu_s", "wall_s", "peak_rss_gib")}
     lines += ["", f"After / before, median over repeats: CPU {ratio['cpu_s']:.3f}, wall {ratio['wall_s']:.3f}, "
                   f"peak RSS {ratio['peak_rss_gib']:.3f}. Calibrated weights of the last repeat: "
-                  f"{'bit-identical' if identical else 'DIFFERENT'}."]
+                  + ("bit-identical." if identical else "different; the weight matrices at most "
+                     f"{weight_gap(dirs['after'], dirs['before']):.2g} apart (‖Δ‖/‖W‖, `pipeline_cost.weight_gap`).")]
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
