@@ -195,3 +195,19 @@ def test_norm_task_weights_match_least_squares():
         targets.append(hp.lam**0.5 * torch.stack([anchor(gam_m, gam_0, hp.rho)[j], anchor(bet_m, bet_0, hp.rho)[j]]))
         sol = torch.linalg.lstsq(torch.cat(rows), torch.cat(targets)[:, None]).solution[:, 0]
         torch.testing.assert_close(torch.stack([gamma[j], beta[j]]), sol, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_anchor_is_scaled_interpolation_and_leaves_its_inputs(dtype):
+    """The brute-force references above call anchor() themselves: its own formula is checked here, and a float64
+    base (which .double() would not copy) must come back untouched."""
+    g = torch.Generator().manual_seed(3)
+    merged, base = torch.randn(5, 4, generator=g).to(dtype), torch.randn(5, 4, generator=g).to(dtype)
+    kept_m, kept_b = merged.clone(), base.clone()
+    got = anchor(merged, base, 2.2, 0.05)
+    want = 0.05 * (2.2 * merged.double() + (1 - 2.2) * base.double())
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-16)
+    assert torch.equal(merged, kept_m) and torch.equal(base, kept_b)
+    torch.testing.assert_close(anchor(merged, base, 2.2), 2.2 * merged.double() - 1.2 * base.double(),
+                               rtol=1e-14, atol=1e-16)
