@@ -106,7 +106,7 @@ class LinearStats:
         self.flops = 0
 
     def add_target_product(self, xs: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor, y: torch.Tensor,
-                     bias: torch.Tensor | None) -> None:
+                           bias: torch.Tensor | None) -> None:
         """P_t += Σ w x_s (α·y_e + (1−α)·W_t x_s)ᵀ with y_e = W_t x_e = y − bias (y the expert module's output) and
         W_t [out, in]. bf16 rows, output and W_t on a CPU with bf16 units: on those units
         (featcal_kernels.bf16.bf16_target_product); else in fp32."""
