@@ -131,6 +131,28 @@ def test_changed_lambda_reuses_what_it_can(resume_config, tmp_path):
     assert _weights(tmp_path / "shared") == _weights(tmp_path / "fresh")
 
 
+def test_changed_alpha_reruns_the_grams(resume_config, tmp_path):
+    """Product-form statistics hold α (P_t): a new α must not reuse them, where a new λ does (statistics kept, so the
+    first block's Grams could be reused)."""
+    root = resume_config.parent.parent
+    kept = {"evaluation": {"enabled": False}, "runtime": {"keep_activations": True}}
+    first = example_config(root, "bert", **kept)
+    run_dir = tmp_path / "shared"
+    run_pipeline(first, run_dir)
+
+    def started(cfg) -> list[str]:
+        before = len(RunDir(run_dir).events())
+        run_pipeline(cfg, run_dir, reuse=True)
+        return [e["stage"] for e in RunDir(run_dir).events()[before:] if e["event"] == "start"]
+
+    gram = "gram/l00/" + first.tasks[0]
+    assert gram not in started(example_config(root, "bert", **kept, featcal__lambda=0.2))
+    second = example_config(root, "bert", **kept, featcal__lambda=0.2, featcal__alpha=0.5)
+    assert gram in started(second)
+    run_pipeline(second, tmp_path / "fresh")
+    assert _weights(run_dir) == _weights(tmp_path / "fresh")
+
+
 def test_second_run_on_a_held_directory_is_refused(resume_config, tmp_path):
     cfg = example_config(resume_config.parent.parent, "bert", evaluation={"enabled": False})
     with RunDir(tmp_path / "held").lock():
