@@ -292,6 +292,9 @@ class RuntimeConfig(_Strict):
     solve_precision: Literal["float64", "mixed"] = Field(
         "float64", description="mixed: each linear solve factors in fp32 and refines against a float64 residual, "
                                "falling back to float64 when refinement stalls (the solve record says which per module)")
+    keep_freed_memory: bool = Field(False, description="glibc keeps the memory a stage frees for the next one (no "
+                                    "block mapped on its own, no heap trimming, one arena): fewer page faults, a "
+                                    "higher peak RSS; Linux/glibc only (docs/performance.md)")
     strict: bool = Field(False, description="refuse degenerate set-ups (an expert equal to the base, two tasks on one "
                          "checkpoint, calibration rows among the evaluation rows, ...) instead of warning; --strict")
 

@@ -18,7 +18,8 @@ from featcal.secrets import NAME_MAPS
 from storage.rundir import CONFIG_NAME
 
 # runtime fields no stage key holds: they may change between runs into one directory.
-RUN_ONLY = frozenset({"keep_activations", "threads", "activation_store", "storage_options", "solve_groups", "device"})
+RUN_ONLY = frozenset({"keep_activations", "threads", "activation_store", "storage_options", "solve_groups", "device",
+                      "keep_freed_memory"})
 SHOWN = 3  # changes the refusal names; the rest it counts
 WIDTH = 40  # characters of a value shown
 _WAYS = "use a new --run-dir, or --reuse to recompute what changed and drop what no longer belongs"

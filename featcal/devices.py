@@ -137,15 +137,32 @@ def reset_device_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _malloc_trim() -> ctypes._CFuncPtr | None:
-    """glibc's malloc_trim, or None where the C library has none (macOS, musl)."""
+def _libc_function(name: str) -> ctypes._CFuncPtr | None:
+    """A glibc function, or None where the C library has none (macOS, musl)."""
     try:
-        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+        return getattr(ctypes.CDLL(None), name, None)
     except OSError:
         return None
 
 
-_MALLOC_TRIM = _malloc_trim()
+_MALLOC_TRIM = _libc_function("malloc_trim")
+_MALLOPT = _libc_function("mallopt")
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc keep the memory a stage frees for the next stage (runtime.keep_freed_memory), for the rest of this
+    process's life: every block from one heap (none mapped on its own, one arena for all threads), never trimmed.
+    glibc maps each block over 32 MiB on its own and unmaps it when freed, so every stage faulted its float64 sums
+    and solve matrices in afresh, and with the model shards in the page cache each fault also reclaimed a page: a
+    Llama-3.2-3B block spent 14.0 of its 63.1 s in the kernel, 8.3 of 57.8 s with this
+    (benchmarks/results/heap_reuse_llama.md). False where the C library is not glibc."""
+    if _MALLOPT is None:
+        return False
+    # mallopt returns 1 on success; −1 as the trim threshold means never (mallopt(3))
+    return all(_MALLOPT(param, value) == 1 for param, value in ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1),
+                                                                 (M_ARENA_MAX, 1)))
 
 
 def release_freed_memory() -> None:
@@ -153,7 +170,7 @@ def release_freed_memory() -> None:
     the ViT-B/32 shape), while a solve's d × d float64 matrices are too large for its heap and are mapped afresh, on
     top of it: released before each solve, the run's peak RSS there fell 1.135 → 1.061 GiB for about 2 % CPU
     (benchmarks/results/peak_rss_changes.md). Not after every stage: each would then fault its heap back in, 10 %
-    more CPU on that shape."""
+    more CPU on that shape. Skipped under runtime.keep_freed_memory, which keeps that heap for the next stage."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
 

@@ -376,7 +376,8 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
     """The modules of solve group `group` (of `groups`) of block `layer`, each solved by the run's calibration method
     (featcal/calibration_methods.py) from the tasks' statistics summed in task order; the group's file holds every
     parameter of its modules, solved or kept (a part the method leaves keeps the merged value)."""
-    release_freed_memory()
+    if not ctx.cfg.runtime.keep_freed_memory:
+        release_freed_memory()
     fc = ctx.cfg.featcal
     method = calibration_method(fc, ctx.cfg.runtime.solve_precision)
     weights = (_task_weights(ctx, layer, fc.task_weight_power, fc.task_weights) if method.weighs_tasks

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from featcal.devices import peak_device_mib, reset_device_peak
+from featcal.devices import keep_freed_memory, peak_device_mib, reset_device_peak
 from storage.rundir import Record, RunDir
 from tasks.context import RunContext, context
 
@@ -17,6 +17,9 @@ StageFn = Callable[..., tuple[list[str], dict[str, Any]]]
 def execute(run_dir: str, stage: str, key: str, fn: StageFn, needs: dict[str, str], params: dict[str, Any]) -> Record:
     """A pipeline stage: `fn(ctx, **params)` with the run's context."""
     ctx: RunContext = context(run_dir)
+    if ctx.cfg.runtime.keep_freed_memory and not keep_freed_memory():
+        raise RuntimeError("runtime.keep_freed_memory needs glibc's mallopt, which this process's C library lacks; "
+                           "set it to false")
     reset_device_peak(ctx.device)
 
     def work() -> tuple[list[str], dict[str, Any]]:

@@ -4,6 +4,8 @@ device FEATCAL_TEST_DEVICE names (default cpu; benchmarks/gpu_check.sh sets cuda
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from featcal.devices import (
     activation_dtype, bf16_warning, check_worker_devices, device_for_worker, gpu_devices,
     peak_device_mib, pin_worker_device, reset_device_peak, resolve_device, solve_device, to_device)
 from featcal_kernels.bf16 import cpu_has_native_bf16
+from tests.conftest import ROOT
 
 TEST_DEVICE = torch.device(os.environ.get("FEATCAL_TEST_DEVICE", "cpu"))
 GOOD = {"base": "base", "experts": {"a": "ea"}, "calibration": {"data": {"a": {"path": "da"}}}}
@@ -214,3 +217,33 @@ def test_release_freed_memory_returns_the_heap_a_stage_freed() -> None:
     after = _rss_anon_mib()
     assert top.sum() == 16384
     assert before - after > 150, (before, after)
+
+
+
+def _freed_mib_left_in_rss(keep: bool) -> float:
+    """MiB of a freed 64 MiB tensor still in the process's RSS, in a child process: keep_freed_memory changes the C
+    heap for the rest of a process's life, which this one must not get."""
+    code = (
+        "import torch\n"
+        "from featcal.devices import keep_freed_memory\n"
+        "from tests.test_devices import _rss_anon_mib\n"
+        f"assert {keep} is False or keep_freed_memory()\n"
+        "t = torch.empty(2**24).fill_(1.0)\n"  # 64 MiB
+        "held = _rss_anon_mib()\n"
+        "del t\n"
+        "print(64 - (held - _rss_anon_mib()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT)
+    return float(out.stdout.split()[-1])
+
+
+def test_keep_freed_memory_keeps_a_freed_block_for_the_next_stage() -> None:
+    """glibc maps a 64 MiB block on its own and unmaps it when freed, so the next stage faults every page in again;
+    with keep_freed_memory the block comes from the heap, which keeps its pages when it is freed."""
+    assert _freed_mib_left_in_rss(keep=False) < 8
+    assert _freed_mib_left_in_rss(keep=True) > 56
+
+
+def test_keep_freed_memory_says_so_where_the_c_library_has_no_mallopt(monkeypatch) -> None:
+    monkeypatch.setattr(featcal.devices, "_MALLOPT", None)
+    assert featcal.devices.keep_freed_memory() is False

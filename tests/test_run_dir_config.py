@@ -203,8 +203,8 @@ def test_config_changes_name_fields_and_leave_dropped_tasks_to_one_line():
         "calibration.data.a.split unset → cal",
         'evaluation.models ["merged", "calibrated"] → ["calibrated"]',
     ]
-    assert config_changes(old, {**old, "runtime": {"threads": 1, "solve_groups": 4, "keep_activations": True}}) == \
-        ["runtime.precision fp32 → unset"]
+    assert config_changes(old, {**old, "runtime": {"threads": 1, "solve_groups": 4, "keep_activations": True,
+                                                   "keep_freed_memory": True}}) == ["runtime.precision fp32 → unset"]
     assert config_changes(old, json.loads(json.dumps(old))) == []
     # A hub id as run.yaml records it (pinned to the commit resolved) is the config's unpinned id: a resume; another
     # commit asked for, or another repository, is a change.
