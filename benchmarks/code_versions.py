@@ -1,6 +1,8 @@
 """Two checkouts of this project side by side in one invocation, on `pipeline_cost.py`'s synthetic inputs: CPU
 seconds, wall time, peak RSS and stage sums of `featcal run` (each run its own child process), and whether the two
-calibrated models are bit-identical. For a change meant to cost less without changing a weight.
+calibrated models are bit-identical. For a change meant to cost less without changing a weight; with
+`--after-runtime KEY=VALUE ...`, the after runs also set those runtime fields (one checkout as both, for a setting:
+`--before . --after . --after-runtime keep_freed_memory=true`).
 
     git worktree add /tmp/before HEAD~1
     python benchmarks/code_versions.py --before /tmp/before --after . --repeats 2 --concurrent \
@@ -49,11 +51,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--concurrent", action="store_true", help="start each repeat's two runs together")
     parser.add_argument("--work", type=Path, default=Path("/tmp/featcal-bench"))
+    parser.add_argument("--after-runtime", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="runtime fields the after runs also set")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     work = args.work / args.shape
     build_inputs(work, args.shape, args.experts, args.examples)
-    config = config_file(work, args.experts, args.examples, {"precision": args.precision, "device": "cpu"})
+    runtime = {"precision": args.precision, "device": "cpu"}
+    after_runtime = dict(item.split("=", 1) for item in args.after_runtime)
+    configs = {"before": config_file(work, args.experts, args.examples, runtime),
+               "after": config_file(work, args.experts, args.examples, {**runtime, **after_runtime})}
     codes = {"before": args.before.resolve(), "after": args.after.resolve()}
     results: dict[str, list[dict]] = {name: [] for name in codes}
     dirs: dict[str, Path] = {}
@@ -63,7 +70,7 @@ def main() -> None:
             futures = {}
             for name, code in codes.items():
                 dirs[name] = args.work / f"{name}-{args.shape}-{stamp}"
-                futures[name] = pool.submit(run_once, config, dirs[name], args.threads, False, code)
+                futures[name] = pool.submit(run_once, configs[name], dirs[name], args.threads, False, code)
             for name, future in futures.items():
                 results[name].append(future.result())
                 print(rep, name, results[name][-1], flush=True)
@@ -74,7 +81,8 @@ def main() -> None:
         "",
         f"Machine: {machine()}. CPU: {cpu_line()}. Date: {time.strftime('%Y-%m-%d %H:%M %Z')}. Runs: "
         f"{'each repeat’s two at once' if args.concurrent else 'one after another'}, {args.repeats} repeat(s). "
-        f"Before: {commit_of(codes['before'])}; after: {commit_of(codes['after'])}. "
+        f"Before: {commit_of(codes['before'])}; after: {commit_of(codes['after'])}"
+        + "".join(f", runtime.{k}: {v}" for k, v in after_runtime.items()) + ". "
         f"Command: `python benchmarks/code_versions.py {' '.join(sys.argv[1:])}`",
         "",
         "| code | CPU (s) | wall (s) | peak RSS (GiB) | " + " | ".join(KINDS) + " |",

@@ -50,8 +50,8 @@ def run_official(official: Path, work: Path, run_dir: Path, experts: int, exampl
 
 
 def run_ours(work: Path, run_dir: Path, experts: int, examples: int, threads: int, precision: str,
-             solve: str) -> dict:
-    runtime = {"precision": precision, "solve_precision": solve, "device": "cpu"}
+             solve: str, extra: dict[str, str]) -> dict:
+    runtime = {"precision": precision, "solve_precision": solve, "device": "cpu", **extra}
     result = run_once(config_file(work, experts, examples, runtime), run_dir, threads, prefect=False)
     return {**result, "calibration_s": sum(result["stages_s"].get(k, 0.0) for k in KINDS)}
 
@@ -72,6 +72,8 @@ def main() -> None:
     parser.add_argument("--concurrent", action="store_true",
                         help="start all runs at once (on a machine already oversubscribed, so that they share the "
                              "same load and finish in time; compare CPU seconds then)")
+    parser.add_argument("--runtime", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="more runtime fields for our runs (keep_freed_memory=true, ...)")
     parser.add_argument("--shape", default="vit-b32", help="a pipeline_cost.py shape (tiny: a quick check)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/featcal-bench"))
     parser.add_argument("--out", type=Path, required=True)
@@ -80,6 +82,7 @@ def main() -> None:
         parser.error("--precision must include fp32: the weight gap is measured on our fp32 run")
     work = args.work / args.shape
     build_inputs(work, args.shape, args.experts, args.examples)
+    extra = dict(item.split("=", 1) for item in args.runtime)
     stamp = time.time_ns()
     dirs = {"official": args.work / f"official-{args.shape}-{stamp}"}
     jobs = {"official": lambda: run_official(args.official.resolve(), work, dirs["official"], args.experts,
@@ -88,7 +91,7 @@ def main() -> None:
     for precision, solve in ours:
         dirs[precision, solve] = args.work / f"ours-{args.shape}-{precision}-{solve}-{stamp}"
         jobs[precision, solve] = partial(run_ours, work, dirs[precision, solve], args.experts, args.examples,
-                                         args.threads, precision, solve)
+                                         args.threads, precision, solve, extra)
     loads = [os.getloadavg()[0]]
     results = {}
     with ThreadPoolExecutor(max_workers=len(jobs) if args.concurrent else 1) as pool:

@@ -197,3 +197,14 @@ def test_stop_line_names_the_stage_with_counts_where_the_caller_gives_them(monke
     assert "during stage 'block 00 · solve' (3 of 10 done);" in signals.stopped_line(signal.SIGINT)
     signals.at_stage(None, 4, 10)
     assert "between stages, 4 of 10 done;" in signals.stopped_line(signal.SIGINT)
+
+
+def test_keep_freed_memory_changes_no_weight(resume_config, reference_run, tmp_path):
+    """runtime.keep_freed_memory changes where freed memory goes, not a number: the weights equal a default run's bit
+    for bit. In a process of its own: the setting stays with the process that applies it."""
+    run_dir = tmp_path / "kept-heap"
+    proc = featcal_process("run", str(resume_config), "--run-dir", str(run_dir), "--no-prefect",
+                           "--set", "runtime.keep_freed_memory=true")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    assert _weights(run_dir) == _weights(reference_run)
