@@ -59,6 +59,10 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
     # The prepare stage loads one side's embedding at a time: its float32 parameters and, while they fill, the stored
     # tensors (an LLM's embedding is the largest thing a stage holds).
     prepare_ram = embed_bytes + embed_stored
+    blocks_ram = 3 * block_bytes + stats + 2 * chunk
+    # With runtime.keep_freed_memory the heap still holds what the prepare stage freed when the blocks need theirs
+    # (Llama-3.2-3B shape, bf16: 4.90 GiB measured where the larger of the two gave 4.14).
+    peak_ram = blocks_ram + prepare_ram if cfg.runtime.keep_freed_memory else max(blocks_ram, prepare_ram)
     device = resolve_device(cfg.runtime.device)
     # On a GPU: two blocks at the run's precision, one task's float64 Gram sums, two chunks; the solves move to the
     # CPU when the device lacks room for theirs (featcal/devices.py).
@@ -74,7 +78,8 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
                               cfg.featcal.calibrate_head_side),
         "estimated_disk_gib": round((2 * model_bytes + (0 if cfg.runtime.activation_store else 2 * 2 * T * boundary)
                                      + T * stats + adapter.num_blocks() * block_disk) / GIB, 3),
-        "estimated_peak_ram_gib": round(max(3 * block_bytes + stats + 2 * chunk, prepare_ram) / GIB + 1.0, 3),
+        "estimated_peak_ram_gib": round(peak_ram / GIB + 1.0, 3),
+        "keeps_freed_memory": cfg.runtime.keep_freed_memory,
         "device": str(device),
         "precision": cfg.runtime.precision,
         "estimated_peak_device_gib": None if device.type == "cpu" else round(on_device / GIB, 3),
@@ -120,8 +125,9 @@ def render(p: dict[str, Any]) -> str:
         f"stages            {p['stages']}",
         f"disk (estimate)   {p['estimated_disk_gib']} GiB  (merged + calibrated checkpoints, solved blocks, 2 live "
         "boundaries, one block's stats per task)",
-        f"RAM (estimate)    {p['estimated_peak_ram_gib']} GiB  (3 blocks, one block's Grams, 2 chunks, or the prepare "
-        "stage's embeddings, +1 GiB runtime)",
+        f"RAM (estimate)    {p['estimated_peak_ram_gib']} GiB  (3 blocks, one block's Grams, 2 chunks, "
+        + ("and the prepare stage's embeddings, which runtime.keep_freed_memory keeps" if p["keeps_freed_memory"]
+           else "or the prepare stage's embeddings") + ", +1 GiB runtime)",
         *([f"hub inputs        {len(p['hub_inputs'])}: {p['hub_cache_gib']} GiB in the cache, "
            f"{p['hub_download_gib']} GiB downloaded for this plan (before it, the log said how much)"]
           if p["hub_inputs"] else []),

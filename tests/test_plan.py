@@ -52,6 +52,17 @@ def test_ram_estimate_covers_the_prepare_stages_embedding(tmp_path):
     assert math.isclose(p["estimated_peak_ram_gib"], (4 * embedding + 2 * embedding) / GIB + 1.0, abs_tol=0.001)
 
 
+def test_ram_estimate_adds_the_prepare_stage_under_keep_freed_memory(tmp_path):
+    """The heap keeps what the prepare stage freed, so the blocks' memory comes on top of it."""
+    cfg = _config(tmp_path, torch.bfloat16, vocab=200_000)
+    default = plan(cfg)
+    kept = plan(cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"keep_freed_memory": True})}))
+    prepare = 6 * 200_000 * SHAPE["hidden_size"]  # as above: the larger part, which the default estimate takes
+    blocks = plan(_config(tmp_path / "small", torch.bfloat16, vocab=64))["estimated_peak_ram_gib"] - 1.0
+    assert math.isclose(default["estimated_peak_ram_gib"], prepare / GIB + 1.0, abs_tol=0.001)
+    assert math.isclose(kept["estimated_peak_ram_gib"], prepare / GIB + blocks + 1.0, abs_tol=0.002)
+
+
 def test_plan_says_when_bf16_would_be_emulated(tmp_path, monkeypatch, caplog):
     """Once: in the plan's text (`featcal plan`), or logged by the run's preflight (`featcal run` plans quietly)."""
     cfg = _config(tmp_path, torch.float32)
