@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.pipeline_cost import (  # noqa: E402
-    KINDS, build_inputs, config_file, run_once, same_weights, weight_gap,
+    KINDS, build_inputs, config_file, run_once, runtime_field, same_weights, weight_gap,
 )
 from benchmarks.solve_precision import cpu_line  # noqa: E402
 from flows.pipeline import machine  # noqa: E402
@@ -51,14 +51,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--concurrent", action="store_true", help="start each repeat's two runs together")
     parser.add_argument("--work", type=Path, default=Path("/tmp/featcal-bench"))
-    parser.add_argument("--after-runtime", nargs="+", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--after-runtime", nargs="+", default=[], type=runtime_field, metavar="KEY=VALUE",
                         help="runtime fields the after runs also set")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     work = args.work / args.shape
     build_inputs(work, args.shape, args.experts, args.examples)
     runtime = {"precision": args.precision, "device": "cpu"}
-    after_runtime = dict(item.split("=", 1) for item in args.after_runtime)
+    after_runtime = dict(args.after_runtime)
     configs = {"before": config_file(work, args.experts, args.examples, runtime),
                "after": config_file(work, args.experts, args.examples, {**runtime, **after_runtime})}
     codes = {"before": args.before.resolve(), "after": args.after.resolve()}

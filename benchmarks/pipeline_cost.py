@@ -92,6 +92,14 @@ def config_file(work: Path, n_experts: int, examples: int, runtime: dict[str, st
     return path
 
 
+def runtime_field(text: str) -> tuple[str, str]:
+    """An argparse type: `KEY=VALUE`, a runtime field a benchmark's runs also set (`keep_freed_memory=true`)."""
+    key, sep, value = text.partition("=")
+    if not (sep and key and value):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. keep_freed_memory=true")
+    return key, value
+
+
 def child_env(threads: int, code: Path | None) -> dict[str, str]:
     """This script's starting environment with `threads` threads, offline, and `code` (when given) first on the
     import path; with None, no PYTHONPATH at all."""

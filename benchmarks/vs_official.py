@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.pipeline_cost import (  # noqa: E402
-    KINDS, build_inputs, child_cost, child_env, config_file, run_once, weight_gap,
+    KINDS, build_inputs, child_cost, child_env, config_file, run_once, runtime_field, weight_gap,
 )
 from benchmarks.solve_precision import cpu_line  # noqa: E402
 from flows.pipeline import machine  # noqa: E402
@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--concurrent", action="store_true",
                         help="start all runs at once (on a machine already oversubscribed, so that they share the "
                              "same load and finish in time; compare CPU seconds then)")
-    parser.add_argument("--runtime", nargs="+", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--runtime", nargs="+", default=[], type=runtime_field, metavar="KEY=VALUE",
                         help="more runtime fields for our runs (keep_freed_memory=true, ...)")
     parser.add_argument("--shape", default="vit-b32", help="a pipeline_cost.py shape (tiny: a quick check)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/featcal-bench"))
@@ -82,7 +82,7 @@ def main() -> None:
         parser.error("--precision must include fp32: the weight gap is measured on our fp32 run")
     work = args.work / args.shape
     build_inputs(work, args.shape, args.experts, args.examples)
-    extra = dict(item.split("=", 1) for item in args.runtime)
+    extra = dict(args.runtime)
     stamp = time.time_ns()
     dirs = {"official": args.work / f"official-{args.shape}-{stamp}"}
     jobs = {"official": lambda: run_official(args.official.resolve(), work, dirs["official"], args.experts,

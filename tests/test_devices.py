@@ -219,7 +219,6 @@ def test_release_freed_memory_returns_the_heap_a_stage_freed() -> None:
     assert before - after > 150, (before, after)
 
 
-
 def _freed_mib_left_in_rss(keep: bool) -> float:
     """MiB of a freed 64 MiB tensor still in the process's RSS, in a child process: keep_freed_memory changes the C
     heap for the rest of a process's life, which this one must not get."""
