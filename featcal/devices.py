@@ -151,18 +151,27 @@ _MALLOPT = _libc_function("mallopt")
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 
 
-def keep_freed_memory() -> bool:
+def check_keep_freed_memory(asked: bool) -> None:
+    """Refuse runtime.keep_freed_memory before any work where the C library cannot apply it (macOS, musl)."""
+    if asked and _MALLOPT is None:
+        raise ValueError("runtime.keep_freed_memory: true needs glibc's mallopt, which this process's C library "
+                         "lacks; set it to false")
+
+
+def keep_freed_memory() -> None:
     """Have glibc keep the memory a stage frees for the next stage (runtime.keep_freed_memory), for the rest of this
     process's life: every block from one heap (none mapped on its own, one arena for all threads), never trimmed.
     glibc maps each block over 32 MiB on its own and unmaps it when freed, so every stage faulted its float64 sums
     and solve matrices in afresh, and with the model shards in the page cache each fault also reclaimed a page: a
     Llama-3.2-3B block spent 14.0 of its 63.1 s in the kernel, 8.3 of 57.8 s with this
-    (benchmarks/results/heap_reuse_llama.md). False where the C library is not glibc."""
-    if _MALLOPT is None:
-        return False
+    (benchmarks/results/heap_reuse_llama.md)."""
+    check_keep_freed_memory(True)
     # mallopt returns 1 on success; −1 as the trim threshold means never (mallopt(3))
-    return all(_MALLOPT(param, value) == 1 for param, value in ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1),
-                                                                 (M_ARENA_MAX, 1)))
+    settings = (("M_MMAP_MAX", M_MMAP_MAX, 0), ("M_TRIM_THRESHOLD", M_TRIM_THRESHOLD, -1),
+                ("M_ARENA_MAX", M_ARENA_MAX, 1))
+    refused = [name for name, param, value in settings if _MALLOPT(param, value) != 1]
+    if refused:
+        raise ValueError(f"runtime.keep_freed_memory: glibc's mallopt refused {', '.join(refused)}; set it to false")
 
 
 def release_freed_memory() -> None:

@@ -17,7 +17,7 @@ from featcal.data import DataError, InputBuilder, load_split
 from featcal.hub import Resolved, hub_ref, local_dir, resolve
 from featcal.input_checks import (label_names_check, label_range_error, pad_with_eos, safetensors_header_error,
                                   text_length_limit, text_type_error)
-from featcal.devices import bf16_warning, resolve_device
+from featcal.devices import bf16_warning, check_keep_freed_memory, resolve_device
 from featcal.modeling import Skeleton, expert_checkpoint
 from featcal.setup_checks import setup_warnings, strict_refusal
 from featcal.t5 import answer_kind
@@ -373,6 +373,7 @@ def preflight(cfg: RunConfig, quiet: bool = False) -> Checked:
     the run slow, cut its texts or pad them with EOS, and the degenerate set-ups, are logged unless `quiet`
     (`featcal plan` prints them in its own text; `featcal run` plans quietly, then its pipeline says them once)."""
     device = resolve_device(cfg.runtime.device)  # a device torch cannot reach fails here, not at the first Gram
+    check_keep_freed_memory(cfg.runtime.keep_freed_memory)
     slow = bf16_warning(device, cfg.runtime.precision, cpu_has_native_bf16())
     if slow and not quiet:
         log.warning(slow)

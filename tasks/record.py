@@ -17,9 +17,8 @@ StageFn = Callable[..., tuple[list[str], dict[str, Any]]]
 def execute(run_dir: str, stage: str, key: str, fn: StageFn, needs: dict[str, str], params: dict[str, Any]) -> Record:
     """A pipeline stage: `fn(ctx, **params)` with the run's context."""
     ctx: RunContext = context(run_dir)
-    if ctx.cfg.runtime.keep_freed_memory and not keep_freed_memory():
-        raise RuntimeError("runtime.keep_freed_memory needs glibc's mallopt, which this process's C library lacks; "
-                           "set it to false")
+    if ctx.cfg.runtime.keep_freed_memory:
+        keep_freed_memory()
     reset_device_peak(ctx.device)
 
     def work() -> tuple[list[str], dict[str, Any]]:

@@ -14,6 +14,7 @@ import yaml
 import torch
 from safetensors.torch import load_file
 
+import featcal.devices
 from flows.cli import main
 from tests.conftest import one_error_line, plan_or_run_args
 from tests.tiny_example_inputs import (
@@ -311,6 +312,19 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny_example, tmp_path, capsys
     line = one_error_line(capsys.readouterr().err)
     for word in case.words:
         assert word in line, (word, line)
+    assert not run_dir.exists()
+
+
+def test_keep_freed_memory_without_glibc_is_refused_before_work(tiny_example, tmp_path, capsys, monkeypatch):
+    """A C library without mallopt (macOS, musl) cannot keep freed memory: refused by preflight, in one line naming
+    the field, with no run directory made."""
+    monkeypatch.setattr(featcal.devices, "_MALLOPT", None)
+    root = copied_bert_example(tiny_example, tmp_path)
+    run_dir = tmp_path / "run"
+    capsys.readouterr()
+    args = [*plan_or_run_args("run", root / "example.yaml", run_dir), "--set", "runtime.keep_freed_memory=true"]
+    assert main(args) == 2
+    assert "runtime.keep_freed_memory: true needs glibc's mallopt" in one_error_line(capsys.readouterr().err)
     assert not run_dir.exists()
 
 

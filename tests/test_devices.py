@@ -226,7 +226,7 @@ def _freed_mib_left_in_rss(keep: bool) -> float:
         "import torch\n"
         "from featcal.devices import keep_freed_memory\n"
         "from tests.test_devices import _rss_anon_mib\n"
-        f"assert {keep} is False or keep_freed_memory()\n"
+        f"if {keep}: keep_freed_memory()\n"
         "t = torch.empty(2**24).fill_(1.0)\n"  # 64 MiB
         "held = _rss_anon_mib()\n"
         "del t\n"
@@ -243,6 +243,8 @@ def test_keep_freed_memory_keeps_a_freed_block_for_the_next_stage() -> None:
     assert _freed_mib_left_in_rss(keep=True) > 56
 
 
-def test_keep_freed_memory_says_so_where_the_c_library_has_no_mallopt(monkeypatch) -> None:
+def test_keep_freed_memory_is_refused_where_the_c_library_has_no_mallopt(monkeypatch) -> None:
     monkeypatch.setattr(featcal.devices, "_MALLOPT", None)
-    assert featcal.devices.keep_freed_memory() is False
+    with pytest.raises(ValueError, match=r"^runtime\.keep_freed_memory: true needs glibc's mallopt"):
+        featcal.devices.keep_freed_memory()
+    featcal.devices.check_keep_freed_memory(False)  # not asked: nothing to refuse
