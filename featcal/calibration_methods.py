@@ -18,11 +18,11 @@ import torch
 
 from featcal.closed_form import (
     BiasTerm, Choice, Hyper, LinearMoments, choose_linear_hyper, choose_norm_hyper, cross_validated, head_factor,
-    head_metric, solve_linear_bias, solve_linear_weight, solve_linear_weight_head, solve_norm_affine,
-    solve_regmean_weight,
+    head_metric, solve_linear_bias, solve_linear_weight, solve_linear_weight_head, solve_linear_weight_rows,
+    solve_norm_affine, solve_regmean_weight,
 )
 from featcal.config import FeatCalConfig
-from featcal.statistics import fit_sums, held_out_sums, linear_moments, norm_moments
+from featcal.statistics import fit_sums, held_out_sums, linear_moments, linear_rows, norm_moments
 
 Side = Literal["merged", "expert"]
 
@@ -37,7 +37,8 @@ class StatisticsPlan:
     solve's products, μ_e); without, x_s fills both slots and only C_ss, μ_s are used. `pooled_token_weight`: in the
     last block, the weight of tokens other than the pooled one (None: every real token weighs 1).
     `held_out_every`: every Nth example's sums are also kept apart, for choosing hyperparameters on them;
-    `held_out_folds` such folds (examples i with i mod N = N − 1, N − 2, …), each kept apart in turn."""
+    `held_out_folds` such folds (examples i with i mod N = N − 1, N − 2, …), each kept apart in turn. `rows`: the
+    solve takes a module's rows instead of its Gram where they are few (featcal.statistics.row_form_pays)."""
 
     fit_block: Side
     fit_stream: Side
@@ -45,6 +46,7 @@ class StatisticsPlan:
     pooled_token_weight: float | None = None
     held_out_every: int | None = None
     held_out_folds: int = 1
+    rows: bool = False
 
     def __post_init__(self) -> None:
         if self.fit_block == "merged" and self.fit_stream == "expert":
@@ -70,6 +72,7 @@ class ModuleData:
     # Task t's head map H_t [classes, out] (Adapter.head_map) where this is the module that feeds the head and
     # featcal.head_metric is on; None elsewhere.
     head: Callable[[int], torch.Tensor] | None = None
+    rows: bool = False  # every task's statistics keep this module's rows (featcal.statistics: row form), not sums
 
 
 def _each_task_stats(module: ModuleData) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
@@ -201,7 +204,14 @@ class FeatCal(CalibrationMethod):
         return StatisticsPlan(fit_block="merged", fit_stream="merged", expert_side=True,
                               pooled_token_weight=self.settings["pooled_token_weight"],
                               held_out_every=self.settings["holdout_every"] if self.choosing else None,
-                              held_out_folds=self.settings["holdout_folds"] if self.choosing else 1)
+                              held_out_folds=self.settings["holdout_folds"] if self.choosing else 1,
+                              rows=self.takes_rows)
+
+    @property
+    def takes_rows(self) -> bool:
+        """Whether the solve's objective is the plain one that solve_linear_weight_rows solves."""
+        s = self.settings
+        return not (self.choosing or s["trust"] or s["shrinkage"] or s["head_metric"])
 
     def _split(self, module: ModuleData, stats: dict[str, torch.Tensor], t: int,
                fold: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -233,6 +243,8 @@ class FeatCal(CalibrationMethod):
                                       for fold in range(self.settings["holdout_folds"])], self.lams, self.rhos,
                                      self.shrinks, self.one_standard_error)
         hp, report = self._chosen(choice)
+        if module.rows and self.takes_rows:
+            return self._solve_rows(module, hp, report)
         bias_terms: list[BiasTerm] = []
         eta = self.settings["head_metric"]
         heads = None if module.head is None or not eta else _head_factors(module, len(weights))
@@ -265,6 +277,24 @@ class FeatCal(CalibrationMethod):
             solved["bias"] = solve_linear_bias(bias_terms, sol.weight, module.merged("bias"), module.base("bias"), hp,
                                                merged_weight=w_merged)
         return Solved(solved, damping=sol.damping, eps=hp.eps, report=report)
+
+    def _solve_rows(self, module: ModuleData, hp: Hyper, report: dict[str, Any]) -> Solved:
+        """solve_linear with every task's rows at once (few by the Gram stage's choice), in row form."""
+        stats = list(module.stats())
+        rows = [replace(linear_rows(s, module.where), weight=c) for s, c in zip(stats, module.task_weights, strict=True)]
+        w_merged = module.merged("weight")
+        sol, normalisers = solve_linear_weight_rows(rows, w_merged, module.base("weight"), hp)
+        solved = {"weight": sol.weight}
+        if module.has_bias and self.settings["calibrate_bias"]:
+            terms = []
+            for t, (s, r, n_t) in enumerate(zip(stats, rows, normalisers, strict=True)):
+                mu_s, mu_e = s["sum_s"] / r.sum_w, s["sum_e"] / r.sum_w
+                mu_t = hp.alpha * mu_e + (1.0 - hp.alpha) * mu_s
+                expert_out = module.expert(t, "bias").double() + module.expert(t, "weight").double() @ mu_t
+                terms.append(BiasTerm(1.0 / n_t, mu_s, expert_out))
+            solved["bias"] = solve_linear_bias(terms, sol.weight, module.merged("bias"), module.base("bias"), hp,
+                                               merged_weight=w_merged)
+        return Solved(solved, damping=sol.damping, eps=hp.eps, report={**report, "solve_path": sol.path})
 
     def solve_norm(self, module: ModuleData) -> Solved | None:
         if not self.settings["calibrate_norm"]:

@@ -136,6 +136,80 @@ def solve_linear_weight(
     return _ridge(a, b, hp.eps, mixed)
 
 
+@dataclass
+class LinearRows:
+    """One task's rows of one module, for the weight solve in row form: where all tasks' rows together are few
+    against the input width, their n × n system costs less than the in × in one of the Gram (solve_linear_weight_rows).
+    Rows of zero weight are left out by the Gram stage."""
+
+    x: torch.Tensor  # x_s [rows, in]
+    y: torch.Tensor  # W_t x_t [rows, out], x_t = α·x_e + (1−α)·x_s, for the α its Gram stage was keyed with
+    w: torch.Tensor  # token weights [rows]
+    sum_w: float  # Σw over all the task's rows
+    weight: float = 1.0  # c_t, as LinearMoments.weight
+
+    def moments(self, mu_s: torch.Tensor, mu_e: torch.Tensor) -> LinearMoments:
+        """The same statistics as Gram-form moments (C_ss and P_t), for the solves that need the in × in system."""
+        wx = self.x.double() * (self.w.double() / self.sum_w)[:, None]
+        return LinearMoments(c_ss=wx.T @ self.x.double(), mu_s=mu_s, mu_e=mu_e, p_st=wx.T @ self.y.double(),
+                             weight=self.weight)
+
+
+# Width of the panels over which the row form's products of fp32 rows sum in fp32 before adding up in float64: a
+# Gram-stage chunk's rows at 8 × 128 tokens, so that the row form's products round as the Gram form's do.
+PANEL = 1024
+
+
+def panel_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a·bᵀ in float64, multiplied in a's and b's own precision (fp32 at least) over PANEL-wide panels of their
+    shared dimension: fp32 rows multiply at the fp32 rate, as the Gram stage's chunks do, and float64 rows exactly."""
+    dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    out = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float64, device=a.device)
+    for start in range(0, a.shape[1], PANEL):
+        out.add_(a[:, start:start + PANEL].to(dtype) @ b[:, start:start + PANEL].to(dtype).T)
+    return out
+
+
+def solve_linear_weight_rows(tasks: Sequence[LinearRows], merged: torch.Tensor, base: torch.Tensor,
+                             hp: Hyper) -> tuple[LinearSolution, list[float]]:
+    """solve_linear_weight's Wᵀ from the rows themselves, and each task's n_t/c_t (for the bias solve).
+
+    With Q the rows √(w/(Σw·n_t))·x_s of all tasks stacked [n, in] and Y their targets W_t x_t weighted alike, the
+    system is (QᵀQ + δI)Wᵀ = QᵀY + λA(W)ᵀ, δ = λ + ε. By (QᵀQ + δI)⁻¹Qᵀ = Qᵀ(QQᵀ + δI)⁻¹,
+
+        Wᵀ = (λ/δ)·A(W)ᵀ + Qᵀ(QQᵀ + δI)⁻¹(Y − (λ/δ)·Q·A(W)ᵀ):
+
+    an n × n Cholesky and 4·n·in·out multiply-adds for in³/3 + 2·in²·out, and no in × in Gram in the Gram stage.
+    n_t = ‖C_ss‖_F = ‖X_t diag(w) X_tᵀ‖_F/Σw comes from the diagonal blocks of QQᵀ. QQᵀ and Q·A(W)ᵀ, the row form's
+    Gram and right-hand side, multiply the rows as stored (panel_product: fp32 products, as the Gram form's sums);
+    the factorisation, its solves and Qᵀ(·) are float64. Only the plain objective (no trust, shrinkage or head
+    metric): the others need the Gram (LinearRows.moments)."""
+    if hp.trust or hp.shrink:
+        raise ValueError("the row-form solve takes neither featcal.trust nor featcal.shrinkage: use the moments")
+    x = torch.cat([t.x for t in tasks])
+    g = panel_product(x, x)
+    normalisers, scale, start = [], [], 0
+    for t in tasks:
+        end = start + t.x.shape[0]
+        root_w = t.w.double().sqrt()
+        norm = float(torch.linalg.matrix_norm(g[start:end, start:end] * root_w[:, None] * root_w[None, :])) / t.sum_w
+        normalisers.append((norm if norm > 0 else 1.0) / t.weight)
+        scale.append(root_w / (t.sum_w * normalisers[-1]) ** 0.5)
+        start = end
+    s = torch.cat(scale)  # Q = diag(s)·X
+    g.mul_(s[:, None]).mul_(s[None, :])
+    g.diagonal().add_(hp.lam)
+    a = anchor(merged, base, hp.rho)  # [out, in]
+    qa = panel_product(x, a).mul_(s[:, None])  # [n, out]
+    y = torch.cat([t.y for t in tasks]).double().mul_(s[:, None])
+    sol = featcal_kernels.ridge_solve(g, y - qa * (hp.lam / (hp.lam + hp.eps)), damping=hp.eps)
+    if sol.damping != hp.eps:  # the damping grew: the anchor's share follows δ = λ + damping
+        sol = featcal_kernels.ridge_solve(g, y - qa * (hp.lam / (hp.lam + sol.damping)), damping=sol.damping)
+    weight = (sol.x.T @ x.double().mul_(s[:, None])).add_(a, alpha=hp.lam / (hp.lam + sol.damping))
+    return LinearSolution(weight=weight, damping=sol.damping, path=f"rows: {x.shape[0]} rows for {x.shape[1]} "
+                          "inputs"), normalisers
+
+
 HEAD_TOL = 1e-12  # relative residual at which the head-metric solve stops: float64 accuracy (docs/design.md §6)
 HEAD_MAX_STEPS = 5000
 

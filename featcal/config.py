@@ -292,6 +292,11 @@ class RuntimeConfig(_Strict):
     solve_precision: Literal["float64", "mixed"] = Field(
         "float64", description="mixed: each linear solve factors in fp32 and refines against a float64 residual, "
                                "falling back to float64 when refinement stalls (the solve record says which per module)")
+    row_statistics: Literal["auto", "off"] = Field(
+        "auto", description="auto: a module whose calibration rows (all tasks together) are few against its input "
+                            "width keeps those rows instead of its in × in Gram, where that makes the Gram and solve "
+                            "stages cheaper (featcal's plain objective only; the solve record says 'rows'); off: "
+                            "Grams always")
     keep_freed_memory: bool = Field(False, description="glibc keeps the memory a stage frees for the next one (no "
                                     "block mapped on its own, no heap trimming, one arena): fewer page faults, a "
                                     "higher peak RSS; Linux/glibc only (docs/performance.md)")

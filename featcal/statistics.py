@@ -7,7 +7,11 @@ Two savings keep the Gram stage near its floor (docs/design.md §3):
 - a module keeps the expert side in the cheaper of two forms: C_se = Σ w x_s x_eᵀ (in × in), which the solve
   multiplies by W_tᵀ in float64, or the product it stands for, P_t = Σ w x_s (W_t x_t)ᵀ (in × out, fp32 within a
   chunk), with W_t x_t = α·y_e + (1−α)·W_t x_s: y_e = W_t x_e is the expert module's own output, so P_t costs
-  W_t x_s and one product, for the run's α (featcal.alpha, part of the Gram stage's key).
+  W_t x_s and one product, for the run's α (featcal.alpha, part of the Gram stage's key);
+- a module whose rows, all tasks' together, are few against its input width keeps the rows themselves (x_s, its
+  target W_t x_t and the token weights) instead of any in × in sum, where the method's solve takes them
+  (StatisticsPlan.rows) and runtime.row_statistics allows: no Gram products at all, and a solve in row form
+  (featcal.closed_form.solve_linear_weight_rows) that costs less than the Gram's.
 """
 
 from __future__ import annotations
@@ -20,11 +24,11 @@ from torch import nn
 
 import featcal_kernels
 from featcal_kernels.bf16 import bf16_target_product, bf16_units_serve
-from featcal.closed_form import LinearMoments, NormMoments
+from featcal.closed_form import LinearMoments, LinearRows, NormMoments
 from featcal.modeling import as_out_in, is_norm, linear_dims, normalized
 
-# How a module's statistics keep the expert side: not at all (RegMean's C_ss only), C_se, or P_e and P_s.
-FORMS = ("none", "gram", "product")
+# How a module's statistics keep the expert side: not at all (RegMean's C_ss only), C_se, P_t, or its rows.
+FORMS = ("none", "gram", "product", "rows")
 # Joins the names of the modules that read one input, in the key of its sums (module names never hold it).
 READERS = "+"
 
@@ -42,6 +46,16 @@ def expert_side_form(rows: int, d_in: int, d_out: int, sharers: int) -> str:
     (2·in²·out at about half the fp32 rate); else 'gram'. `rows` is the task's token rows for the module."""
     product = PRODUCT_MARGIN * 4 * rows * d_out
     return "product" if product < 2 * rows * d_in / sharers + 4 * d_in * d_out else "gram"
+
+
+def row_form_pays(rows: int, tasks: int, d_in: int, d_out: int) -> bool:
+    """Whether keeping a module's rows beats its Gram: the row-form solve's float64 multiply-adds (n = tasks·rows:
+    Q·A(W)ᵀ and Qᵀ·S, QQᵀ, the n × n Cholesky and its solves) against the Gram stage's fp32 C_ss products and the
+    in × in solve in float64 (at half the fp32 rate). `rows` is a task's token rows for the module."""
+    n = tasks * rows
+    row_form = 2 * (4 * n * d_in * d_out + 2 * n * n * d_in + n**3 // 3 + 2 * n * n * d_out)
+    gram_form = tasks * 2 * rows * d_in * d_in + 2 * (d_in**3 // 3 + 2 * d_in * d_in * d_out)
+    return row_form < gram_form
 
 
 # Rows of a fp32 chunk sum widened into a float64 running sum at a time: 2 MiB of float64.
@@ -63,9 +77,9 @@ def add_widened(total: torch.Tensor, part: torch.Tensor) -> None:
 class InputSums:
     """Σ w x_s x_sᵀ (and Σ w x_s x_eᵀ when some reader keeps C_se), Σ w x_s, Σ w x_e, Σ w of one module input."""
 
-    def __init__(self, dim: int, with_se: bool, device: torch.device | None = None):
+    def __init__(self, dim: int, with_se: bool, device: torch.device | None = None, with_ss: bool = True):
         f64 = {"dtype": torch.float64, "device": device}
-        self.ss = torch.zeros(dim, dim, **f64)
+        self.ss = torch.zeros(dim, dim, **f64) if with_ss else None  # None: every reader keeps its rows
         self.se = torch.zeros(dim, dim, **f64) if with_se else None
         self.sum_s = torch.zeros(dim, **f64)
         self.sum_e = torch.zeros(dim, **f64)
@@ -73,6 +87,12 @@ class InputSums:
         self.flops = 0
 
     def add(self, xs: torch.Tensor, xe: torch.Tensor, w: torch.Tensor) -> None:
+        if self.ss is None:
+            w32 = w.float()
+            self.sum_s += xs.float().T @ w32
+            self.sum_e += xe.float().T @ w32
+            self.sum_w += w.double().sum()
+            return
         g = featcal_kernels.dual_gram(xs, xe if self.se is not None else None, w)
         add_widened(self.ss, g.c_ss)
         self.sum_s += g.sum_s
@@ -87,22 +107,25 @@ class InputSums:
             self.sum_e += xe.float().T @ w.float()
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"ss": self.ss, "sum_s": self.sum_s, "sum_e": self.sum_e, "sum_w": self.sum_w}
+        out = {"sum_s": self.sum_s, "sum_e": self.sum_e, "sum_w": self.sum_w}
+        if self.ss is not None:
+            out["ss"] = self.ss
         return out if self.se is None else {**out, "se": self.se}
 
 
 class LinearStats:
     """One linear module's statistics: the sums of its input (its own, or shared with the module `owner` that
-    reads the same input) and, in product form, P_t for the target mix `alpha`."""
+    reads the same input) and, in product form, P_t for the target mix `alpha`; in row form its rows instead."""
 
     def __init__(self, d_in: int, d_out: int, form: str, owner: str, inputs: InputSums, alpha: float | None):
         if form not in FORMS:
             raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-        if form == "product" and alpha is None:
-            raise ValueError("product-form statistics need featcal.alpha, the target mix they sum")
+        if form in ("product", "rows") and alpha is None:
+            raise ValueError(f"{form}-form statistics need featcal.alpha, the target mix they keep")
         self.form, self.owner, self.inputs, self.alpha = form, owner, inputs, alpha
-        f64 = {"dtype": torch.float64, "device": inputs.ss.device}
+        f64 = {"dtype": torch.float64, "device": inputs.sum_s.device}
         self.pt = torch.zeros(d_in, d_out, **f64) if form == "product" else None
+        self.rows: dict[str, list[torch.Tensor]] = {"xs": [], "yt": [], "w": []}  # row form: one entry per chunk
         self.flops = 0
 
     def add_target_product(self, xs: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor, y: torch.Tensor,
@@ -120,7 +143,22 @@ class LinearStats:
             add_widened(self.pt, (xs32 * w32[:, None]).T @ target)
         self.flops += 4 * xs.shape[0] * w_t.shape[0] * w_t.shape[1]
 
+    def add_rows(self, xs: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor, y: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        """Row form: the chunk's rows of non-zero weight, x_s as they came (bf16 rows widen exactly in the solve),
+        their weights, and W_t x_t = α·y_e + (1−α)·W_t x_s in fp32 (y_e = y − bias, as add_target_product)."""
+        keep = w > 0
+        xs, w, y = xs[keep], w[keep], y[keep]
+        target = torch.mm(xs.float(), w_t.float().T).mul_(1.0 - self.alpha)
+        target.add_(y.float() if bias is None else y.float() - bias.float(), alpha=self.alpha)
+        self.rows["xs"].append(xs)
+        self.rows["yt"].append(target)
+        self.rows["w"].append(w.float())
+        self.flops += 2 * xs.shape[0] * w_t.shape[0] * w_t.shape[1]
+
     def tensors(self) -> dict[str, torch.Tensor]:
+        if self.form == "rows":
+            return {key: torch.cat(parts) for key, parts in self.rows.items()}
         return {} if self.pt is None else {"pt": self.pt}
 
 
@@ -162,7 +200,14 @@ def linear_moments(t: dict[str, torch.Tensor], module: str, in_place: bool = Fal
     def mean(key: str) -> torch.Tensor | None:
         return of(key) if key in t else None
 
+    if "xs" in t:  # row form, asked for its in × in moments
+        return linear_rows(t, module).moments(of("sum_s"), of("sum_e"))
     return LinearMoments(c_ss=of("ss"), mu_s=of("sum_s"), mu_e=of("sum_e"), c_se=mean("se"), p_st=mean("pt"))
+
+
+def linear_rows(t: dict[str, torch.Tensor], module: str) -> LinearRows:
+    """One module's row-form statistics (keys xs, yt, w besides the input's sums)."""
+    return LinearRows(x=t["xs"], y=t["yt"], w=t["w"], sum_w=_positive(t["sum_w"], module))
 
 
 def norm_moments(t: dict[str, torch.Tensor], module: str) -> NormMoments:
@@ -266,7 +311,8 @@ def new_stats(modules: dict[str, nn.Module], forms: dict[str, str] | None = None
         owner = owners.get(name, name)
         if owner not in sums:
             readers = [n for n in modules if owners.get(n, n) == owner]
-            sums[owner] = InputSums(d_in, any(forms.get(n, "gram") == "gram" for n in readers), device)
+            sums[owner] = InputSums(d_in, any(forms.get(n, "gram") == "gram" for n in readers), device,
+                                    with_ss=not all(forms.get(n, "gram") == "rows" for n in readers))
         out[name] = LinearStats(d_in, d_out, forms.get(name, "gram"), owner, sums[owner], alpha)
     return out
 
@@ -316,17 +362,21 @@ def accumulate(
             continue
         if s.owner == name:
             s.inputs.add(xs, expert_inputs[name], w)
-        if s.form == "product":
+        if s.form in ("product", "rows"):
             if expert_outputs is None or expert_modules is None:
-                raise ValueError(f"module {name}: product-form statistics need the expert module and its outputs")
+                raise ValueError(f"module {name}: {s.form}-form statistics need the expert module and its outputs")
             expert = expert_modules[name]
-            s.add_target_product(xs, w, as_out_in(expert, expert.weight), expert_outputs[name], expert.bias)
+            add = s.add_rows if s.form == "rows" else s.add_target_product
+            add(xs, w, as_out_in(expert, expert.weight), expert_outputs[name], expert.bias)
 
 
 def stats_layout(modules: dict[str, nn.Module], weights: dict[str, torch.Tensor], sides: tuple[dict[str, torch.Tensor], ...],
-                 examples: int, chunk_examples: int, keeps_expert: bool) -> tuple[dict[str, str], dict[str, str]]:
+                 examples: int, chunk_examples: int, keeps_expert: bool,
+                 rows_of_tasks: int = 0) -> tuple[dict[str, str], dict[str, str]]:
     """(form, owner of the input sums) of each linear module, from a task's first chunk of module inputs: the form
-    for the task's `examples` examples (the chunk has `chunk_examples`), 'none' when the expert side is not kept."""
+    for the task's `examples` examples (the chunk has `chunk_examples`), 'none' when the expert side is not kept.
+    `rows_of_tasks` > 0: the solve takes rows, from that many tasks: a module that reads its input alone keeps its
+    rows where that pays (row_form_pays, each task taken to have this task's rows)."""
     linear = [n for n, m in modules.items() if not is_norm(m)]
     owners = input_owners(linear, weights, *sides)
     forms = {}
@@ -334,5 +384,10 @@ def stats_layout(modules: dict[str, nn.Module], weights: dict[str, torch.Tensor]
         d_in, d_out = linear_dims(modules[name])
         rows = sides[0][name].shape[0] // chunk_examples * examples
         sharers = sum(o == owners[name] for o in owners.values())
-        forms[name] = expert_side_form(rows, d_in, d_out, sharers) if keeps_expert else "none"
+        if not keeps_expert:
+            forms[name] = "none"
+        elif rows_of_tasks and sharers == 1 and row_form_pays(rows, rows_of_tasks, d_in, d_out):
+            forms[name] = "rows"
+        else:
+            forms[name] = expert_side_form(rows, d_in, d_out, sharers)
     return forms, owners

@@ -14,7 +14,7 @@ from featcal.hub import local_dir
 from featcal.devices import activation_dtype, bf16_warning, resolve_device
 from featcal_kernels.bf16 import cpu_has_native_bf16
 from featcal.modeling import Skeleton, calibrated_modules, is_norm, linear_dims
-from featcal.statistics import expert_side_form
+from featcal.statistics import expert_side_form, row_form_pays
 from flows.pipeline import stage_count
 from storage.checkpoint import CanonicalCheckpoint
 from storage.lora import config_directory
@@ -51,10 +51,21 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
     boundary = n * tokens * hidden * act  # one side of one boundary
     # One task's float64 statistics of one block, at most (modules that read the same input share theirs): C_ss per
     # module, and for FeatCal the expert side as the Gram stage keeps it, C_se or the product P_t.
-    keeps_expert = calibration_method(cfg.featcal).statistics.expert_side
-    stats = sum(8 * (d_in * d_in + (0 if not keeps_expert else d_in * d_out
-                                    if expert_side_form(n * tokens, d_in, d_out, 1) == "product" else d_in * d_in))
-                for d_in, d_out in linear)
+    # A module whose input width no other module of the block has reads its input alone and keeps its rows where the
+    # Gram stage finds that pays: n·tokens rows of x_s, its target and weight (float32 at most). Where widths repeat
+    # (q/k/v, gate/up share one input), the Gram form is assumed: the larger.
+    statistics_plan = calibration_method(cfg.featcal).statistics
+    keeps_expert = statistics_plan.expert_side
+    takes_rows = statistics_plan.rows and cfg.runtime.row_statistics == "auto"
+
+    def module_stats(d_in: int, d_out: int) -> int:
+        if takes_rows and linear_in.count(d_in) == 1 and row_form_pays(n * tokens, T, d_in, d_out):
+            return 4 * n * tokens * (d_in + d_out + 1)
+        expert = 0 if not keeps_expert else (d_in * d_out if expert_side_form(n * tokens, d_in, d_out, 1) == "product"
+                                             else d_in * d_in)
+        return 8 * (d_in * d_in + expert)
+
+    stats = sum(module_stats(d_in, d_out) for d_in, d_out in linear)
     chunk = bs * tokens * max([hidden, *linear_in]) * act * (2 + len(modules))
     # The prepare stage loads one side's embedding at a time: its float32 parameters and, while they fill, the stored
     # tensors (an LLM's embedding is the largest thing a stage holds).

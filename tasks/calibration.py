@@ -230,8 +230,9 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
     def add(weights: dict[str, torch.Tensor], sink_s: dict[str, torch.Tensor], sink_e: dict[str, torch.Tensor],
             outs_e: dict[str, torch.Tensor] | None, chunk_examples: int) -> None:
         if not made:
+            rows_of_tasks = len(ctx.tasks) if plan.rows and ctx.cfg.runtime.row_statistics == "auto" else 0
             forms, owners = stats_layout(stats_modules, weights, (sink_s, sink_e), examples, chunk_examples,
-                                         keeps_expert=plan.expert_side)
+                                         keeps_expert=plan.expert_side, rows_of_tasks=rows_of_tasks)
             alpha = ctx.cfg.featcal.alpha
             made.update(stats=new_stats(stats_modules, forms, owners, ctx.device, alpha), owners=owners,
                         held=[new_stats(stats_modules, forms, owners, ctx.device, alpha)
@@ -291,7 +292,8 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
     outputs.append(stats_rel)
     info = {"drift_in": (drift["in_diff"] / max(drift["in_ref"], 1e-30)) ** 0.5,
             "gram_flops": stats_flops(stats) + sum(stats_flops(held) for held in folds),
-            "product_form": sorted(m for m, s in stats.items() if getattr(s, "form", None) == "product")}
+            "product_form": sorted(m for m, s in stats.items() if getattr(s, "form", None) == "product"),
+            "row_form": sorted(m for m, s in stats.items() if getattr(s, "form", None) == "rows")}
     if merged_block is not None:  # the uncalibrated merged block ran: how far its output is from the expert's
         info["drift_out_uncalibrated"] = (drift["out_diff"] / max(drift["out_ref"], 1e-30)) ** 0.5
     return outputs, info
@@ -338,10 +340,11 @@ def _task_stats(ctx: RunContext, layer: int, module: str,
         path = ctx.run / ctx.run.stats(task, layer)
         header, start = read_header(path)
         keys = module_keys(list(header), module)
-        if "pt" in keys.values():  # P_t holds α: sums for another α are not this run's
+        if {"pt", "yt"} & set(keys.values()):  # P_t and the row form's targets hold α: another α's are not this run's
             summed_for = read_metadata(path).get(STATS_ALPHA)
             if summed_for != repr(ctx.cfg.featcal.alpha):
-                raise ValueError(f"{path}: module {module}'s P_t was summed for featcal.alpha {summed_for}, the run "
+                kept = "P_t was summed" if "pt" in keys.values() else "row targets were taken"
+                raise ValueError(f"{path}: module {module}'s {kept} for featcal.alpha {summed_for}, the run "
                                  f"asks {ctx.cfg.featcal.alpha}; rerun its Gram stage")
         yield {part: read_tensor(path, header[key], start).to(device) for key, part in keys.items()}
 
@@ -460,8 +463,14 @@ def _module_data(ctx: RunContext, layer: int, name: str, module: torch.nn.Module
         merged=lambda part: solve_layout(part, merged[names[part]]),
         base=lambda part: solve_layout(part, base.get(prefix + names[part])),
         expert=lambda t, part: solve_layout(part, experts[t].get(prefix + names[part])),
-        head=_head(ctx, layer, name, experts, device))
+        head=_head(ctx, layer, name, experts, device), rows=not is_norm(module) and _keeps_rows(ctx, layer, name))
     return data, stored
+
+
+def _keeps_rows(ctx: RunContext, layer: int, module: str) -> bool:
+    """Whether every task's statistics file keeps `module`'s rows (row form) rather than its sums."""
+    return all("xs" in module_keys(list(read_header(ctx.run / ctx.run.stats(task, layer))[0]), module).values()
+               for task in ctx.tasks)
 
 
 def _head(ctx: RunContext, layer: int, name: str, experts: list[CanonicalCheckpoint | LoraCheckpoint],

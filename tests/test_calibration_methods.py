@@ -46,12 +46,16 @@ def test_each_method_declares_its_keys_and_statistics(name):
 
 def test_statistics_plans():
     plans = {name: calibration_method(_featcal(method=name)).statistics for name in METHODS}
-    assert plans["featcal"] == StatisticsPlan("merged", "merged", expert_side=True, pooled_token_weight=0.01)
+    assert plans["featcal"] == StatisticsPlan("merged", "merged", expert_side=True, pooled_token_weight=0.01,
+                                              rows=True)
     assert plans["regmean"] == StatisticsPlan("expert", "expert", expert_side=False)
     assert plans["regmean_plus_plus"] == StatisticsPlan("expert", "merged", expert_side=False)
     # Held-out rows only where the method chooses λ / ρ on them: FeatCal with either on auto.
     assert calibration_method(_featcal(rho="auto", holdout_every=3)).statistics.held_out_every == 3
     assert calibration_method(_featcal(method="regmean", **{"lambda": "auto"})).statistics.held_out_every is None
+    # Rows only where the solve's objective is the plain one that the row form solves.
+    for changed in ({"rho": "auto"}, {"trust": 0.1}, {"shrinkage": 0.1}, {"head_metric": 0.5}):
+        assert not calibration_method(_featcal(**changed)).statistics.rows, changed
     with pytest.raises(ValueError, match="^StatisticsPlan: the merged block runs on the merged stream only"):
         StatisticsPlan("merged", "expert", expert_side=True)
 

@@ -45,7 +45,7 @@ def _chunks():
 
 
 @torch.no_grad()
-def _stats(forced: str | None, monkeypatch):
+def _stats(forced: str | None, monkeypatch, rows_of_tasks: int = 0):
     torch.manual_seed(0)
     merged, expert = SharedInputBlock(), SharedInputBlock()
     mods_m, mods_e = calibrated_modules(merged), calibrated_modules(expert)
@@ -60,7 +60,8 @@ def _stats(forced: str | None, monkeypatch):
             expert(e)
         weights = dict.fromkeys(mods_m, mask.reshape(-1))
         if stats is None:
-            forms, owners = stats_layout(mods_m, weights, (sink_m, sink_e), 6, 2, keeps_expert=True)
+            forms, owners = stats_layout(mods_m, weights, (sink_m, sink_e), 6, 2, keeps_expert=True,
+                                         rows_of_tasks=rows_of_tasks)
             stats = new_stats(mods_m, forms, owners, alpha=ALPHA)
         accumulate(stats, mods_m, sink_m, sink_e, weights, outs_e, mods_e)
     return stats, merged, expert

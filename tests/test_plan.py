@@ -9,14 +9,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from featcal.config import config_from_dict
 import flows.plan
+from featcal.statistics import expert_side_form
 from flows.plan import GIB, plan, render
 import tasks.preflight
 from tests.test_decoders import SHAPE, _rows
 
 
-def _config(root, dtype: torch.dtype, vocab: int = 64):
+def _config(root, dtype: torch.dtype, vocab: int = 64, examples: int = 16, **shape):
     torch.manual_seed(0)
-    config = LlamaConfig(**{**SHAPE, "vocab_size": vocab}, tie_word_embeddings=True)
+    config = LlamaConfig(**{**SHAPE, "vocab_size": vocab, **shape}, tie_word_embeddings=True)
     model = LlamaForCausalLM(config).to(dtype)
     model.save_pretrained(root / "base")
     with torch.no_grad():  # an expert equal to its base would be a degenerate set-up, warned about in every plan
@@ -26,7 +27,7 @@ def _config(root, dtype: torch.dtype, vocab: int = 64):
     _rows(0).save_to_disk(str(root / "d0"))
     return config_from_dict({
         "base": str(root / "base"), "experts": {"task0": str(root / "e0")},
-        "calibration": {"data": {"task0": {"path": str(root / "d0")}}, "examples_per_task": 16, "batch_size": 4,
+        "calibration": {"data": {"task0": {"path": str(root / "d0")}}, "examples_per_task": examples, "batch_size": 4,
                         "max_length": SHAPE["max_position_embeddings"]},
         "evaluation": {"enabled": False},
     }, root)
@@ -61,6 +62,18 @@ def test_ram_estimate_adds_the_prepare_stage_under_keep_freed_memory(tmp_path):
     blocks = plan(_config(tmp_path / "small", torch.bfloat16, vocab=64))["estimated_peak_ram_gib"] - 1.0
     assert math.isclose(default["estimated_peak_ram_gib"], prepare / GIB + 1.0, abs_tol=0.001)
     assert math.isclose(kept["estimated_peak_ram_gib"], prepare / GIB + blocks + 1.0, abs_tol=0.002)
+
+
+def test_disk_estimate_counts_rows_where_the_gram_stage_keeps_them(tmp_path):
+    """A wide MLP against 2 examples of at most 64 tokens: down_proj (the one module whose input width is its own)
+    keeps its 128 rows (x_s, target, weight: float32) instead of C_ss and the expert side (float64)."""
+    inter, h, rows = 1024, SHAPE["hidden_size"], 2 * SHAPE["max_position_embeddings"]
+    cfg = _config(tmp_path, torch.float32, examples=2, intermediate_size=inter)
+    auto = plan(cfg)
+    off = plan(cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"row_statistics": "off"})}))
+    expert = inter * h if expert_side_form(rows, inter, h, 1) == "product" else inter * inter
+    saved = 8 * (inter * inter + expert) - 4 * rows * (inter + h + 1)
+    assert math.isclose((off["estimated_disk_gib"] - auto["estimated_disk_gib"]) * GIB, saved, abs_tol=0.002 * GIB)
 
 
 def test_plan_says_when_bf16_would_be_emulated(tmp_path, monkeypatch, caplog):
