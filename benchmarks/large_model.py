@@ -47,6 +47,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,7 +56,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.pipeline_cost import matmul_rate  # noqa: E402
+from benchmarks.pipeline_cost import matmul_rate, runtime_field  # noqa: E402
 from flows.pipeline import machine  # noqa: E402
 
 GIB = 1024**3
@@ -200,8 +201,9 @@ def build_inputs(work: Path, experts: int, examples: int) -> dict[str, float]:
 
 # ---- runs -----------------------------------------------------------------------------------------
 def config_file(work: Path, n: int, examples: int, precision: str, experts: str = "expert",
-                keep_freed_memory: bool = False) -> Path:
-    """The run's config over `n` experts read from models/{experts}0, models/{experts}1, ..."""
+                runtime: dict[str, Any] | None = None) -> Path:
+    """The run's config over `n` experts read from models/{experts}0, models/{experts}1, ..., with more `runtime`
+    fields (--runtime, --keep-freed-memory)."""
     tasks = [f"task{t}" for t in range(n)]
     raw = {
         "base": str(work / "models" / "base"),
@@ -209,7 +211,7 @@ def config_file(work: Path, n: int, examples: int, precision: str, experts: str 
         "calibration": {"data": {t: {"path": str(work / "data" / f"task{i}-{examples}")} for i, t in enumerate(tasks)},
                         "examples_per_task": examples, "batch_size": examples, "max_length": TOKENS},
         "evaluation": {"enabled": False},
-        "runtime": {"threads": 1, "precision": precision, "keep_freed_memory": keep_freed_memory},
+        "runtime": {"threads": 1, "precision": precision, **(runtime or {})},
     }
     path = work / f"config-{experts}-{n}-{examples}-{precision}.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -541,7 +543,7 @@ def report(state: dict, args: argparse.Namespace) -> str:
         f"no swap. Date: {time.strftime('%Y-%m-%d')}. Invocations that produced these figures (each resumes from "
         "the state the previous ones left in WORK/results.json): " + "; ".join(f"`{c}`" for c in state["commands"])
         + ". Runs: `featcal run --no-prefect --skip-disk-check` in a child process, runtime.threads 1"
-        + (", runtime.keep_freed_memory true." if state.get("keep_freed_memory") else "."),
+        + "".join(f", runtime.{k} {v}" for k, v in state.get("runtime", {}).items()) + ".",
         "",
         f"Shape: LlamaForCausalLM, hidden 3072, intermediate 8192, 28 blocks, 24 heads / 8 key-value heads (head dim "
         f"128), vocabulary 128256, tied embeddings, rope θ 500000 (default rope, no llama3 scaling); "
@@ -651,11 +653,16 @@ def block_stages(n: int, first: int, last: int) -> list[str]:
     return out
 
 
+def runtime_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The runtime fields the runs set beyond threads and precision."""
+    return {**({"keep_freed_memory": True} if args.keep_freed_memory else {}), **dict(args.runtime)}
+
+
 def run_experts(args: argparse.Namespace, state: dict, n: int) -> None:
     """Run (or resume) the N-expert run to --blocks blocks; with --kill-run N, kill it once at a random moment and
     resume it, keep its solved blocks, and (now or in a later invocation) compare them with an uninterrupted run."""
     work = args.work
-    config = config_file(work, n, args.examples, args.precision, keep_freed_memory=args.keep_freed_memory)
+    config = config_file(work, n, args.examples, args.precision, runtime=runtime_of(args))
     entry = state["runs"].setdefault(str(n), {"segments": [], "config": str(config)})
     run_dir = work / "runs" / f"experts{n}"
     saved = work / "saved" / f"experts{n}"
@@ -721,6 +728,8 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=8, help="calibration examples per task (× 128 tokens)")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--keep-freed-memory", action="store_true", help="runtime.keep_freed_memory: true in the runs")
+    parser.add_argument("--runtime", nargs="+", default=[], type=runtime_field, metavar="KEY=VALUE",
+                        help="more runtime fields for the runs (row_statistics=off, ...)")
     parser.add_argument("--kill-run", type=int, help="the expert count whose run is killed (-9) once and resumed")
     parser.add_argument("--kill-seed", type=int, default=0)
     parser.add_argument("--reference-blocks", type=int, default=1,
@@ -740,7 +749,7 @@ def main() -> None:
         print(args.out.read_text())
         return
     state["command"] = "python benchmarks/large_model.py " + " ".join(sys.argv[1:])
-    state["keep_freed_memory"] = args.keep_freed_memory
+    state["runtime"] = runtime_of(args)
     state.setdefault("commands", []).append(f"{time.strftime('%H:%M UTC', time.gmtime())} {state['command']}")
     state.setdefault("build_s", {}).update(build_inputs(args.work, max(args.experts), args.examples))
     state["models_on_disk_gib"] = du(args.work / "models") / GIB
@@ -756,7 +765,7 @@ def main() -> None:
     state["machine"] = machine()
     for n in state["runs"]:  # this checkout's estimates (a run's own entry keeps the plan it started under)
         state["runs"][n]["plan_now"] = plan_of(config_file(args.work, int(n), args.examples, args.precision,
-                                                           keep_freed_memory=args.keep_freed_memory))
+                                                           runtime=runtime_of(args)))
     save(args, state)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report(state, args))
