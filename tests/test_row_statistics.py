@@ -149,7 +149,7 @@ def test_featcal_row_form_solve_gives_the_moment_solve_weights_and_bias():
         assert _relative(rows.tensors[part], moments.tensors[part]) < 1e-10, part
 
 
-def _llama_run(root, row_statistics: str):
+def _llama_run(root, row_statistics: str, name: str = ""):
     """Two experts of a tiny Llama whose MLP is wide (256) against its 2 × 4 calibration examples of ≤ 12 tokens."""
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -170,7 +170,7 @@ def _llama_run(root, row_statistics: str):
                            "examples_per_task": 4, "batch_size": 2},
            "featcal": {"lambda": 0.05, "rho": 2.2, "alpha": 0.3}, "evaluation": {"enabled": False},
            "runtime": {"row_statistics": row_statistics, "keep_activations": True}}
-    run_dir = root / f"run-{row_statistics}"
+    run_dir = root / f"run-{row_statistics}{name}"
     run_pipeline(config_from_dict(raw, root), run_dir)
     return RunDir(run_dir)
 
@@ -191,3 +191,10 @@ def test_a_run_with_row_statistics_gives_the_weights_of_grams(tmp_path):
     worst = max(_relative(a[k], b[k]) for k in b if "down_proj" in k)
     assert 0 < worst < 1e-5, worst
     assert all(torch.equal(a[k], b[k]) for k in b if "layers.0" in k and "down_proj" not in k)
+
+
+def test_a_run_with_row_statistics_is_deterministic(tmp_path):
+    """The rows are kept and solved in a fixed order: a second run gives the same weights bit for bit."""
+    first, second = _llama_run(tmp_path, "auto"), _llama_run(tmp_path, "auto", "-again")
+    a, b = (load_file(r.root / "calibrated" / "model.safetensors") for r in (first, second))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
