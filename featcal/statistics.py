@@ -8,15 +8,15 @@ Two savings keep the Gram stage near its floor (docs/design.md §3):
   multiplies by W_tᵀ in float64, or the product it stands for, P_t = Σ w x_s (W_t x_t)ᵀ (in × out, fp32 within a
   chunk), with W_t x_t = α·y_e + (1−α)·W_t x_s: y_e = W_t x_e is the expert module's own output, so P_t costs
   W_t x_s and one product, for the run's α (featcal.alpha, part of the Gram stage's key);
-- a module whose rows, all tasks' together, are few against its input width keeps the rows themselves (x_s, its
-  target W_t x_t and the token weights) instead of any in × in sum, where the method's solve takes them
-  (StatisticsPlan.rows) and runtime.row_statistics allows: no Gram products at all, and a solve in row form
-  (featcal.closed_form.solve_linear_weight_rows) that costs less than the Gram's.
+- an input whose rows, all tasks' together, are few against its width keeps the rows themselves (x_s and the token
+  weights, once for all its readers, and each reader's target W_t x_t) instead of any in × in sum, where the
+  method's solve takes them (StatisticsPlan.rows) and runtime.row_statistics allows: no Gram products at all, and
+  solves in row form (featcal.closed_form.solve_linear_weight_rows) that cost less than the Gram's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -48,13 +48,14 @@ def expert_side_form(rows: int, d_in: int, d_out: int, sharers: int) -> str:
     return "product" if product < 2 * rows * d_in / sharers + 4 * d_in * d_out else "gram"
 
 
-def row_form_pays(rows: int, tasks: int, d_in: int, d_out: int) -> bool:
-    """Whether keeping a module's rows beats its Gram: the row-form solve's float64 multiply-adds (n = tasks·rows:
-    Q·A(W)ᵀ and Qᵀ·S, QQᵀ, the n × n Cholesky and its solves) against the Gram stage's fp32 C_ss products and the
-    in × in solve in float64 (at half the fp32 rate). `rows` is a task's token rows for the module."""
+def row_form_pays(rows: int, tasks: int, d_in: int, d_outs: Sequence[int]) -> bool:
+    """Whether keeping an input's rows beats its Gram for the modules that read it (their output widths `d_outs`):
+    each one's row-form solve in float64 multiply-adds (n = tasks·rows: Q·A(W)ᵀ and Qᵀ·S, QQᵀ, the n × n Cholesky
+    and its solves) against the Gram stage's fp32 C_ss products (once for all readers) and each one's in × in solve
+    in float64 (at half the fp32 rate). `rows` is a task's token rows for the input."""
     n = tasks * rows
-    row_form = 2 * (4 * n * d_in * d_out + 2 * n * n * d_in + n**3 // 3 + 2 * n * n * d_out)
-    gram_form = tasks * 2 * rows * d_in * d_in + 2 * (d_in**3 // 3 + 2 * d_in * d_in * d_out)
+    row_form = sum(2 * (4 * n * d_in * d_out + 2 * n * n * d_in + n**3 // 3 + 2 * n * n * d_out) for d_out in d_outs)
+    gram_form = tasks * 2 * rows * d_in * d_in + sum(2 * (d_in**3 // 3 + 2 * d_in * d_in * d_out) for d_out in d_outs)
     return row_form < gram_form
 
 
@@ -75,23 +76,28 @@ def add_widened(total: torch.Tensor, part: torch.Tensor) -> None:
 
 
 class InputSums:
-    """Σ w x_s x_sᵀ (and Σ w x_s x_eᵀ when some reader keeps C_se), Σ w x_s, Σ w x_e, Σ w of one module input."""
+    """Σ w x_s x_sᵀ (and Σ w x_s x_eᵀ when some reader keeps C_se), Σ w x_s, Σ w x_e, Σ w of one module input; in
+    row form (`rows`: its readers all keep rows) the rows of non-zero weight and their weights instead of C_ss."""
 
-    def __init__(self, dim: int, with_se: bool, device: torch.device | None = None, with_ss: bool = True):
+    def __init__(self, dim: int, with_se: bool, device: torch.device | None = None, rows: bool = False):
         f64 = {"dtype": torch.float64, "device": device}
-        self.ss = torch.zeros(dim, dim, **f64) if with_ss else None  # None: every reader keeps its rows
+        self.ss = None if rows else torch.zeros(dim, dim, **f64)
         self.se = torch.zeros(dim, dim, **f64) if with_se else None
+        self.rows: dict[str, list[torch.Tensor]] | None = {"xs": [], "w": []} if rows else None  # one entry per chunk
         self.sum_s = torch.zeros(dim, **f64)
         self.sum_e = torch.zeros(dim, **f64)
         self.sum_w = torch.zeros((), **f64)
         self.flops = 0
 
     def add(self, xs: torch.Tensor, xe: torch.Tensor, w: torch.Tensor) -> None:
-        if self.ss is None:
+        if self.rows is not None:  # x_s as it came (bf16 rows widen exactly in the solve)
             w32 = w.float()
             self.sum_s += xs.float().T @ w32
             self.sum_e += xe.float().T @ w32
             self.sum_w += w.double().sum()
+            keep = w > 0
+            self.rows["xs"].append(xs[keep])
+            self.rows["w"].append(w32[keep])
             return
         g = featcal_kernels.dual_gram(xs, xe if self.se is not None else None, w)
         add_widened(self.ss, g.c_ss)
@@ -108,14 +114,16 @@ class InputSums:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {"sum_s": self.sum_s, "sum_e": self.sum_e, "sum_w": self.sum_w}
-        if self.ss is not None:
-            out["ss"] = self.ss
+        if self.rows is not None:
+            return {**out, **{key: torch.cat(parts) for key, parts in self.rows.items()}}
+        out["ss"] = self.ss
         return out if self.se is None else {**out, "se": self.se}
 
 
 class LinearStats:
     """One linear module's statistics: the sums of its input (its own, or shared with the module `owner` that
-    reads the same input) and, in product form, P_t for the target mix `alpha`; in row form its rows instead."""
+    reads the same input) and, in product form, P_t for the target mix `alpha`; in row form the targets of the
+    input's rows instead."""
 
     def __init__(self, d_in: int, d_out: int, form: str, owner: str, inputs: InputSums, alpha: float | None):
         if form not in FORMS:
@@ -125,7 +133,7 @@ class LinearStats:
         self.form, self.owner, self.inputs, self.alpha = form, owner, inputs, alpha
         f64 = {"dtype": torch.float64, "device": inputs.sum_s.device}
         self.pt = torch.zeros(d_in, d_out, **f64) if form == "product" else None
-        self.rows: dict[str, list[torch.Tensor]] = {"xs": [], "yt": [], "w": []}  # row form: one entry per chunk
+        self.targets: list[torch.Tensor] = []  # row form: one entry per chunk
         self.flops = 0
 
     def add_target_product(self, xs: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor, y: torch.Tensor,
@@ -145,20 +153,18 @@ class LinearStats:
 
     def add_rows(self, xs: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor, y: torch.Tensor,
                  bias: torch.Tensor | None) -> None:
-        """Row form: the chunk's rows of non-zero weight, x_s as they came (bf16 rows widen exactly in the solve),
-        their weights, and W_t x_t = α·y_e + (1−α)·W_t x_s in fp32 (y_e = y − bias, as add_target_product)."""
+        """Row form: W_t x_t = α·y_e + (1−α)·W_t x_s in fp32 (y_e = y − bias, as add_target_product) for the chunk's
+        rows of non-zero weight, the rows the input keeps."""
         keep = w > 0
-        xs, w, y = xs[keep], w[keep], y[keep]
+        xs, y = xs[keep], y[keep]
         target = torch.mm(xs.float(), w_t.float().T).mul_(1.0 - self.alpha)
         target.add_(y.float() if bias is None else y.float() - bias.float(), alpha=self.alpha)
-        self.rows["xs"].append(xs)
-        self.rows["yt"].append(target)
-        self.rows["w"].append(w.float())
+        self.targets.append(target)
         self.flops += 2 * xs.shape[0] * w_t.shape[0] * w_t.shape[1]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         if self.form == "rows":
-            return {key: torch.cat(parts) for key, parts in self.rows.items()}
+            return {"yt": torch.cat(self.targets)}
         return {} if self.pt is None else {"pt": self.pt}
 
 
@@ -312,7 +318,7 @@ def new_stats(modules: dict[str, nn.Module], forms: dict[str, str] | None = None
         if owner not in sums:
             readers = [n for n in modules if owners.get(n, n) == owner]
             sums[owner] = InputSums(d_in, any(forms.get(n, "gram") == "gram" for n in readers), device,
-                                    with_ss=not all(forms.get(n, "gram") == "rows" for n in readers))
+                                    rows=all(forms.get(n, "gram") == "rows" for n in readers))
         out[name] = LinearStats(d_in, d_out, forms.get(name, "gram"), owner, sums[owner], alpha)
     return out
 
@@ -375,19 +381,19 @@ def stats_layout(modules: dict[str, nn.Module], weights: dict[str, torch.Tensor]
                  rows_of_tasks: int = 0) -> tuple[dict[str, str], dict[str, str]]:
     """(form, owner of the input sums) of each linear module, from a task's first chunk of module inputs: the form
     for the task's `examples` examples (the chunk has `chunk_examples`), 'none' when the expert side is not kept.
-    `rows_of_tasks` > 0: the solve takes rows, from that many tasks: a module that reads its input alone keeps its
-    rows where that pays (row_form_pays, each task taken to have this task's rows)."""
+    `rows_of_tasks` > 0: the solve takes rows, from that many tasks: the modules that read one input all keep its
+    rows where that pays for them together (row_form_pays, each task taken to have this task's rows)."""
     linear = [n for n, m in modules.items() if not is_norm(m)]
     owners = input_owners(linear, weights, *sides)
     forms = {}
     for name in linear:
         d_in, d_out = linear_dims(modules[name])
         rows = sides[0][name].shape[0] // chunk_examples * examples
-        sharers = sum(o == owners[name] for o in owners.values())
+        readers = [n for n in linear if owners[n] == owners[name]]
         if not keeps_expert:
             forms[name] = "none"
-        elif rows_of_tasks and sharers == 1 and row_form_pays(rows, rows_of_tasks, d_in, d_out):
+        elif rows_of_tasks and row_form_pays(rows, rows_of_tasks, d_in, [linear_dims(modules[n])[1] for n in readers]):
             forms[name] = "rows"
         else:
-            forms[name] = expert_side_form(rows, d_in, d_out, sharers)
+            forms[name] = expert_side_form(rows, d_in, d_out, len(readers))
     return forms, owners

@@ -53,13 +53,13 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
     # module, and for FeatCal the expert side as the Gram stage keeps it, C_se or the product P_t.
     # A module whose input width no other module of the block has reads its input alone and keeps its rows where the
     # Gram stage finds that pays: n·tokens rows of x_s, its target and weight (float32 at most). Where widths repeat
-    # (q/k/v, gate/up share one input), the Gram form is assumed: the larger.
+    # (q/k/v, gate/up share one input, whose rows they would share), the Gram form is assumed: the larger.
     statistics_plan = calibration_method(cfg.featcal).statistics
     keeps_expert = statistics_plan.expert_side
     takes_rows = statistics_plan.rows and cfg.runtime.row_statistics == "auto"
 
     def module_stats(d_in: int, d_out: int) -> int:
-        if takes_rows and linear_in.count(d_in) == 1 and row_form_pays(n * tokens, T, d_in, d_out):
+        if takes_rows and linear_in.count(d_in) == 1 and row_form_pays(n * tokens, T, d_in, [d_out]):
             return 4 * n * tokens * (d_in + d_out + 1)
         expert = 0 if not keeps_expert else (d_in * d_out if expert_side_form(n * tokens, d_in, d_out, 1) == "product"
                                              else d_in * d_in)

@@ -30,11 +30,13 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_row_form_pays_where_rows_are_few():
     # Llama-3.2-3B shape, 2 tasks × 8 examples × 128 tokens: down_proj (8192 → 3072) keeps rows; o_proj (3072 →
-    # 3072) does not (2048 rows are not few against 3072 inputs)
-    assert row_form_pays(1024, 2, 8192, 3072)
-    assert not row_form_pays(1024, 2, 3072, 3072)
+    # 3072) and q/k/v (3072 → 3072, 1024, 1024) do not: 2048 rows are not few against 3072 inputs
+    assert row_form_pays(1024, 2, 8192, [3072])
+    assert not row_form_pays(1024, 2, 3072, [3072]) and not row_form_pays(1024, 2, 3072, [3072, 1024, 1024])
+    # with 4 examples a task (1024 rows) they are, readers of one input together as alone
+    assert row_form_pays(512, 2, 3072, [3072]) and row_form_pays(512, 2, 3072, [3072, 1024, 1024])
     # ViT-B/32, 8 tasks × 32 examples × 50 tokens: far more rows than inputs everywhere
-    assert not row_form_pays(1600, 8, 3072, 768) and not row_form_pays(1600, 8, 768, 3072)
+    assert not row_form_pays(1600, 8, 3072, [768]) and not row_form_pays(1600, 8, 768, [3072, 768, 768])
 
 
 def _task_rows(seed: int, d_in: int = 40, d_out: int = 7) -> list[LinearRows]:
@@ -93,33 +95,36 @@ def test_row_form_solve_refuses_the_objectives_it_does_not_solve():
 
 @torch.no_grad()
 def test_row_statistics_keep_the_rows_of_weight_and_match_brute_force(monkeypatch):
-    """Modules that read their input alone keep rows (up, down), those that share one keep sums (q, k, v); the rows
-    are x_s of non-zero weight and their target W_t x_t, and as moments they are the Gram form's."""
+    """An input's rows of non-zero weight are kept once for all the modules that read it (q, k and v share theirs),
+    each module keeps its targets W_t x_t, and as moments they are the Gram form's."""
     monkeypatch.setattr(statistics, "row_form_pays", lambda *a: True)
     stats, merged, expert = _stats(None, monkeypatch, rows_of_tasks=2)
-    assert [stats[m].form == "rows" for m in ("q", "k", "v", "up", "down")] == [False, False, False, True, True]
+    assert all(stats[m].form == "rows" for m in ("q", "k", "v", "up", "down"))
     xs_all, xe_all, w_all = [], [], []
     for s, e, mask in _chunks():  # brute force: the rows again, in float64
         sink_m, sink_e = {}, {}
         with captured_inputs(calibrated_modules(merged), sink_m), captured_inputs(calibrated_modules(expert), sink_e):
             merged(s)
             expert(e)
-        xs_all.append(sink_m["down"].double())
-        xe_all.append(sink_e["down"].double())
+        xs_all.append({k: v.double() for k, v in sink_m.items()})
+        xe_all.append({k: v.double() for k, v in sink_e.items()})
         w_all.append(mask.reshape(-1).double())
     flat = flatten_stats(stats)
-    assert {"down:xs", "down:yt", "down:w", "up:xs"} <= set(flat) and not {"down:ss", "up:ss", "down:se"} & set(flat)
-    xs, xe, w = torch.cat(xs_all), torch.cat(xe_all), torch.cat(w_all)
+    assert {"down:xs", "down:yt", "down:w", "up:xs", "q+k+v:xs", "q+k+v:w", "q:yt", "k:yt"} <= set(flat)
+    assert not [key for key in flat if key.endswith((":ss", ":se", ":pt"))] and "q:xs" not in flat
+    w = torch.cat(w_all)
     kept = w > 0
-    assert 0 < int(kept.sum()) < w.numel() and flat["down:xs"].shape == (int(kept.sum()), 12)
-    torch.testing.assert_close(flat["down:xs"].double(), xs[kept])
-    w_t = expert.down.weight.double()
-    x_t = ALPHA * xe + (1 - ALPHA) * xs
-    torch.testing.assert_close(flat["down:yt"].double(), (x_t @ w_t.T)[kept], rtol=1e-5, atol=1e-6)
-    mom = linear_moments({part: flat[key] for key, part in module_keys(list(flat), "down").items()}, "down")
-    torch.testing.assert_close(mom.c_ss, (xs * w[:, None]).T @ xs / w.sum(), rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(mom.p_st, (xs * w[:, None]).T @ (x_t @ w_t.T) / w.sum(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(mom.mu_e, (xe * w[:, None]).sum(0) / w.sum(), rtol=1e-6, atol=1e-7)
+    assert 0 < int(kept.sum()) < w.numel()
+    for name, rows_key in (("k", "q+k+v:xs"), ("down", "down:xs")):
+        xs, xe = torch.cat([c[name] for c in xs_all]), torch.cat([c[name] for c in xe_all])
+        torch.testing.assert_close(flat[rows_key].double(), xs[kept])
+        w_t = getattr(expert, name).weight.double()
+        x_t = ALPHA * xe + (1 - ALPHA) * xs
+        torch.testing.assert_close(flat[f"{name}:yt"].double(), (x_t @ w_t.T)[kept], rtol=1e-5, atol=1e-6)
+        mom = linear_moments({part: flat[key] for key, part in module_keys(list(flat), name).items()}, name)
+        torch.testing.assert_close(mom.c_ss, (xs * w[:, None]).T @ xs / w.sum(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(mom.p_st, (xs * w[:, None]).T @ (x_t @ w_t.T) / w.sum(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mom.mu_e, (xe * w[:, None]).sum(0) / w.sum(), rtol=1e-6, atol=1e-7)
 
 
 def test_featcal_row_form_solve_gives_the_moment_solve_weights_and_bias():
@@ -149,9 +154,10 @@ def test_featcal_row_form_solve_gives_the_moment_solve_weights_and_bias():
         assert _relative(rows.tensors[part], moments.tensors[part]) < 1e-10, part
 
 
-def _llama_run(root, row_statistics: str, name: str = ""):
-    """Two experts of a tiny Llama whose MLP is wide (256) against its 2 × 4 calibration examples of ≤ 12 tokens."""
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+def _llama_run(root, row_statistics: str, name: str = "", hidden: int = 32):
+    """Two experts of a tiny Llama whose MLP is wide (256) against its 2 × 4 calibration examples of ≤ 12 tokens (and,
+    with `hidden` 256, its attention too)."""
+    cfg = LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if not (root / "base").exists():
         torch.manual_seed(0)
@@ -198,3 +204,19 @@ def test_a_run_with_row_statistics_is_deterministic(tmp_path):
     first, second = _llama_run(tmp_path, "auto"), _llama_run(tmp_path, "auto", "-again")
     a, b = (load_file(r.root / "calibrated" / "model.safetensors") for r in (first, second))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_modules_that_share_an_input_share_its_rows_in_a_run(tmp_path):
+    """At hidden 256 every input's rows are few: q/k/v and gate/up keep one set of rows each, every linear module is
+    solved in row form, and the weights are those of Grams up to fp32 rounding."""
+    rows, grams = _llama_run(tmp_path, "auto", hidden=256), _llama_run(tmp_path, "off", hidden=256)
+    linear = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+              "mlp.up_proj", "mlp.down_proj"]
+    assert sorted(rows.record("gram/l01/task1")["info"]["row_form"]) == sorted(linear)
+    assert sorted(rows.record("solve/l01")["info"]["solve_path"]) == sorted(linear)
+    kept = load_file(rows.root / "stats" / "l01" / "task1.safetensors")
+    assert "self_attn.q_proj+self_attn.k_proj+self_attn.v_proj:xs" in kept and "self_attn.k_proj:yt" in kept
+    assert not [key for key in kept if key.endswith((":ss", ":se", ":pt"))]
+    a, b = (load_file(r.root / "calibrated" / "model.safetensors") for r in (rows, grams))
+    worst = max(_relative(a[k], b[k]) for k in b if b[k].dim() == 2 and "layers" in k)
+    assert 0 < worst < 1e-5, worst
