@@ -48,6 +48,10 @@ class StatisticsPlan:
     held_out_folds: int = 1
     rows: bool = False
 
+    def keeps_rows(self, row_statistics: str) -> bool:
+        """Whether the Gram stage keeps rows where they pay, under runtime.row_statistics."""
+        return self.rows and row_statistics == "auto"
+
     def __post_init__(self) -> None:
         if self.fit_block == "merged" and self.fit_stream == "expert":
             raise ValueError("StatisticsPlan: the merged block runs on the merged stream only, not on the expert's")
@@ -286,12 +290,9 @@ class FeatCal(CalibrationMethod):
         sol, normalisers = solve_linear_weight_rows(rows, w_merged, module.base("weight"), hp)
         solved = {"weight": sol.weight}
         if module.has_bias and self.settings["calibrate_bias"]:
-            terms = []
-            for t, (s, r, n_t) in enumerate(zip(stats, rows, normalisers, strict=True)):
-                mu_s, mu_e = s["sum_s"] / r.sum_w, s["sum_e"] / r.sum_w
-                mu_t = hp.alpha * mu_e + (1.0 - hp.alpha) * mu_s
-                expert_out = module.expert(t, "bias").double() + module.expert(t, "weight").double() @ mu_t
-                terms.append(BiasTerm(1.0 / n_t, mu_s, expert_out))
+            terms = [BiasTerm.of_means(1.0 / n_t, s["sum_s"] / r.sum_w, s["sum_e"] / r.sum_w,
+                                       module.expert(t, "weight"), module.expert(t, "bias"), hp.alpha)
+                     for t, (s, r, n_t) in enumerate(zip(stats, rows, normalisers, strict=True))]
             solved["bias"] = solve_linear_bias(terms, sol.weight, module.merged("bias"), module.base("bias"), hp,
                                                merged_weight=w_merged)
         return Solved(solved, damping=sol.damping, eps=hp.eps, report={**report, "solve_path": sol.path})

@@ -69,9 +69,6 @@ class LinearMoments:
             a.diagonal().add_(t)
             b.add_(t[:, None] * w_t.double().T)
 
-    def mu_t(self, alpha: float) -> torch.Tensor:
-        return alpha * self.mu_e + (1.0 - alpha) * self.mu_s
-
     def normaliser(self) -> float:
         """n_t / c_t with n_t = ‖C_ss‖_F, so λ is a ratio comparable across layers and tasks."""
         if self._norm is None:  # asked by the weight's solve and by the bias's
@@ -445,7 +442,14 @@ class BiasTerm:
     @classmethod
     def of(cls, mom: LinearMoments, w_t: torch.Tensor, b_t: torch.Tensor, alpha: float,
            metric: torch.Tensor | None = None) -> BiasTerm:
-        return cls(1.0 / mom.normaliser(), mom.mu_s, b_t.double() + w_t.double() @ mom.mu_t(alpha), metric)
+        return cls.of_means(1.0 / mom.normaliser(), mom.mu_s, mom.mu_e, w_t, b_t, alpha, metric)
+
+    @classmethod
+    def of_means(cls, inv_n: float, mu_s: torch.Tensor, mu_e: torch.Tensor, w_t: torch.Tensor, b_t: torch.Tensor,
+                 alpha: float, metric: torch.Tensor | None = None) -> BiasTerm:
+        """From the task's means, μ_t = α·μ_e + (1−α)·μ_s (the row-form solve has no LinearMoments)."""
+        mu_t = alpha * mu_e + (1.0 - alpha) * mu_s
+        return cls(inv_n, mu_s, b_t.double() + w_t.double() @ mu_t, metric)
 
 
 def head_metric(u_t: torch.Tensor, eta: float) -> torch.Tensor:

@@ -248,7 +248,7 @@ class Pipeline:
                     "gram", layer, t, *digests, merged_digest, precision,
                     self.inputs[f"expert/{t}"], featcal_cfg["pooled_token_weight"], featcal_cfg["method"],
                     featcal_cfg["alpha"], *held_out, *hands_on,
-                    *(["rows"] if plan.rows and cfg.runtime.row_statistics == "auto" else [])),
+                    *(["rows"] if plan.keeps_rows(cfg.runtime.row_statistics) else [])),
                     needs={**needs, run.inputs(t): prepared[t]["stage"], "merged": "merge"},
                     params={"task": t, "layer": layer}))
             grams = dict(zip(tasks, self.call_all(gram_calls), strict=True))

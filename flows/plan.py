@@ -56,7 +56,7 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
     # (q/k/v, gate/up share one input, whose rows they would share), the Gram form is assumed: the larger.
     statistics_plan = calibration_method(cfg.featcal).statistics
     keeps_expert = statistics_plan.expert_side
-    takes_rows = statistics_plan.rows and cfg.runtime.row_statistics == "auto"
+    takes_rows = statistics_plan.keeps_rows(cfg.runtime.row_statistics)
 
     def module_stats(d_in: int, d_out: int) -> int:
         if takes_rows and linear_in.count(d_in) == 1 and row_form_pays(n * tokens, T, d_in, [d_out]):

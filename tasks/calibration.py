@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -230,7 +230,7 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
     def add(weights: dict[str, torch.Tensor], sink_s: dict[str, torch.Tensor], sink_e: dict[str, torch.Tensor],
             outs_e: dict[str, torch.Tensor] | None, chunk_examples: int) -> None:
         if not made:
-            rows_of_tasks = len(ctx.tasks) if plan.rows and ctx.cfg.runtime.row_statistics == "auto" else 0
+            rows_of_tasks = len(ctx.tasks) if plan.keeps_rows(ctx.cfg.runtime.row_statistics) else 0
             forms, owners = stats_layout(stats_modules, weights, (sink_s, sink_e), examples, chunk_examples,
                                          keeps_expert=plan.expert_side, rows_of_tasks=rows_of_tasks)
             alpha = ctx.cfg.featcal.alpha
@@ -392,11 +392,12 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
     grown: dict[str, float] = {}
     solved_on: set[str] = set()  # float64 solves: on the run's device when it has room, else the CPU
     reports: dict[str, dict[str, Any]] = {}  # per-module facts the method reports (a chosen λ, ...), by kind
+    row_form = _row_form_modules(ctx, layer, modules)
     for name in solve_groups(modules, groups)[group]:
         module = modules[name]
         names = _part_names(name)
         solved.update({k: merged[k] for k in names.values() if k in merged})
-        data, stored = _module_data(ctx, layer, name, module, merged, tuple(weights), solved_on)
+        data, stored = _module_data(ctx, layer, name, module, merged, tuple(weights), solved_on, name in row_form)
         result = method.solve_norm(data) if is_norm(module) else method.solve_linear(data)
         if result is None:
             continue
@@ -427,8 +428,8 @@ def _part_names(module: str) -> dict[str, str]:
 
 
 def _module_data(ctx: RunContext, layer: int, name: str, module: torch.nn.Module, merged: dict[str, torch.Tensor],
-                 weights: tuple[float, ...],
-                 solved_on: set[str]) -> tuple[ModuleData, Callable[[str, torch.Tensor], torch.Tensor]]:
+                 weights: tuple[float, ...], solved_on: set[str],
+                 rows: bool) -> tuple[ModuleData, Callable[[str, torch.Tensor], torch.Tensor]]:
     """Module `name` of block `layer` as a method's solve reads it, and how a solved tensor goes back to the
     checkpoint's layout and dtype. A linear map's tensors move to its solve's device (noted in `solved_on`), its
     weight as [out, in] (Conv1D stores [in, out]); a norm's stay on the CPU, γ as offset + the stored weight (Gemma's
@@ -463,14 +464,15 @@ def _module_data(ctx: RunContext, layer: int, name: str, module: torch.nn.Module
         merged=lambda part: solve_layout(part, merged[names[part]]),
         base=lambda part: solve_layout(part, base.get(prefix + names[part])),
         expert=lambda t, part: solve_layout(part, experts[t].get(prefix + names[part])),
-        head=_head(ctx, layer, name, experts, device), rows=not is_norm(module) and _keeps_rows(ctx, layer, name))
+        head=_head(ctx, layer, name, experts, device), rows=rows)
     return data, stored
 
 
-def _keeps_rows(ctx: RunContext, layer: int, module: str) -> bool:
-    """Whether every task's statistics file keeps `module`'s rows (row form) rather than its sums."""
-    return all("xs" in module_keys(list(read_header(ctx.run / ctx.run.stats(task, layer))[0]), module).values()
-               for task in ctx.tasks)
+def _row_form_modules(ctx: RunContext, layer: int, modules: Iterable[str]) -> set[str]:
+    """Those of `modules` (of block `layer`) whose rows (row form), not sums, every task's statistics file keeps:
+    one header read per task for the whole block."""
+    headers = [list(read_header(ctx.run / ctx.run.stats(task, layer))[0]) for task in ctx.tasks]
+    return {m for m in modules if all("xs" in module_keys(keys, m).values() for keys in headers)}
 
 
 def _head(ctx: RunContext, layer: int, name: str, experts: list[CanonicalCheckpoint | LoraCheckpoint],
