@@ -119,6 +119,12 @@ class CalibrationMethod(ABC):
         """Whether tasks weigh by their drift and featcal.task_weights rather than all alike."""
         return "task_weight_power" in self.keys
 
+    @property
+    def joins_readers(self) -> bool:
+        """Whether the linear maps that read one input may be solved as one map with their outputs stacked: true when
+        each output row's solve is on its own, from the input's statistics alone (one system matrix for all rows)."""
+        return True
+
     @abstractmethod
     def solve_linear(self, module: ModuleData) -> Solved:
         """A linear map's weight (and bias, if the method solves it)."""
@@ -210,6 +216,11 @@ class FeatCal(CalibrationMethod):
                               held_out_every=self.settings["holdout_every"] if self.choosing else None,
                               held_out_folds=self.settings["holdout_folds"] if self.choosing else 1,
                               rows=self.takes_rows)
+
+    @property
+    def joins_readers(self) -> bool:
+        """Not while λ, ρ or γ are chosen per module: stacked maps would share one choice."""
+        return not self.choosing
 
     @property
     def takes_rows(self) -> bool:

@@ -12,14 +12,14 @@ import torch
 from safetensors.torch import load_file
 
 from featcal.adapters import BlockInput
-from featcal.calibration_methods import ModuleData, calibration_method
+from featcal.calibration_methods import CalibrationMethod, ModuleData, calibration_method
 from featcal.data import InputBuilder, load_split, pad_to, pick_examples, row_batches, token_views
 from featcal.devices import release_freed_memory, solve_device, to_device
 from featcal.hub import local_dir
 from featcal.modeling import as_out_in, calibrated_modules, is_norm, linear_dims, norm_scale_offset
 from featcal.statistics import (
-    Stats, accumulate, captured_inputs, example_rows, flatten_stats, held_prefix, input_owners, module_keys, new_stats,
-    stats_flops, stats_layout,
+    READERS, Stats, accumulate, captured_inputs, example_rows, flatten_stats, held_prefix, input_owners, module_keys,
+    new_stats, stats_flops, stats_layout,
 )
 from featcal.t5 import column_targets, decoder_batches, greedy_targets
 from storage.atomic import atomic_path
@@ -332,21 +332,30 @@ def _mask(ctx: RunContext, task: str, layer: int = 0) -> str:
 STATS_ALPHA = "featcal.alpha"
 
 
-def _task_stats(ctx: RunContext, layer: int, module: str,
+def _task_stats(ctx: RunContext, layer: int, members: tuple[str, ...],
                 device: torch.device | None = None) -> Iterator[dict[str, torch.Tensor]]:
-    """One module's statistics (on `device`), task after task in task order, read without mmap: one task's at a
-    time."""
+    """The statistics of `members` (one module, or modules that read one input, solved as one map with their outputs
+    stacked) on `device`, task after task in task order, read without mmap: one task's at a time. The input's sums
+    are read once; each member's own (P_t, row targets) sit side by side along their output axis, in member order."""
     for task in ctx.tasks:
         path = ctx.run / ctx.run.stats(task, layer)
         header, start = read_header(path)
-        keys = module_keys(list(header), module)
-        if {"pt", "yt"} & set(keys.values()):  # P_t and the row form's targets hold α: another α's are not this run's
+        keys = [module_keys(list(header), m) for m in members]
+        parts = {part for ks in keys for part in ks.values()}
+        if {"pt", "yt"} & parts:  # P_t and the row form's targets hold α: another α's are not this run's
             summed_for = read_metadata(path).get(STATS_ALPHA)
             if summed_for != repr(ctx.cfg.featcal.alpha):
-                kept = "P_t was summed" if "pt" in keys.values() else "row targets were taken"
-                raise ValueError(f"{path}: module {module}'s {kept} for featcal.alpha {summed_for}, the run "
-                                 f"asks {ctx.cfg.featcal.alpha}; rerun its Gram stage")
-        yield {part: read_tensor(path, header[key], start).to(device) for key, part in keys.items()}
+                kept = "P_t was summed" if "pt" in parts else "row targets were taken"
+                raise ValueError(f"{path}: module {READERS.join(members)}'s {kept} for featcal.alpha {summed_for}, "
+                                 f"the run asks {ctx.cfg.featcal.alpha}; rerun its Gram stage")
+
+        def read(key: str) -> torch.Tensor:
+            return read_tensor(path, header[key], start).to(device)
+
+        shared = {key: part for key, part in keys[0].items() if all(key in ks for ks in keys)}
+        own = [{part: key for key, part in ks.items() if key not in shared} for ks in keys]
+        yield {**{part: read(key) for key, part in shared.items()},
+               **{part: torch.cat([read(mine[part]) for mine in own], dim=-1) for part in own[0]}}
 
 
 def solve_groups(modules: dict[str, torch.nn.Module], groups: int) -> list[list[str]]:
@@ -392,25 +401,26 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
     grown: dict[str, float] = {}
     solved_on: set[str] = set()  # float64 solves: on the run's device when it has room, else the CPU
     reports: dict[str, dict[str, Any]] = {}  # per-module facts the method reports (a chosen λ, ...), by kind
-    row_form = _row_form_modules(ctx, layer, modules)
-    for name in solve_groups(modules, groups)[group]:
-        module = modules[name]
-        names = _part_names(name)
-        solved.update({k: merged[k] for k in names.values() if k in merged})
-        data, stored = _module_data(ctx, layer, name, module, merged, tuple(weights), solved_on, name in row_form)
-        result = method.solve_norm(data) if is_norm(module) else method.solve_linear(data)
+    row_form, inputs = _block_layout(ctx, layer, modules)
+    for members in _solve_units(ctx, layer, solve_groups(modules, groups)[group], merged, inputs, method):
+        for name in members:
+            solved.update({k: merged[k] for k in _part_names(name).values() if k in merged})
+        data, stored = _module_data(ctx, layer, members, modules, merged, tuple(weights), solved_on,
+                                    members[0] in row_form)
+        result = method.solve_norm(data) if is_norm(modules[members[0]]) else method.solve_linear(data)
         if result is None:
             continue
-        solved.update({names[part]: stored(part, tensor) for part, tensor in result.tensors.items()})
-        for kind, value in result.report.items():
-            reports.setdefault(kind, {})[name] = value
-        if result.damping is None:
-            continue
-        damping[name] = result.damping
-        if result.eps is not None and result.damping > result.eps:
-            grown[name] = result.damping
-            log.warning("block %d module %s: Cholesky needed damping %.3g (asked %.3g)", layer, name, result.damping,
-                        result.eps)
+        solved.update(stored(result.tensors))
+        for name in members:
+            for kind, value in result.report.items():
+                reports.setdefault(kind, {})[name] = value
+            if result.damping is None:
+                continue
+            damping[name] = result.damping
+            if result.eps is not None and result.damping > result.eps:
+                grown[name] = result.damping
+                log.warning("block %d module %s: Cholesky needed damping %.3g (asked %.3g)", layer, name,
+                            result.damping, result.eps)
     rel = ctx.run.block(layer, group, groups)
     with atomic_path(ctx.run / rel) as tmp:
         save_tensors(solved, tmp)
@@ -427,59 +437,92 @@ def _part_names(module: str) -> dict[str, str]:
     return {part: f"{module}.{part}" if module else part for part in ("weight", "bias")}
 
 
-def _module_data(ctx: RunContext, layer: int, name: str, module: torch.nn.Module, merged: dict[str, torch.Tensor],
-                 weights: tuple[float, ...], solved_on: set[str],
-                 rows: bool) -> tuple[ModuleData, Callable[[str, torch.Tensor], torch.Tensor]]:
-    """Module `name` of block `layer` as a method's solve reads it, and how a solved tensor goes back to the
-    checkpoint's layout and dtype. A linear map's tensors move to its solve's device (noted in `solved_on`), its
-    weight as [out, in] (Conv1D stores [in, out]); a norm's stay on the CPU, γ as offset + the stored weight (Gemma's
-    (1 + w) norms)."""
-    prefix, names = ctx.adapter.block_prefix(layer), _part_names(name)
+def _module_data(ctx: RunContext, layer: int, members: tuple[str, ...], modules: dict[str, torch.nn.Module],
+                 merged: dict[str, torch.Tensor], weights: tuple[float, ...], solved_on: set[str],
+                 rows: bool) -> tuple[ModuleData, Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]]:
+    """`members` of block `layer` (one module, or linear maps that read one input, as one map with their outputs
+    stacked) as a method's solve reads them, and how solved tensors go back to the checkpoint's names, layout and
+    dtype. A linear map's tensors move to its solve's device (noted in `solved_on`), its weight as [out, in] (Conv1D
+    stores [in, out]); a norm's stay on the CPU, γ as offset + the stored weight (Gemma's (1 + w) norms)."""
+    prefix = ctx.adapter.block_prefix(layer)
     base, experts = ctx.checkpoint("base"), [ctx.checkpoint(t) for t in ctx.tasks]
-    if is_norm(module):
+    names = [_part_names(m) for m in members]
+    first = modules[members[0]]
+    if is_norm(first):
         device = None
-        off = norm_scale_offset(module)
+        off = norm_scale_offset(first)
 
-        def solve_layout(part: str, tensor: torch.Tensor) -> torch.Tensor:
-            return tensor + off if part == "weight" else tensor
+        def solve_layout(part: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+            return tensors[0] + off if part == "weight" else tensors[0]
 
-        def stored(part: str, tensor: torch.Tensor) -> torch.Tensor:
-            return (tensor - off if part == "weight" else tensor).to(merged[names[part]].dtype)
+        def stored(solved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {names[0][part]: (t - off if part == "weight" else t).to(merged[names[0][part]].dtype)
+                    for part, t in solved.items()}
     else:
-        device = solve_device(ctx.device, *linear_dims(module))
+        outs = [linear_dims(modules[m])[1] for m in members]
+        device = solve_device(ctx.device, linear_dims(first)[0], sum(outs))
         solved_on.add(str(device))
 
-        def solve_layout(part: str, tensor: torch.Tensor) -> torch.Tensor:
-            return (as_out_in(module, tensor) if part == "weight" else tensor).to(device)
+        def solve_layout(part: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+            laid = [as_out_in(modules[m], t) if part == "weight" else t for m, t in zip(members, tensors, strict=True)]
+            return (laid[0] if len(laid) == 1 else torch.cat(laid)).to(device)
 
-        def stored(part: str, tensor: torch.Tensor) -> torch.Tensor:
-            dtype = merged[names[part]].dtype
-            if part == "weight":
-                return as_out_in(module, tensor).to("cpu", dtype).contiguous()
-            return tensor.to("cpu", dtype)
+        def stored(solved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            out = {}
+            for part, stacked in solved.items():
+                for m, own, t in zip(members, names, stacked.split(outs), strict=True):
+                    t = as_out_in(modules[m], t) if part == "weight" else t
+                    out[own[part]] = t.to("cpu", merged[own[part]].dtype).contiguous()
+            return out
 
     data = ModuleData(
-        where=f"{prefix}{name}", tasks=tuple(ctx.tasks), task_weights=weights, has_bias=names["bias"] in merged,
-        stats=lambda: _task_stats(ctx, layer, name, device),
-        merged=lambda part: solve_layout(part, merged[names[part]]),
-        base=lambda part: solve_layout(part, base.get(prefix + names[part])),
-        expert=lambda t, part: solve_layout(part, experts[t].get(prefix + names[part])),
-        head=_head(ctx, layer, name, experts, device), rows=rows)
+        where=prefix + READERS.join(members), tasks=tuple(ctx.tasks), task_weights=weights,
+        has_bias=names[0]["bias"] in merged,
+        stats=lambda: _task_stats(ctx, layer, members, device),
+        merged=lambda part: solve_layout(part, [merged[n[part]] for n in names]),
+        base=lambda part: solve_layout(part, [base.get(prefix + n[part]) for n in names]),
+        expert=lambda t, part: solve_layout(part, [experts[t].get(prefix + n[part]) for n in names]),
+        head=_head(ctx, layer, members[0], experts, device), rows=rows)
     return data, stored
 
 
-def _row_form_modules(ctx: RunContext, layer: int, modules: Iterable[str]) -> set[str]:
-    """Those of `modules` (of block `layer`) whose rows (row form), not sums, every task's statistics file keeps:
-    one header read per task for the whole block."""
+def _block_layout(ctx: RunContext, layer: int, modules: Iterable[str]) -> tuple[set[str], list[tuple[str, ...]]]:
+    """From the statistics files of block `layer` (one header read per task): those of `modules` whose rows (row
+    form), not sums, every task keeps; and the inputs that several of them read, each as its readers in block order
+    (q, k and v; gate and up), where every task's file keeps the input's sums once for them all."""
     headers = [list(read_header(ctx.run / ctx.run.stats(task, layer))[0]) for task in ctx.tasks]
-    return {m for m in modules if all("xs" in module_keys(keys, m).values() for keys in headers)}
+    rows = {m for m in modules if all("xs" in module_keys(keys, m).values() for keys in headers)}
+    shared = [{tuple(k.rsplit(":", 1)[0].split(READERS)) for k in keys if READERS in k.rsplit(":", 1)[0]}
+              for keys in headers]
+    return rows, sorted(set.intersection(*shared))
+
+
+def _solve_units(ctx: RunContext, layer: int, names: list[str], merged: dict[str, torch.Tensor],
+                 inputs: list[tuple[str, ...]], method: CalibrationMethod) -> list[tuple[str, ...]]:
+    """`names` (a solve group of block `layer`, in block order) as the units the solve takes one at a time: the
+    linear maps that read one input, where the method solves them as one map (their system matrix is one: one
+    Cholesky factor instead of one each, the input's sums read once), each other module alone. Readers with and
+    without a bias go alone, as does the module that feeds a head metric."""
+    joined: dict[str, tuple[str, ...]] = {}
+    if method.joins_readers:
+        for readers in inputs:
+            present = tuple(m for m in names if m in readers)
+            biased = {_part_names(m)["bias"] in merged for m in present}
+            heads = [m for m in present if _feeds_head_metric(ctx, layer, m)]
+            if len(present) > 1 and len(biased) == 1 and not heads:
+                joined.update(dict.fromkeys(present, present))
+    return [joined.get(name, (name,)) for name in names if joined.get(name, (name,))[0] == name]
+
+
+def _feeds_head_metric(ctx: RunContext, layer: int, name: str) -> bool:
+    return bool(ctx.cfg.featcal.head_metric) and layer == ctx.num_blocks - 1 and name == ctx.adapter.head_input_module()
 
 
 def _head(ctx: RunContext, layer: int, name: str, experts: list[CanonicalCheckpoint | LoraCheckpoint],
           device: torch.device | None) -> Callable[[int], torch.Tensor] | None:
     """Task t's head map for module `name` of block `layer` where featcal.head_metric weighs its error, else None:
     from the task's expert, or from the merged checkpoint where every task reads the merged head (causal LMs)."""
-    if not ctx.cfg.featcal.head_metric or layer != ctx.num_blocks - 1 or name != ctx.adapter.head_input_module():
+    if not _feeds_head_metric(ctx, layer, name):
         return None
     if ctx.adapter.head_is_merged:
         shared = ctx.adapter.head_map(ctx.checkpoint(MERGED)).to(device)
