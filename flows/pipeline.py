@@ -199,9 +199,9 @@ class Pipeline:
         if self.on_stage is not None:
             self.on_stage(call, record)
 
-    def release(self, record: Record, rel: str) -> None:
+    def release(self, record: Record, rel: str, reuse: bool = False) -> None:
         if not self.cfg.runtime.keep_activations:
-            self.run.release(rel, record["outputs"][rel])
+            self.run.release(rel, record["outputs"][rel], reuse)
 
     def stages(self) -> dict[str, Record]:
         cfg, run, tasks, L = self.cfg, self.run, self.ctx.tasks, self.ctx.num_blocks
@@ -264,8 +264,8 @@ class Pipeline:
                 params={"layer": layer, "group": g, "groups": len(groups)}) for g, modules in enumerate(groups)])
             parts = {run.block(layer, g, len(groups)): rec for g, rec in enumerate(solved)}
             blocks.append(parts)
-            for t in tasks:
-                self.release(grams[t], run.stats(t, layer))
+            for t in tasks:  # spares for the next block's statistics, as large
+                self.release(grams[t], run.stats(t, layer), reuse=layer < last)
             part_digests = [rec["outputs"][rel] for rel, rec in parts.items()]
             prop_calls = []
             for t in tasks if layer < last else []:
@@ -296,6 +296,7 @@ class Pipeline:
             for s in ("merged", "expert"):
                 if (t, s) in memory:
                     self.release(*memory[t, s])
+        run.drop_spares()  # every Gram stage has written its statistics
         block_digests = [rec["outputs"][rel] for parts in blocks for rel, rec in parts.items()]
         out = {"merge": merged, "assemble": self.call(StageCall("assemble", "assemble", "assemble calibrated checkpoint",
                                                                 self.key("assemble", merged_digest, block_digests),

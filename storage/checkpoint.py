@@ -229,7 +229,8 @@ def write_streamed(path: Path, specs: list[TensorSpec], tensors: Iterator[torch.
                    metadata: dict[str, str] | None = None) -> None:
     """One safetensors file, the header first (from `specs`), then each tensor's bytes as `tensors` yields it: one
     tensor in memory at a time, where safetensors' save_file needs them all at once (a whole shard, 0.33 GiB of a
-    ViT-B/32 checkpoint). A yielded tensor must match its spec; a failed write is an OSError naming the file."""
+    ViT-B/32 checkpoint). A yielded tensor must match its spec; a failed write is an OSError naming the file. A file
+    already at `path` (a spare: RunDir.claim_spare) is written over in place and cut to the new length."""
     header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     for spec in specs:
@@ -238,7 +239,7 @@ def write_streamed(path: Path, specs: list[TensorSpec], tensors: Iterator[torch.
         offset += spec.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # tensor data 8-byte aligned, as safetensors writes it
-    with open(path, "wb") as fh:
+    with open(path, "r+b" if Path(path).is_file() else "wb") as fh:
         _naming(path, fh.write, struct.pack("<Q", len(raw)) + raw)
         for spec in specs:
             tensor = next(tensors, None)  # the producer's own errors pass as they are
@@ -250,6 +251,7 @@ def write_streamed(path: Path, specs: list[TensorSpec], tensors: Iterator[torch.
             data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
             _naming(path, fh.write, memoryview(data.numpy()))
             del tensor, data  # before the next is computed
+        _naming(path, fh.truncate)
         _naming(path, fh.flush)
 
 

@@ -286,6 +286,7 @@ def gram(ctx: RunContext, task: str, layer: int) -> tuple[list[str], dict[str, A
     folds: list[Stats] = made["held"]
     stats_rel = ctx.run.stats(task, layer)
     with atomic_path(ctx.run / stats_rel) as tmp:
+        ctx.run.claim_spare(tmp)  # an earlier block's statistics, released: written over in place
         save_tensors({**flatten_stats(stats), **{k: v for fold, held in enumerate(folds)
                                                  for k, v in flatten_stats(held, held_prefix(fold)).items()}}, tmp,
                      {STATS_ALPHA: repr(ctx.cfg.featcal.alpha)})

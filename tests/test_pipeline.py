@@ -82,6 +82,7 @@ def test_calibrated_checkpoint_loads_with_from_pretrained(three_expert_run):
 def test_intermediates_are_released_but_records_kept(three_expert_run):
     arch, cfg, run_dir, _ = three_expert_run
     assert not (run_dir / "stats").exists() or not any((run_dir / "stats").rglob("*.safetensors"))
+    assert not (run_dir / "spare").exists(), "released statistics kept for reuse outlive the last Gram stage"
     for task in cfg.tasks:
         assert not (run_dir / "acts" / task).exists(), "boundaries and model inputs should be deleted after use"
     run = RunDir(run_dir)

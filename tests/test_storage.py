@@ -55,6 +55,31 @@ def test_sharded_checkpoint_round_trip(tmp_path):
     assert (tmp_path / "ck" / "heads" / "a.safetensors").is_file()
 
 
+def test_a_released_file_kept_as_a_spare_is_written_over_to_the_bytes_of_a_fresh_file(tmp_path):
+    """A spare longer or shorter than the new file: written over in place and cut, it holds the same bytes as a
+    file written afresh; claims move spares away one at a time, and what is left goes with drop_spares."""
+    run = RunDir(tmp_path)
+    tensors = [("a", torch.randn(40, 30, dtype=torch.float64)), ("b", torch.arange(7, dtype=torch.float32))]
+    fresh = tmp_path / "fresh.safetensors"
+    write_streamed(fresh, specs_of(tensors), (t for _, t in tensors))
+    for size in (fresh.stat().st_size * 3, 100):
+        for name in ("stats/l00/t0.safetensors", "stats/l00/t1.safetensors"):
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name).write_bytes(b"\xff" * size)
+            run.release(name, "digest", reuse=True)
+            assert not (tmp_path / name).exists() and run.output_ok(name, "digest")
+        assert not (tmp_path / "stats" / "l00").exists()  # the directory it left empty is tidied, as on a delete
+        with atomic_path(tmp_path / "stats" / "l01" / "t0.safetensors") as tmp:
+            assert run.claim_spare(tmp) and tmp.stat().st_size == size
+            write_streamed(tmp, specs_of(tensors), (t for _, t in tensors))
+        assert (tmp_path / "stats" / "l01" / "t0.safetensors").read_bytes() == fresh.read_bytes()
+        assert len(list((tmp_path / "spare").iterdir())) == 1
+        run.drop_spares()
+        assert not (tmp_path / "spare").exists() and not run.claim_spare(tmp_path / "x")
+    run.release("stats/l01/t0.safetensors", "digest")  # not for reuse: deleted
+    assert not (tmp_path / "spare").exists() and not (tmp_path / "stats" / "l01").exists()
+
+
 def test_streamed_file_is_what_safetensors_reads_back(tmp_path):
     """Our header-first writer against the library's own reader, every dtype we store, 0-d and empty tensors."""
     tensors = [("w", torch.randn(5, 3, dtype=torch.float64)), ("b", torch.arange(4, dtype=torch.bfloat16)),
