@@ -22,6 +22,11 @@ REFINE_MIN_CONTRACTION = 0.5  # a correction that shrinks by less than this mean
 # tied at k = 64 and lost from k = 128 on (0.81×; 0.49× at k = 768), one thread on the development EPYC
 # (benchmarks/results/solve_precision.md).
 MIXED_MAX_RHS_SHARE = 1 / 48
+# From this many right-hand sides per unknown on, x = (a + damping I)⁻¹·b from the factor's inverse (2/3·d³ more)
+# and one product at the GEMM rate beats the two triangular solves: at d = 3072, one thread on the development EPYC,
+# the triangular solves ran at 41 GFLOP/s and the product at 51, so the inverse (0.75 s) paid from k ≈ 2.7·d on
+# (k = 16384, stacked gate and up of the Llama-3.2-3B shape: 7.54 → 6.87 s).
+INVERSE_MIN_RHS_SHARE = 4
 
 
 def mixed_pays(d: int, k: int) -> bool:
@@ -65,8 +70,11 @@ def _ridge_solve_op(
                     "ridge_solve: Cholesky of a %dx%d system failed at damping %.3g; succeeded with damping %.3g",
                     d, d, damping, current,
                 )
+            used = torch.tensor(current, dtype=torch.float64)
+            if b.shape[1] >= INVERSE_MIN_RHS_SHARE * d:
+                return (b.mT @ torch.cholesky_inverse(factor)).mT, used  # the inverse is symmetric: x.T = b.T·a⁻¹
             # column-major, as LAPACK leaves it: x.T is then a contiguous [k, d] weight with no copy
-            return torch.cholesky_solve(b, factor), torch.tensor(current, dtype=torch.float64)
+            return torch.cholesky_solve(b, factor), used
         if current == damping and not bool(torch.isfinite(a).all()):  # checked only when it matters
             raise ValueError("a contains NaN or inf")
         current *= DAMPING_GROWTH

@@ -310,13 +310,27 @@ def test_triton_kernel_under_interpreter() -> None:
     assert result.returncode == 0 and "2 passed" in result.stdout, result.stdout[-4000:] + result.stderr[-2000:]
 
 
-def test_ridge_solve_x_is_column_major_so_its_transpose_is_the_weight_without_a_copy() -> None:
+@pytest.mark.parametrize("k", [7, 4 * 40, 5 * 40 + 3])  # triangular solves; from 4·d on, the factor's inverse
+def test_ridge_solve_x_is_column_major_so_its_transpose_is_the_weight_without_a_copy(k: int) -> None:
     a = spd_matrix(40, torch.linspace(0.1, 1, 40), seed=5)
-    b = randn64(40, 7, seed=16)
+    b = randn64(40, k, seed=16)
     sol = ridge_solve(a, b, damping=1e-8)
     assert sol.x.T.is_contiguous()
     torch.testing.assert_close(sol.x, torch.linalg.solve(a + 1e-8 * torch.eye(40, dtype=torch.float64), b),
                                rtol=1e-10, atol=1e-12)
+
+
+def test_ridge_solve_of_many_right_hand_sides_keeps_float64_accuracy_on_an_ill_conditioned_system() -> None:
+    """The inverse path on a RegMean-like system (κ = 1e8, ε-only damping): as accurate as the triangular solves,
+    column by column, against linalg.solve."""
+    d = 60
+    a = spd_matrix(d, torch.logspace(-8, 0, d), seed=6)
+    b = randn64(d, 4 * d, seed=17)
+    wide = ridge_solve(a, b, damping=1e-12)
+    narrow = torch.cat([ridge_solve(a, b[:, i:i + 8], damping=1e-12).x for i in range(0, 4 * d, 8)], dim=1)
+    expected = torch.linalg.solve(a + 1e-12 * torch.eye(d, dtype=torch.float64), b)
+    error = [float((x - expected).norm() / expected.norm()) for x in (wide.x, narrow)]
+    assert error[0] < 1e-6 and error[0] < 10 * error[1], error
 
 
 def test_mixed_pays_only_for_a_narrow_right_hand_side() -> None:
