@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from featcal.calibration_methods import FeatCal, calibration_method
+from featcal.calibration_methods import CalibrationMethod, FeatCal, calibration_method
 from featcal.modeling import calibrated_modules
 from tasks import calibration
 from tasks.context import context
@@ -40,6 +40,22 @@ def test_readers_of_one_input_solved_together_give_the_weights_of_one_by_one(tmp
     alone = load_file(run.root / run.block(1))
     assert together.keys() == alone.keys() and len(together) == 9
     assert all(torch.equal(together[k], alone[k]) for k in alone)
+
+
+def test_regmean_solves_readers_of_one_input_together_as_one_by_one(tmp_path, monkeypatch):
+    """RegMean's W = (Σ_t G_t)⁻¹ Σ_t G_t W_tᵀ is one system per input as well (here on FeatCal's sums)."""
+    run = _llama_run(tmp_path, "off")
+    ctx = context(run.root)
+    ctx.cfg.featcal.method = "regmean"
+    assert [u for u in _units(ctx, 0) if len(u) > 1] == [ATTENTION, MLP]
+    calibration.solve(ctx, 0)
+    together = load_file(run.root / run.block(0))
+    monkeypatch.setattr(CalibrationMethod, "joins_readers", property(lambda self: False))
+    calibration.solve(ctx, 0)
+    alone = load_file(run.root / run.block(0))
+    assert all(torch.equal(together[k], alone[k]) for k in alone)
+    assert not torch.equal(together["self_attn.q_proj.weight"], load_file(run.root / "merged" / "model.safetensors")[
+        "model.layers.0.self_attn.q_proj.weight"])
 
 
 def test_maps_are_solved_alone_where_a_choice_is_made_per_module(tmp_path):
