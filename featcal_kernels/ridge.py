@@ -24,8 +24,9 @@ REFINE_MIN_CONTRACTION = 0.5  # a correction that shrinks by less than this mean
 MIXED_MAX_RHS_SHARE = 1 / 48
 # From this many right-hand sides per unknown on, x = (a + damping I)⁻¹·b from the factor's inverse (2/3·d³ more)
 # and one product at the GEMM rate beats the two triangular solves: at d = 3072, one thread on the development EPYC,
-# the triangular solves ran at 41 GFLOP/s and the product at 51, so the inverse (0.75 s) paid from k ≈ 2.7·d on
-# (k = 16384, stacked gate and up of the Llama-3.2-3B shape: 7.54 → 6.87 s).
+# the triangular solves ran at 41 GFLOP/s and the product at 51, so the inverse (0.75 s) broke even at k = 2.67·d
+# and gained 1.03× at 4·d and 1.07× at k = 16384, the stacked gate and up of the Llama-3.2-3B shape: 7.13 → 6.65 s
+# (benchmarks/results/ridge_paths.md).
 INVERSE_MIN_RHS_SHARE = 4
 
 
