@@ -296,7 +296,8 @@ class FeatCal(CalibrationMethod):
     def _solve_rows(self, module: ModuleData, hp: Hyper, report: dict[str, Any]) -> Solved:
         """solve_linear with every task's rows at once (few by the Gram stage's choice), in row form."""
         stats = list(module.stats())
-        rows = [replace(linear_rows(s, module.where), weight=c) for s, c in zip(stats, module.task_weights, strict=True)]
+        rows = [replace(linear_rows(s, module.where), weight=c)
+                for s, c in zip(stats, module.task_weights, strict=True)]
         w_merged = module.merged("weight")
         sol, normalisers = solve_linear_weight_rows(rows, w_merged, module.base("weight"), hp)
         solved = {"weight": sol.weight}

@@ -179,8 +179,8 @@ def solve_linear_weight_rows(tasks: Sequence[LinearRows], merged: torch.Tensor, 
     an n × n Cholesky and 4·n·in·out multiply-adds for in³/3 + 2·in²·out, and no in × in Gram in the Gram stage.
     n_t = ‖C_ss‖_F = ‖X_t diag(w) X_tᵀ‖_F/Σw comes from the diagonal blocks of QQᵀ. QQᵀ and Q·A(W)ᵀ, the row form's
     Gram and right-hand side, multiply the rows as stored (panel_product: fp32 products, as the Gram form's sums;
-    A(W) rounded to the rows' precision); the factorisation, its solves and Qᵀ(·) are float64. Only the plain objective (no trust, shrinkage or head
-    metric): the others need the Gram (LinearRows.moments)."""
+    A(W) rounded to the rows' precision); the factorisation, its solves and Qᵀ(·) are float64. Only the plain
+    objective (no trust, shrinkage or head metric): the others need the Gram (LinearRows.moments)."""
     if hp.trust or hp.shrink:
         raise ValueError("the row-form solve takes neither featcal.trust nor featcal.shrinkage: use the moments")
     x = torch.cat([t.x for t in tasks])

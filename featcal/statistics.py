@@ -249,6 +249,11 @@ def module_keys(keys: list[str], module: str) -> dict[str, str]:
     return {key: key.rsplit(":", 1)[1] for key in keys if module in key.rsplit(":", 1)[0].split(READERS)}
 
 
+def shared_inputs(keys: list[str]) -> set[tuple[str, ...]]:
+    """The inputs that several modules read, each as its readers in the order the statistics file names them."""
+    return {tuple(owner.split(READERS)) for owner in (key.rsplit(":", 1)[0] for key in keys) if READERS in owner}
+
+
 def stats_flops(stats: Stats) -> int:
     """Multiply-adds ×2 of the products the statistics took (input sums counted once)."""
     linear = [s for s in stats.values() if isinstance(s, LinearStats)]

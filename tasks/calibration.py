@@ -19,7 +19,7 @@ from featcal.hub import local_dir
 from featcal.modeling import as_out_in, calibrated_modules, is_norm, linear_dims, norm_scale_offset
 from featcal.statistics import (
     READERS, Stats, accumulate, captured_inputs, example_rows, flatten_stats, held_prefix, input_owners, module_keys,
-    new_stats, stats_flops, stats_layout,
+    new_stats, shared_inputs, stats_flops, stats_layout,
 )
 from featcal.t5 import column_targets, decoder_batches, greedy_targets
 from storage.atomic import atomic_path
@@ -493,9 +493,7 @@ def _block_layout(ctx: RunContext, layer: int, modules: Iterable[str]) -> tuple[
     (q, k and v; gate and up), where every task's file keeps the input's sums once for them all."""
     headers = [list(read_header(ctx.run / ctx.run.stats(task, layer))[0]) for task in ctx.tasks]
     rows = {m for m in modules if all("xs" in module_keys(keys, m).values() for keys in headers)}
-    shared = [{tuple(k.rsplit(":", 1)[0].split(READERS)) for k in keys if READERS in k.rsplit(":", 1)[0]}
-              for keys in headers]
-    return rows, sorted(set.intersection(*shared))
+    return rows, sorted(set.intersection(*(shared_inputs(keys) for keys in headers)))
 
 
 def _solve_units(ctx: RunContext, layer: int, names: list[str], merged: dict[str, torch.Tensor],

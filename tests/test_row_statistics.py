@@ -157,8 +157,9 @@ def test_featcal_row_form_solve_gives_the_moment_solve_weights_and_bias():
 def _llama_run(root, row_statistics: str, name: str = "", hidden: int = 32):
     """Two experts of a tiny Llama whose MLP is wide (256) against its 2 × 4 calibration examples of ≤ 12 tokens (and,
     with `hidden` 256, its attention too)."""
-    cfg = LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                      bos_token_id=1, eos_token_id=2)
     if not (root / "base").exists():
         torch.manual_seed(0)
         base = LlamaForCausalLM(cfg).eval()
