@@ -266,6 +266,16 @@ def _dropped(droppable: torch.Tensor, drop: float, rng: np.random.Generator) -> 
     return droppable[torch.from_numpy(np.sort(rng.choice(len(droppable), k, replace=False)))]
 
 
-def row_batches(ds: datasets.Dataset, batch_size: int) -> Iterator[dict[str, list]]:
+# Fixed-shape array features: read as numpy, not as nested Python lists.
+ARRAY_FEATURES = (datasets.Array2D, datasets.Array3D, datasets.Array4D, datasets.Array5D)
+
+
+def row_batches(ds: datasets.Dataset, batch_size: int) -> Iterator[dict[str, list | np.ndarray]]:
+    """`ds` in batches of rows, column by column. Fixed-shape array columns (ready pixel values) come as one numpy
+    array a batch: as Python lists, 32 ViT-B/32 images took 0.37 s to read (0.04 s as numpy), more than a block's
+    forward over them."""
+    arrays = [name for name, feature in ds.features.items() if isinstance(feature, ARRAY_FEATURES)]
+    if arrays:
+        ds = ds.with_format("numpy", columns=arrays, output_all_columns=True)
     for start in range(0, len(ds), batch_size):
         yield ds[start:start + batch_size]
