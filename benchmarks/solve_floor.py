@@ -32,13 +32,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.solve_precision import cpu_line  # noqa: E402
-from featcal.closed_form import Hyper, LinearMoments, LinearRows, solve_linear_weight, solve_linear_weight_rows  # noqa: E402,E501
+from featcal.closed_form import Hyper, LinearRows, solve_linear_weight, solve_linear_weight_rows  # noqa: E402
 from featcal.statistics import row_form_pays  # noqa: E402
 from featcal_kernels import ridge_solve  # noqa: E402
 
 # Llama-3.2-3B: hidden 3072, intermediate 8192, 24 heads and 8 key-value heads of 128. Modules reading one input
 # are solved as one map (tasks/calibration.py, _solve_units).
-UNITS = {"q/k/v": (3072, 3072 + 2 * 1024), "o": (3072, 3072), "gate/up": (3072, 2 * 8192), "down": (8192, 3072)}
+# Each unit: its input width and its readers' output widths.
+UNITS = {"q/k/v": (3072, [3072, 1024, 1024]), "o": (3072, [3072]), "gate/up": (3072, [8192, 8192]),
+         "down": (8192, [3072])}
 
 
 def best_of(fn: Callable[[], object], repeats: int) -> float:
@@ -73,8 +75,8 @@ def main() -> None:
     hp = Hyper(lam=0.05, rho=2.2, alpha=0.25, eps=1e-8)
     n = args.tasks * args.rows
     lines, total_whole, total_f64, total_flops = [], 0.0, 0.0, 0.0
-    for name, (d_in, d_out) in UNITS.items():
-        readers = [d_out] if name in ("o", "down") else ([3072, 1024, 1024] if name == "q/k/v" else [8192, 8192])
+    for name, (d_in, readers) in UNITS.items():
+        d_out = sum(readers)
         rows = unit_rows(args.tasks, args.rows, d_in, d_out, g)
         merged = torch.randn(d_out, d_in, generator=g) * 0.02
         base = merged + torch.randn(d_out, d_in, generator=g) * 0.002
