@@ -13,7 +13,8 @@ from featcal.adapters import adapter_for
 from storage.activations import ActivationError, ActivationStore
 from storage.atomic import atomic_path, digest
 from storage.checkpoint import (
-    CanonicalCheckpoint, CheckpointError, TensorFiles, TensorSpec, read_metadata, write_checkpoint, write_streamed,
+    CanonicalCheckpoint, CheckpointError, TensorFiles, TensorSpec, finite, read_metadata, write_checkpoint,
+    write_streamed,
 )
 from storage.rundir import MissingOutput, RunDir, RunDirLocked
 
@@ -246,3 +247,17 @@ def test_activation_store_on_s3_publishes_whole_arrays_only(s3_options, s3_bucke
 def test_activation_store_that_cannot_be_reached_is_named(s3_options):
     with pytest.raises(ActivationError, match=r"runtime.activation_store: cannot write to s3://featcal-no-such-bucket/r"):
         ActivationStore("s3://featcal-no-such-bucket/r", s3_options).check_writable()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_finite_counts_every_bad_value_and_passes_sums_that_overflow(dtype, tmp_path):
+    big = torch.finfo(dtype).max
+    overflowing = torch.full((4, 3), big, dtype=dtype)  # finite values whose sum is inf: not a bad tensor
+    assert finite(overflowing, "w", "experts.a", tmp_path) is overflowing
+    ints = torch.arange(6)
+    assert finite(ints, "ids", "experts.a", tmp_path) is ints
+    for bad, count in [((float("nan"),), 1), ((float("inf"), float("-inf")), 2), ((float("inf"),), 1)]:
+        t = torch.ones(5, 7, dtype=dtype)
+        t.view(-1)[: len(bad)] = torch.tensor(bad, dtype=dtype)  # +inf and −inf: a sum of NaN
+        with pytest.raises(CheckpointError, match=rf"experts.a: tensor w holds {count} NaN/inf value\(s\) of 35 "):
+            finite(t, "w", "experts.a", tmp_path)
