@@ -12,7 +12,6 @@ import argparse
 import platform
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,18 +19,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.solve_floor import best_of  # noqa: E402
 from benchmarks.solve_precision import cpu_line  # noqa: E402
 from storage.checkpoint import finite  # noqa: E402
-
-
-def best_of(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.process_time()
-        fn()
-        times.append(time.process_time() - start)
-    return min(times)
 
 
 def main() -> None:
