@@ -23,15 +23,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.code_versions import commit_of  # noqa: E402
+from benchmarks.pipeline_cost import child_env  # noqa: E402
 from benchmarks.solve_precision import cpu_line  # noqa: E402
 
 
 def merge_run(code: Path, config: Path, run_dir: Path) -> dict[str, float]:
     """One `featcal run` of the checkout at `code`, killed once records/merge.json appears."""
     shutil.rmtree(run_dir, ignore_errors=True)
-    env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "flows.cli", "run", str(config), "--run-dir", str(run_dir), "--no-prefect"]
-    proc = subprocess.Popen(cmd, cwd=code, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, cwd=code, env=child_env(1, code), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     record = run_dir / "records" / "merge.json"
     try:
@@ -60,12 +61,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    def commit(code: Path) -> str:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=code, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=code,
-                               capture_output=True, text=True).stdout.strip()
-        return sha.stdout.strip() + (" + uncommitted changes" if dirty else "")
-
     rows, results = [], {"before": [], "after": []}
     for repeat in range(1, args.repeats + 1):
         for side in ("before", "after"):
@@ -77,7 +72,7 @@ def main() -> None:
     lines = [f"# The merge stage of two checkouts — `{args.config.name}`", "",
              f"Machine: {cpu_line()}, Python {platform.python_version()}. Date: "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. One after another, alternating, one thread. "
-             f"Before: {commit(args.before)}; after: {commit(args.after)}. Command: `python "
+             f"Before: {commit_of(args.before)}; after: {commit_of(args.after)}. Command: `python "
              f"benchmarks/merge_versions.py --before {args.before} --after {args.after} --config {args.config} "
              f"--work {args.work} --repeats {args.repeats} --out {args.out}`", "",
              "| run | merge stage (s) | run process CPU until then (s, with the preflight scan) |", "|---|---:|---:|",
