@@ -510,7 +510,7 @@ def _solve_units(ctx: RunContext, layer: int, names: list[str], merged: dict[str
             heads = [m for m in present if _feeds_head_metric(ctx, layer, m)]
             if len(present) > 1 and len(biased) == 1 and not heads:
                 joined.update(dict.fromkeys(present, present))
-    return [joined.get(name, (name,)) for name in names if joined.get(name, (name,))[0] == name]
+    return list(dict.fromkeys(joined.get(name, (name,)) for name in names))  # a joined unit once, at its first member
 
 
 def _feeds_head_metric(ctx: RunContext, layer: int, name: str) -> bool:
