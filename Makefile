@@ -23,5 +23,7 @@ install: $(BIN)/featcal
 demo: install
 	$(BIN)/featcal demo --out demo
 
+# Serially the suite keeps one core busy (Python, imports, process start-up, tiny tensors); two workers on a
+# 2-core machine take 0.68x its wall time (docs/testing.md). One worker per logical CPU, four at most.
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n logical --maxprocesses 4
