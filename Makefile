@@ -24,6 +24,6 @@ demo: install
 	$(BIN)/featcal demo --out demo
 
 # Serially the suite keeps one core busy (Python, imports, process start-up, tiny tensors); two workers on a
-# 2-core machine take 0.68x its wall time (docs/testing.md). One worker per logical CPU, four at most.
+# 2-core machine take 0.68-0.79x its wall time (docs/testing.md). One worker per logical CPU, four at most.
 test: install
 	$(BIN)/python -m pytest -q -n logical --maxprocesses 4
