@@ -56,8 +56,6 @@ class Adapter:
     blocks_path: ClassVar[str]
     # Names (inside a block) of the key/value projections, which keep full token weights in the last block.
     kv_modules: ClassVar[tuple[str, ...]]
-    # Modules inside a block that keep their merged values (never solved); an adapter says why where it sets them.
-    uncalibrated: ClassVar[tuple[str, ...]] = ()
     # Modules inside a block whose input is the encoder output (cross-attention keys/values), so their
     # token weights follow the encoder's mask, not the block's own.
     memory_modules: ClassVar[tuple[str, ...]] = ()
@@ -667,11 +665,10 @@ class Gemma2Adapter(LlamaAdapter):
 class Qwen3Adapter(LlamaAdapter):
     """Qwen3 causal LMs: the Llama layout (the block's own forward does the rest) without q/k/v biases, with
     `head_dim` set by the config, and RMS norms on each head's query and key (`self_attn.q_norm`, `self_attn.k_norm`)
-    before the rotary positions. Those two keep their merged values; every other norm and linear map is calibrated."""
+    before the rotary positions. Those two are calibrated like every other norm, each head's row of a token taking
+    the token's weight (`statistics.per_row_weights`)."""
 
     model_types = ("qwen3",)
-    # Kept merged: a per-head norm's [B, T, heads, head_dim] input gives `heads` rows per token, weights are per token.
-    uncalibrated = ("self_attn.q_norm", "self_attn.k_norm")
     body_attr = {"Qwen3ForCausalLM": ""}
     pooled_token = {"Qwen3ForCausalLM": None}
     head_side = {"Qwen3ForCausalLM": "model.norm"}

@@ -22,10 +22,6 @@ from storage.checkpoint import CanonicalCheckpoint, CheckpointError
 from storage.lora import LoraCheckpoint, config_directory, is_lora_adapter
 
 
-# Marks a module of a skeleton's block that `calibrated_modules` leaves out (`Adapter.uncalibrated`).
-UNCALIBRATED = "featcal_uncalibrated"
-
-
 class Skeleton:
     """A full model built on the meta device: its module tree, with no memory behind the parameters."""
 
@@ -37,9 +33,6 @@ class Skeleton:
             self.model = cls(config)
         self.model.eval()
         self.body = self.adapter.body(self.model)
-        for block in self.adapter.blocks(self.body):  # the mark travels with every copy `materialize` makes
-            for name in self.adapter.uncalibrated:
-                setattr(block.get_submodule(name), UNCALIBRATED, True)
 
     @classmethod
     def from_checkpoint(cls, directory: str | Path) -> Skeleton:
@@ -99,12 +92,9 @@ class Skeleton:
 
 def calibrated_modules(block: nn.Module) -> dict[str, nn.Module]:
     """The modules FeatCal solves for inside a block: every linear map (nn.Linear, and transformers' Conv1D, GPT-2's
-    linear with its weight stored [in, out]) and every norm with an affine, except those the adapter keeps merged
-    (`Adapter.uncalibrated`, marked on the skeleton's blocks)."""
+    linear with its weight stored [in, out]) and every norm with an affine."""
     found = {}
     for name, module in block.named_modules():
-        if getattr(module, UNCALIBRATED, False):
-            continue
         if isinstance(module, (nn.Linear, Conv1D)) or is_norm(module):
             found[name] = module
     return found

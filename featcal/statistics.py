@@ -357,6 +357,16 @@ def captured_inputs(modules: dict[str, nn.Module], sink: dict[str, torch.Tensor]
             h.remove()
 
 
+def per_row_weights(name: str, xs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A norm's weights per input row. A per-head norm (Qwen3's q/k norms) reads [B, T, heads, head_dim], so its
+    rows come `heads` to a token, token-major: each takes its token's weight."""
+    per_token, rest = divmod(xs.shape[0], w.shape[0])
+    if rest or not per_token:
+        raise ValueError(f"module {name}: input has {xs.shape[0]} rows, not a whole number per token weight "
+                         f"({w.shape[0]})")
+    return w if per_token == 1 else w.repeat_interleave(per_token)
+
+
 def accumulate(
     stats: Stats, modules: dict[str, nn.Module], merged_inputs: dict[str, torch.Tensor],
     expert_inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor],
@@ -366,11 +376,11 @@ def accumulate(
     modules also need the expert modules and their outputs on the expert side."""
     for name, s in stats.items():
         xs, w = merged_inputs[name], weights[name]
+        if isinstance(s, NormStats):
+            s.add(normalized(modules[name], xs), per_row_weights(name, xs, w))
+            continue
         if xs.shape[0] != w.shape[0]:
             raise ValueError(f"module {name}: input has {xs.shape[0]} token rows, token weights have {w.shape[0]}")
-        if isinstance(s, NormStats):
-            s.add(normalized(modules[name], xs), w)
-            continue
         if s.owner == name:
             s.inputs.add(xs, expert_inputs[name], w)
         if s.form in ("product", "rows"):

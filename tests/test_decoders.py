@@ -156,8 +156,8 @@ def test_single_expert_exactness(tmp_path, arch, lam, exact):
 def test_two_experts_drift_falls(tmp_path, arch):
     """Task arithmetic of two perturbed experts, then FeatCal: the drift to each expert, averaged over the tasks, is
     unchanged at the embeddings (merged, not calibrated) and falls at the last boundary (what the LM head reads); the
-    LM head and final norm stay merged, and tied embeddings stay tied. The experts' norms differ (`norm_noise`): the
-    blocks' norms are calibrated, except those the adapter keeps merged (Qwen3's per-head q/k norms)."""
+    LM head and final norm stay merged, and tied embeddings stay tied. The experts' norms differ (`norm_noise`): every
+    norm of the blocks is calibrated, Qwen3's per-head q/k norms too."""
     cfg = _build(tmp_path, arch, experts=2, norm_noise=0.1)
     run_pipeline(cfg, tmp_path / "run")
     adapter = adapter_for(_model(arch).config)
@@ -180,33 +180,27 @@ def test_two_experts_drift_falls(tmp_path, arch):
     loaded = type(calibrated).from_pretrained(tmp_path / "run" / "calibrated")
     tied = loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
     assert tied == loaded.config.tie_word_embeddings == (arch in ("llama", "qwen3"))
-    expert = task_model(cfg.experts["task0"])
+    norms = [n for n, m in calibrated.model.layers[0].named_modules() if is_norm(m)]
+    assert ("self_attn.q_norm" in norms) == (arch == "qwen3")
     for layer in range(adapter.num_blocks()):
-        def weight(model, name):
-            return model.get_parameter(f"model.layers.{layer}.{name}.weight")
-
-        assert not torch.equal(weight(calibrated, "input_layernorm"), weight(merged, "input_layernorm"))
-        for name in adapter.uncalibrated:  # merged, though the expert's differs
-            assert torch.equal(weight(calibrated, name), weight(merged, name)), name
-            assert not torch.equal(weight(merged, name), weight(expert, name)), name
+        for name in norms:
+            key = f"model.layers.{layer}.{name}.weight"
+            assert not torch.equal(calibrated.get_parameter(key), merged.get_parameter(key)), key
 
 
-def test_qwen3_per_head_norms_stay_merged(tmp_path):
-    """Why Qwen3's `self_attn.q_norm`/`k_norm` keep their merged values: their input is q or k as [B, T, heads,
-    head_dim], so a block pass gives them `heads` statistics rows per token, while token weights (padding 0) are one
-    per token, and the statistics refuse rows that do not match. Every other norm and linear map is calibrated, in
-    the skeleton's block template and in each block it materialises from a checkpoint alike."""
+def test_qwen3_per_head_norms_give_each_head_its_tokens_weight(tmp_path):
+    """Qwen3's `self_attn.q_norm`/`k_norm` read q or k as [B, T, heads, head_dim]: a block pass gives them `heads`
+    rows per token, token-major, and each row takes its token's weight (padding 0). Their sums equal a brute force
+    over those rows; every norm and linear map of the block is calibrated, in the skeleton's block template and in
+    each block it materialises from a checkpoint alike."""
     torch.manual_seed(0)
     model = _model("qwen3")
     model.save_pretrained(tmp_path / "m")
     skeleton = Skeleton.from_checkpoint(tmp_path / "m")
-    assert skeleton.adapter.uncalibrated == ("self_attn.q_norm", "self_attn.k_norm")
-    wanted = {"input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-              *(f"self_attn.{p}_proj" for p in "qkvo")}
     block = skeleton.block(1, CanonicalCheckpoint(tmp_path / "m", skeleton.adapter))
-    assert set(calibrated_modules(skeleton.block_template(1))) == set(calibrated_modules(block)) == wanted
     every = {n: m for n, m in model.model.layers[0].named_modules() if is_norm(m) or isinstance(m, torch.nn.Linear)}
-    assert set(every) - wanted == set(skeleton.adapter.uncalibrated)
+    assert {"self_attn.q_norm", "self_attn.k_norm"} < set(every)
+    assert set(calibrated_modules(skeleton.block_template(1))) == set(calibrated_modules(block)) == set(every)
     batch = _batch(_rows(0))
     sink: dict[str, torch.Tensor] = {}
     with torch.inference_mode(), captured_inputs(every, sink):
@@ -214,12 +208,46 @@ def test_qwen3_per_head_norms_stay_merged(tmp_path):
                                    skeleton.adapter.block_input(batch))
     weights = token_weights(batch["attention_mask"], list(every), None, None)
     tokens, config = batch["attention_mask"].numel(), model.config
-    assert sink["self_attn.q_norm"].shape == (tokens * config.num_attention_heads, config.head_dim)
-    assert sink["self_attn.k_norm"].shape == (tokens * config.num_key_value_heads, config.head_dim)
-    with pytest.raises(ValueError, match="token rows"):
-        accumulate(new_stats(every), every, sink, sink, weights)
-    calibrated = {n: m for n, m in every.items() if n in wanted}
-    accumulate(new_stats(calibrated), calibrated, sink, sink, weights)  # per-token inputs only: accepted
+    stats = new_stats(every)
+    accumulate(stats, every, sink, sink, weights)
+    for name, heads in (("self_attn.q_norm", config.num_attention_heads), ("self_attn.k_norm", config.num_key_value_heads)):
+        x = sink[name].double()
+        assert x.shape == (tokens * heads, config.head_dim)
+        w = batch["attention_mask"].reshape(-1).double()
+        rows = torch.stack([w[i // heads] for i in range(tokens * heads)])  # row i is token i // heads, head i % heads
+        z = x / (x.pow(2).mean(-1, keepdim=True) + every[name].variance_epsilon).sqrt()
+        got = stats[name].tensors()
+        torch.testing.assert_close(got["sum_w"], rows.sum())
+        torch.testing.assert_close(got["sum_z2"], (rows[:, None] * z * z).sum(0), rtol=1e-5, atol=1e-6)
+        assert float(got["sum_w"]) == heads * float(w.sum())
+    with pytest.raises(ValueError, match="self_attn.q_norm: input has .* rows, not a whole number per token weight"):
+        accumulate(new_stats(every), every, {**sink, "self_attn.q_norm": sink["self_attn.q_norm"][:-1]}, sink, weights)
+
+
+def test_qwen3_given_merge_with_other_qk_norms_gets_the_experts_back(tmp_path):
+    """A merge equal to the expert except its per-head q/k norms (the expert's, ×1.5). One task and λ → 0: a norm's
+    solve, γ = Σ_t e_t·γ_t / Σ_t e_t (design §2.7), must give the expert's q/k norms back whatever the merged side's
+    inputs. (The block's other modules are solved on the merged block's inputs, which those norms changed, so the
+    boundaries are not the expert's: that is the method, not this check.)"""
+    cfg = _build(tmp_path, "qwen3", experts=1, norm_noise=0.1)
+    expert = task_model(cfg.experts["task0"])
+    given = _model("qwen3")
+    state = {k: v * 1.5 if k.endswith(("q_norm.weight", "k_norm.weight")) else v
+             for k, v in expert.state_dict().items()}
+    given.load_state_dict(state)
+    given.save_pretrained(tmp_path / "given")
+    raw = cfg.model_dump(by_alias=True, mode="json")
+    raw["merge"] = {"method": "given", "path": str(tmp_path / "given")}
+    raw["featcal"].update({"lambda": 1e-9, "rho": 1.0, "alpha": 1.0})
+    cfg = config_from_dict(raw, tmp_path)
+    run_pipeline(cfg, tmp_path / "run")
+    adapter = adapter_for(given.config)
+    calibrated = task_model(cfg.experts["task0"], CanonicalCheckpoint(tmp_path / "run" / "calibrated", adapter))
+    for layer in range(adapter.num_blocks()):
+        for name in ("q_norm", "k_norm"):
+            key = f"model.layers.{layer}.self_attn.{name}.weight"
+            torch.testing.assert_close(calibrated.get_parameter(key), expert.get_parameter(key), rtol=1e-6, atol=1e-7)
+            assert not torch.allclose(given.get_parameter(key), expert.get_parameter(key), rtol=0.1), key
 
 
 def _brute_force_next_tokens(model, rows: Dataset) -> tuple[float, float]:
