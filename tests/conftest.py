@@ -1,11 +1,14 @@
 """Shared fixtures: one tiny example build per test session, and the uninterrupted reference runs of it; a fresh
 console for tests that call `featcal` in-process, and the one error line it ends with."""
 
+import atexit
 import contextlib
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +18,10 @@ import yaml
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Prefect's state, the SQLite database of each run's temporary server included, in a home of this session's own
+# (each xdist worker is a session): two sessions creating ~/.prefect's database at once would race on its migrations.
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="featcal-tests-prefect-")
+atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)
 
 from featcal.config import RunConfig, config_from_dict  # noqa: E402
 from featcal.devices import one_thread  # noqa: E402
