@@ -336,7 +336,7 @@ def tls_cluster(tmp_path) -> Iterator[tuple[str, dict[str, str], Path]]:
     """`dask scheduler` and `dask worker` started the way docs/security.md shows, with certificates of our CA."""
     tls = _make_tls(tmp_path)
     flags = ["--tls-ca-file", tls["ca"], "--tls-cert", tls["cert"], "--tls-key", tls["key"]]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") or k == "PREFECT_HOME"}  # the session's
     env.update(OMP_NUM_THREADS="1", PREFECT_SERVER_ANALYTICS_ENABLED="false", HF_HUB_OFFLINE="1")
     logs = tmp_path / "dask-logs"
     with dask_processes("tls", env, logs, flags) as address:
