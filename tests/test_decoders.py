@@ -210,7 +210,8 @@ def test_qwen3_per_head_norms_give_each_head_its_tokens_weight(tmp_path):
     tokens, config = batch["attention_mask"].numel(), model.config
     stats = new_stats(every)
     accumulate(stats, every, sink, sink, weights)
-    for name, heads in (("self_attn.q_norm", config.num_attention_heads), ("self_attn.k_norm", config.num_key_value_heads)):
+    heads_of = {"self_attn.q_norm": config.num_attention_heads, "self_attn.k_norm": config.num_key_value_heads}
+    for name, heads in heads_of.items():
         x = sink[name].double()
         assert x.shape == (tokens * heads, config.head_dim)
         w = batch["attention_mask"].reshape(-1).double()
