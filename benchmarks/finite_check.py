@@ -19,7 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.solve_floor import best_of  # noqa: E402
+from benchmarks.gram_profile import cpu_seconds  # noqa: E402
 from benchmarks.solve_precision import cpu_line  # noqa: E402
 from storage.checkpoint import finite  # noqa: E402
 
@@ -35,14 +35,15 @@ def main() -> None:
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         t = torch.randn(*args.shape, generator=g).to(dtype)
-        old = best_of(lambda: bool(torch.isfinite(t).all()), args.repeats)
-        new = best_of(lambda: finite(t, "w", "experts.a", Path(".")), args.repeats)
+        old = cpu_seconds(lambda: bool(torch.isfinite(t).all()), repeats=args.repeats)
+        new = cpu_seconds(lambda: finite(t, "w", "experts.a", Path(".")), repeats=args.repeats)
         rows.append(f"| {str(dtype).removeprefix('torch.')} | {old * 1e3:.1f} | {new * 1e3:.1f} | {old / new:.1f}× |")
         print(rows[-1], flush=True)
     lines = [f"# The merge's NaN/inf check on one {args.shape[0]} × {args.shape[1]} tensor, one thread", "",
              f"Machine: {cpu_line()}, Python {platform.python_version()}, torch {torch.__version__}. Date: "
-             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. CPU milliseconds, best of {args.repeats}. "
-             f"Command: `python benchmarks/finite_check.py --shape {args.shape[0]} {args.shape[1]} --out {args.out}`",
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. CPU milliseconds, best of {args.repeats} after "
+             f"one warm-up call. Command: `python benchmarks/finite_check.py --shape {args.shape[0]} {args.shape[1]} "
+             f"--repeats {args.repeats} --out {args.out}`",
              "", "| dtype | isfinite().all() (ms) | finite(): sum first (ms) | speed-up |", "|---|---:|---:|---:|",
              *rows, ""]
     args.out.write_text("\n".join(lines))

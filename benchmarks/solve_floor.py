@@ -23,7 +23,6 @@ import argparse
 import platform
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.gram_profile import cpu_seconds  # noqa: E402
 from benchmarks.solve_precision import cpu_line  # noqa: E402
 from featcal.closed_form import Hyper, LinearRows, solve_linear_weight, solve_linear_weight_rows  # noqa: E402
 from featcal.statistics import row_form_pays  # noqa: E402
@@ -41,15 +41,6 @@ from featcal_kernels import ridge_solve  # noqa: E402
 # Each unit: its input width and its readers' output widths.
 UNITS = {"q/k/v": (3072, [3072, 1024, 1024]), "o": (3072, [3072]), "gate/up": (3072, [8192, 8192]),
          "down": (8192, [3072])}
-
-
-def best_of(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.process_time()
-        fn()
-        times.append(time.process_time() - start)
-    return min(times)
 
 
 def unit_rows(tasks: int, rows: int, d_in: int, d_out: int, g: torch.Generator) -> list[LinearRows]:
@@ -82,25 +73,25 @@ def main() -> None:
         base = merged + torch.randn(d_out, d_in, generator=g) * 0.002
         if row_form_pays(args.rows, args.tasks, d_in, readers):
             form = f"rows ({n} × {d_in})"
-            whole = best_of(lambda: solve_linear_weight_rows(rows, merged, base, hp), args.repeats)
+            whole = cpu_seconds(lambda: solve_linear_weight_rows(rows, merged, base, hp), repeats=args.repeats)
             x = torch.cat([r.x for r in rows]).double()
             system = x @ x.T / n
             system.diagonal().add_(hp.lam)
             rhs = torch.randn(n, d_out, generator=g, dtype=torch.float64)
-            solve = best_of(lambda: ridge_solve(system, rhs, damping=hp.eps), args.repeats)
+            solve = cpu_seconds(lambda: ridge_solve(system, rhs, damping=hp.eps), repeats=args.repeats)
             z = ridge_solve(system, rhs, damping=hp.eps).x
-            back = best_of(lambda: z.T @ x, args.repeats)
+            back = cpu_seconds(lambda: z.T @ x, repeats=args.repeats)
             flops = n**3 / 3 + 2 * n * n * d_out + 2 * n * d_in * d_out
         else:
             form = f"Gram ({d_in} × {d_in}), P_t"
             zero = torch.zeros(d_in, dtype=torch.float64)
             moments = [r.moments(zero, zero) for r in rows]
-            whole = best_of(lambda: solve_linear_weight(((m, merged) for m in moments), merged, base, hp),
-                            args.repeats)
+            whole = cpu_seconds(lambda: solve_linear_weight(((m, merged) for m in moments), merged, base, hp),
+                                repeats=args.repeats)
             system = sum(m.c_ss / m.normaliser() for m in moments)
             system.diagonal().add_(hp.lam)
             rhs = torch.randn(d_out, d_in, generator=g, dtype=torch.float64).T  # column-major, as the solve's
-            solve = best_of(lambda: ridge_solve(system, rhs, damping=hp.eps), args.repeats)
+            solve = cpu_seconds(lambda: ridge_solve(system, rhs, damping=hp.eps), repeats=args.repeats)
             back = 0.0
             flops = d_in**3 / 3 + 2 * d_in * d_in * d_out
         total_whole, total_f64, total_flops = total_whole + whole, total_f64 + solve + back, total_flops + flops
@@ -112,9 +103,9 @@ def main() -> None:
     report = [
         f"# The float64 floor of a Llama-3.2-3B block's solve ({args.tasks} tasks × {args.rows} rows, one thread)", "",
         f"Machine: {cpu_line()}, Python {platform.python_version()}, torch {torch.__version__}. Date: "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. CPU seconds, best of {args.repeats}. Command: "
-        f"`python benchmarks/solve_floor.py --tasks {args.tasks} --rows {args.rows} --floor {args.floor} "
-        f"--out {args.out}`", "",
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. CPU seconds, best of {args.repeats} after one warm-up "
+        f"call. Command: `python benchmarks/solve_floor.py --tasks {args.tasks} --rows {args.rows} --floor {args.floor} "
+        f"--repeats {args.repeats} --out {args.out}`", "",
         "| unit | in → out | form | whole solve (s) | ridge solve, float64 (s) | Qᵀ·Z, float64 (s) | float64 steps (s) "
         "| float64 GFLOP | GFLOP/s |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|", *lines,
