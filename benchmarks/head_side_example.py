@@ -18,7 +18,7 @@ import yaml
 
 from featcal.config import config_from_dict
 from featcal.example import build_tiny_example
-from flows.cli import setup_logging
+from flows.console import setup_logging
 from flows.pipeline import machine, run_pipeline
 
 OUT = Path(__file__).resolve().parent / "results" / "head_side_example.md"

@@ -23,7 +23,7 @@ from variant_rows import appended, requested
 
 from featcal_bench.method import chosen_hyper
 from featcal.config import config_from_dict
-from flows.cli import setup_logging
+from flows.console import setup_logging
 from flows.pipeline import machine, run_pipeline
 
 OUT = Path(__file__).resolve().parent / "results" / "minilm8_quality.md"

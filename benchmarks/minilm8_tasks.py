@@ -27,7 +27,7 @@ from featcal_bench.minilm.task_data import RECIPES
 from featcal_bench.minilm.recipe import located_spec
 from featcal_bench.recipe import BuildOptions
 from featcal_bench.stages import build_stages, direct_call
-from flows.cli import setup_logging
+from flows.console import setup_logging
 from flows.pipeline import machine
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from flows.console import setup_logging
+
 if TYPE_CHECKING:  # the CLI loads the config module only when a command needs it
     from featcal.config import RunConfig
 
@@ -208,21 +210,6 @@ def _check_runner(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(f"--workers must be at least 1, got {args.workers}")
     if args.worker_threads is not None and args.worker_threads < 1:
         parser.error(f"--worker-threads must be at least 1, got {args.worker_threads}")
-
-
-def setup_logging() -> None:
-    # Our progress goes to the terminal through this handler, and to the Prefect UI through the API
-    # handler Prefect adds to the loggers named in PREFECT_LOGGING_EXTRA_LOGGERS.
-    ours = logging.getLogger("featcal")
-    ours.setLevel(logging.INFO)
-    ours.propagate = False
-    if not any(h.get_name() == "featcal-console" for h in ours.handlers):
-        console = logging.StreamHandler()
-        console.set_name("featcal-console")
-        console.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
-        ours.addHandler(console)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("distributed").setLevel(logging.WARNING)  # a local Dask cluster's start-up chatter
 
 
 # ---- handlers: each returns the exit code; errors the user can fix are raised as UserError ---------------------

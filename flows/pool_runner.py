@@ -55,7 +55,7 @@ def _start_worker(threads: int, known_secrets: dict[str, Any]) -> None:
     import torch
 
     from featcal import secrets
-    from flows.cli import setup_logging
+    from flows.console import setup_logging
 
     torch.set_num_threads(threads)
     secrets.remember(known_secrets)
