@@ -16,11 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-from featcal_bench.minilm.competence import failures, figures, mix_table
 from featcal_bench.finetune import FineTune
+from featcal_bench.minilm.competence import failures, figures, mix_table
 from featcal_bench.minilm.presets import PRESETS
-from featcal_bench.minilm.task_data import RECIPES
 from featcal_bench.minilm.recipe import located_spec
+from featcal_bench.minilm.task_data import RECIPES
 from featcal_bench.stages import build_stages, direct_call
 from flows.console import setup_logging
 from flows.pipeline import machine

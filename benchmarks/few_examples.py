@@ -17,13 +17,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from variant_rows import appended, requested
+
 from featcal.config import config_from_dict
 from featcal_bench.method import AUTO, MethodRun
 from featcal_bench.minilm.recipe import FEATCAL, located_spec, pipeline_config
 from flows.console import setup_logging
 from flows.pipeline import machine, run_pipeline
 from storage.atomic import read_json
-from variant_rows import appended, requested
 
 OUT = Path(__file__).resolve().parent / "results" / "few_examples_demo.md"
 FULL, FEW = 64, 8  # the demo's whole calibration pool, and the few

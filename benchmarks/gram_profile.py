@@ -40,7 +40,6 @@ from flows.pipeline import machine  # noqa: E402
 from tasks.calibration import gram  # noqa: E402
 from tasks.context import context  # noqa: E402
 
-
 ALPHA = 0.25  # featcal.alpha's default: the products' cost does not depend on it
 
 

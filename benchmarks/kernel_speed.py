@@ -60,7 +60,7 @@ def machine_lines(load_start: float, load_end: float) -> list[str]:
     return [
         f"- CPU: {fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} logical CPUs",
         f"- torch {torch.__version__}, {torch.get_num_threads()} threads",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
         f"- 1-minute load average at start / end of the run: {load_start:.1f} / {load_end:.1f} "
         f"(this run adds about {torch.get_num_threads()}; the rest is other work sharing the machine)",
     ]

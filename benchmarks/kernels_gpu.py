@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 import triton.testing
+from kernels import N_ROWS, naive_dual_gram, useful_gram_flops
 
 import featcal_kernels
 import featcal_kernels.triton_gram  # noqa: F401  (fails loudly if the Triton kernel cannot load)
-from kernels import N_ROWS, naive_dual_gram, useful_gram_flops
 
 DIMS = (768, 1536, 3072, 4096)
 # Dense (no sparsity) bf16 tensor-core peaks from vendor datasheets, first name match wins.

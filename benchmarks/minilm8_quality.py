@@ -21,8 +21,8 @@ from typing import Any
 from minilm8_tuning import EXAMPLES, validation_config
 from variant_rows import appended, requested
 
-from featcal_bench.method import chosen_hyper
 from featcal.config import config_from_dict
+from featcal_bench.method import chosen_hyper
 from flows.console import setup_logging
 from flows.pipeline import machine, run_pipeline
 

@@ -22,9 +22,9 @@ from typing import Any
 
 from featcal_bench.minilm.competence import failures, figures, mix_table
 from featcal_bench.minilm.presets import PRESETS
+from featcal_bench.minilm.recipe import located_spec
 from featcal_bench.minilm.spec import Competence
 from featcal_bench.minilm.task_data import RECIPES
-from featcal_bench.minilm.recipe import located_spec
 from featcal_bench.recipe import BuildOptions
 from featcal_bench.stages import build_stages, direct_call
 from flows.console import setup_logging

@@ -17,9 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from flows.pipeline import machine
 # this script's neighbour: the same synthetic inputs
 from pipeline_cost import SHAPES, build_inputs, config_file, same_weights
+
+from flows.pipeline import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = Path("/tmp/featcal-bench")  # pipeline_cost.py's default: its inputs are reused

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-
-import sys
 
 import torch
 

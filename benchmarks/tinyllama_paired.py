@@ -91,7 +91,7 @@ def markdown(bench: Path) -> str:
     boot = {label: resampled_average(losses, draws) for label, losses in models.items()}
     point = {label: average(losses) for label, losses in models.items()}
     ta, rm, ex = "task arithmetic", "RegMean", "experts"
-    lines = [f"# tinyllama-domains: label-free FeatCal rows against RegMean, paired (issue 33 §4)", "",
+    lines = ["# tinyllama-domains: label-free FeatCal rows against RegMean, paired (issue 33 §4)", "",
              f"Machine: {machine()}; {time.strftime('%Y-%m-%d')}; written by `benchmarks/tinyllama_paired.py` "
              f"({time.time() - started:.0f} s).", "",
              f"Average loss (nats): task arithmetic {point[ta]:.4f}, RegMean {point[rm]:.4f}, experts {point[ex]:.4f}; "

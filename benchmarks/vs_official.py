@@ -27,7 +27,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.pipeline_cost import (  # noqa: E402
-    KINDS, build_inputs, child_cost, child_env, config_file, run_once, runtime_field, weight_gap,
+    KINDS,
+    build_inputs,
+    child_cost,
+    child_env,
+    config_file,
+    run_once,
+    runtime_field,
+    weight_gap,
 )
 from benchmarks.solve_precision import cpu_line  # noqa: E402
 from flows.pipeline import machine  # noqa: E402

@@ -17,9 +17,21 @@ from typing import Any, ClassVar, Literal, get_args
 import torch
 
 from featcal.closed_form import (
-    BiasTerm, Choice, Hyper, LinearMoments, choose_linear_hyper, choose_norm_hyper, cross_validated, head_factor,
-    head_metric, solve_linear_bias, solve_linear_weight, solve_linear_weight_head, solve_linear_weight_rows,
-    solve_norm_affine, solve_regmean_weight,
+    BiasTerm,
+    Choice,
+    Hyper,
+    LinearMoments,
+    choose_linear_hyper,
+    choose_norm_hyper,
+    cross_validated,
+    head_factor,
+    head_metric,
+    solve_linear_bias,
+    solve_linear_weight,
+    solve_linear_weight_head,
+    solve_linear_weight_rows,
+    solve_norm_affine,
+    solve_regmean_weight,
 )
 from featcal.config import FeatCalConfig
 from featcal.statistics import fit_sums, held_out_sums, linear_moments, linear_rows, norm_moments

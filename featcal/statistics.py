@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 import featcal_kernels
-from featcal_kernels.bf16 import bf16_target_product, bf16_units_serve
 from featcal.closed_form import LinearMoments, LinearRows, NormMoments
 from featcal.modeling import as_out_in, is_norm, linear_dims, normalized
+from featcal_kernels.bf16 import bf16_target_product, bf16_units_serve
 
 # How a module's statistics keep the expert side: not at all (RegMean's C_ss only), C_se, P_t, or its rows.
 FORMS = ("none", "gram", "product", "rows")

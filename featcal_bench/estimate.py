@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from featcal_bench.method import MethodRun
 from featcal.evaluation import DRIFT_MODELS
+from featcal_bench.method import MethodRun
 from storage.atomic import write_bytes
 from storage.rundir import RunDir
 

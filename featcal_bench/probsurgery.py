@@ -34,6 +34,7 @@ reproducible.
 from __future__ import annotations
 
 import math
+
 import torch
 from torch import nn
 

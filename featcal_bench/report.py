@@ -21,6 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from featcal_bench.method import FULL, SAMPLE_SIZES  # noqa: E402
 from featcal_bench.paired import RESAMPLES, SEED, compared, p_text  # noqa: E402
 
+
 def paper_rows(base_label: str, *, surgery: bool = False) -> tuple[tuple[str, str, str, str | None], ...]:
     """The rows of the paper's hub benchmarks (its Table 1 methods), in METHOD_ROWS' form; `base_label` names the
     unmerged base, and TA + Surgery and TA + ProbSurgery are rows only where the recipe runs them."""

@@ -22,7 +22,8 @@ from prefect import flow, task
 from transformers.utils import logging as hf_logging
 
 from featcal.config import digest_of
-from featcal_bench import method, probsurgery, report as bench_report, surgery, surgery_run
+from featcal_bench import method, probsurgery, surgery, surgery_run
+from featcal_bench import report as bench_report
 from featcal_bench.layout import CONFIGS
 from featcal_bench.recipe import Call, Recipe, SavedSpec, Stage, recipe_of, recipes
 from flows import signals

@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from featcal.adapters import adapter_for
-from featcal_bench.probsurgery import KL_WEIGHT
-from featcal_bench.surgery import ADAPTERS, surgery_classifier, train_surgery
 from featcal.config import RunConfig
 from featcal.data import InputBuilder, load_split, pick_examples, row_batches
+from featcal_bench.probsurgery import KL_WEIGHT
+from featcal_bench.surgery import ADAPTERS, surgery_classifier, train_surgery
 from storage.atomic import read_json
 from tasks.merge import MERGED, head_file
 

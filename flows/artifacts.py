@@ -12,7 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from prefect.artifacts import (
-    create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact,
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
 )
 
 from featcal.calibration_methods import calibration_method

@@ -148,7 +148,7 @@ def local_cluster_kwargs(workers: int, threads: int) -> dict:
 @contextmanager
 def dask_task_runner(run_dir: str, address: str | None = None, workers: int | None = None, threads: int = 1,
                      known_secrets: dict | None = None, tls_ca_file: str | None = None, tls_cert: str | None = None,
-                     tls_key: str | None = None, devices: list[str] | None = None) -> Iterator["DaskTaskRunner"]:  # noqa: F821
+                     tls_key: str | None = None, devices: list[str] | None = None) -> Iterator[DaskTaskRunner]:  # noqa: F821
     """A started DaskTaskRunner on an existing cluster (`address`, over TLS for tls://) or a new LocalCluster of
     `workers` processes (with `devices`: one per device, each pinned to its own), checked to see `run_dir` from
     every worker; `known_secrets` ({placeholder: value}) are given to every worker while the runner is open."""

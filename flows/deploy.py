@@ -15,8 +15,8 @@ by each run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +121,12 @@ class DeploymentRow:
 def deployments() -> list[DeploymentRow]:
     from prefect import get_client
     from prefect.client.schemas.filters import (
-        DeploymentFilter, DeploymentFilterId, FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterState,
+        DeploymentFilter,
+        DeploymentFilterId,
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterState,
         FlowRunFilterStateType,
     )
     from prefect.client.schemas.objects import StateType

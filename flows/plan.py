@@ -9,12 +9,12 @@ from typing import Any
 
 from featcal.calibration_methods import calibration_method
 from featcal.config import RunConfig
-from featcal.input_checks import text_length_limit
-from featcal.hub import local_dir
 from featcal.devices import activation_dtype, bf16_warning, resolve_device
-from featcal_kernels.bf16 import cpu_has_native_bf16
+from featcal.hub import local_dir
+from featcal.input_checks import text_length_limit
 from featcal.modeling import Skeleton, calibrated_modules, is_norm, linear_dims
 from featcal.statistics import expert_side_form, row_form_pays
+from featcal_kernels.bf16 import cpu_has_native_bf16
 from flows.pipeline import stage_count
 from storage.checkpoint import CanonicalCheckpoint
 from storage.lora import config_directory

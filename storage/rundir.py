@@ -17,7 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from storage.activations import ROOT as ACTS, ActivationStore
+from storage.activations import ROOT as ACTS
+from storage.activations import ActivationStore
 from storage.atomic import digest, read_json, remove, write_json
 from storage.checkpoint import MODEL_CARD
 

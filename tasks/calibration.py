@@ -18,8 +18,19 @@ from featcal.devices import release_freed_memory, solve_device, to_device
 from featcal.hub import local_dir
 from featcal.modeling import as_out_in, calibrated_modules, is_norm, linear_dims, norm_scale_offset
 from featcal.statistics import (
-    READERS, Stats, accumulate, captured_inputs, example_rows, flatten_stats, held_prefix, input_owners, module_keys,
-    new_stats, shared_inputs, stats_flops, stats_layout,
+    READERS,
+    Stats,
+    accumulate,
+    captured_inputs,
+    example_rows,
+    flatten_stats,
+    held_prefix,
+    input_owners,
+    module_keys,
+    new_stats,
+    shared_inputs,
+    stats_flops,
+    stats_layout,
 )
 from featcal.t5 import column_targets, decoder_batches, greedy_targets
 from storage.atomic import atomic_path

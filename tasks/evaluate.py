@@ -17,7 +17,14 @@ from transformers import AutoTokenizer
 from featcal.config import DataSource
 from featcal.data import InputBuilder, load_split, pick_examples, row_batches
 from featcal.evaluation import (
-    DRIFT_MODELS, MODELS, EvalProgress, TaskScores, drift_definition, drift_plot, markdown, summarize,
+    DRIFT_MODELS,
+    MODELS,
+    EvalProgress,
+    TaskScores,
+    drift_definition,
+    drift_plot,
+    markdown,
+    summarize,
 )
 from featcal.hub import local_dir
 from featcal.modeling import task_model

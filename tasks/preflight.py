@@ -14,10 +14,16 @@ from featcal.adapters import Adapter, adapter_for
 from featcal.calibration_methods import METHODS, calibration_method
 from featcal.config import ConfigError, DataSource, FeatCalConfig, RunConfig
 from featcal.data import DataError, InputBuilder, load_split
-from featcal.hub import Resolved, hub_ref, local_dir, resolve
-from featcal.input_checks import (label_names_check, label_range_error, pad_with_eos, safetensors_header_error,
-                                  text_length_limit, text_type_error)
 from featcal.devices import bf16_warning, check_keep_freed_memory, resolve_device
+from featcal.hub import Resolved, hub_ref, local_dir, resolve
+from featcal.input_checks import (
+    label_names_check,
+    label_range_error,
+    pad_with_eos,
+    safetensors_header_error,
+    text_length_limit,
+    text_type_error,
+)
 from featcal.modeling import Skeleton, expert_checkpoint
 from featcal.setup_checks import setup_warnings, strict_refusal
 from featcal.t5 import answer_kind

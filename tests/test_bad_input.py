@@ -10,15 +10,20 @@ from typing import NamedTuple
 
 import datasets
 import pytest
-import yaml
 import torch
+import yaml
 from safetensors.torch import load_file
 
 import featcal.devices
 from flows.cli import main
 from tests.conftest import one_error_line, plan_or_run_args
 from tests.tiny_example_inputs import (
-    copied_bert_example, edit_example_yaml, edit_split, key_setting, own_checkpoint_copy, rewrite_tensors,
+    copied_bert_example,
+    edit_example_yaml,
+    edit_split,
+    key_setting,
+    own_checkpoint_copy,
+    rewrite_tensors,
 )
 
 datasets.disable_progress_bars()

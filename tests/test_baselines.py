@@ -10,13 +10,18 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from featcal_bench.probsurgery import ProbSurgeryAdapter
-from featcal_bench.surgery import (
-    SurgeryAdapter, SurgeryClassifier, features, fit_adapters, surgery_classifier, train_surgery,
-)
 from featcal.closed_form import solve_regmean_weight
 from featcal.config import ConfigError, config_from_dict
 from featcal.modeling import task_model
+from featcal_bench.probsurgery import ProbSurgeryAdapter
+from featcal_bench.surgery import (
+    SurgeryAdapter,
+    SurgeryClassifier,
+    features,
+    fit_adapters,
+    surgery_classifier,
+    train_surgery,
+)
 from flows.pipeline import run_pipeline
 from storage.checkpoint import CanonicalCheckpoint
 from storage.rundir import RunDir

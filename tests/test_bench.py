@@ -15,20 +15,29 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, BertForSequenceClassification
 
+from featcal.config import config_from_dict
 from featcal_bench.finetune import FineTune, Selection, _train, accuracy
-from featcal_bench.minilm.probe import L2_GRID, fitted_probe
-from featcal_bench.minilm import competence
-from featcal_bench.minilm.competence import IncompetentExperts, failures, figures, mix_table
 from featcal_bench.method import MethodRun, ordered_runs
-from featcal_bench.protect import RAISE, check_path, raised_weights, settled
+from featcal_bench.minilm import competence
 from featcal_bench.minilm.build import expert_seed
-from featcal_bench.minilm.recipe import FEATCAL, build_graph, method_runs, pipeline_config
-from featcal_bench.report import METHOD_ROWS
-from featcal_bench.sources import Pointer, SourceMissing, Sources, general_inquirer, moral_foundations, roget, spam_mails, synsets
+from featcal_bench.minilm.competence import IncompetentExperts, failures, figures, mix_table
 from featcal_bench.minilm.presets import PRESETS
+from featcal_bench.minilm.probe import L2_GRID, fitted_probe
+from featcal_bench.minilm.recipe import FEATCAL, build_graph, method_runs, pipeline_config
 from featcal_bench.minilm.spec import BenchSpec, Competence
 from featcal_bench.minilm.task_data import RECIPES, SplitSizes, split_examples
-from featcal.config import config_from_dict
+from featcal_bench.protect import RAISE, check_path, raised_weights, settled
+from featcal_bench.report import METHOD_ROWS
+from featcal_bench.sources import (
+    Pointer,
+    SourceMissing,
+    Sources,
+    general_inquirer,
+    moral_foundations,
+    roget,
+    spam_mails,
+    synsets,
+)
 from featcal_bench.stages import build_stages, direct_call, run_stages
 from storage.rundir import RunDir
 from tests.bench_fixture import bench_sources

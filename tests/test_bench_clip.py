@@ -13,18 +13,18 @@ from datasets import ClassLabel, Dataset, DatasetDict, Features, Image
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
+from featcal.config import load_config
+from featcal.modeling import task_model
+from featcal.zeroshot import ZeroShotClassifier
+from featcal_bench.cli import main
 from featcal_bench.clip.estimate import clip_cost_estimate
 from featcal_bench.clip.prompts import CLASS_NAMES, TEMPLATES
 from featcal_bench.clip.report import PAPER
 from featcal_bench.clip.spec import BASE_MODEL, CLIP_PRESETS, CLIP_TASKS
 from featcal_bench.estimate import split_sizes
-from featcal_bench.surgery import SurgeryAdapter, SurgeryClassifier, features
-from featcal.config import load_config
-from featcal.modeling import task_model
-from featcal.zeroshot import ZeroShotClassifier
-from featcal_bench.cli import main
 from featcal_bench.mirror import preset_spec
 from featcal_bench.stages import build_stages, direct_call, run_stages
+from featcal_bench.surgery import SurgeryAdapter, SurgeryClassifier, features
 from flows.plan import plan
 from storage.checkpoint import read_metadata
 from storage.rundir import RunDir

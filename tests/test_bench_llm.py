@@ -10,15 +10,15 @@ import json
 import datasets
 import pytest
 
+from featcal.config import load_config
 from featcal.devices import one_thread
+from featcal_bench.cli import main
 from featcal_bench.llm.build import held_out_splits, rendered
 from featcal_bench.llm.methods import llm_method_runs
-from featcal_bench.method import run_method
 from featcal_bench.llm.report import PAPER_COLUMN
 from featcal_bench.llm.spec import BASE_MODEL, DOMAINS, HEADER, LLM_PRESETS, LlmBenchSpec
+from featcal_bench.method import run_method
 from featcal_bench.mirror import MirrorMissing, preset_spec
-from featcal.config import load_config
-from featcal_bench.cli import main
 from featcal_bench.stages import build_stages, direct_call, run_stages
 from storage.rundir import Record, RunDir
 from tasks.record import recorded

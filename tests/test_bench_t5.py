@@ -13,15 +13,15 @@ import torch
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 from transformers import T5ForConditionalGeneration
 
-from featcal_bench.t5.prompts import LABEL_WORDS, TEMPLATES
-from featcal_bench.method import paper_method_runs
-from featcal_bench.t5.report import PAPER
-from featcal_bench.t5.spec import BASE_MODEL, GLUE, GLUE_TASKS, T5_PRESETS, T5BenchSpec
 from featcal.config import load_config
 from featcal_bench.cli import main
+from featcal_bench.method import paper_method_runs
 from featcal_bench.mirror import preset_spec
 from featcal_bench.stages import build_stages, direct_call, run_stages
+from featcal_bench.t5.prompts import LABEL_WORDS, TEMPLATES
 from featcal_bench.t5.recipe import t5_estimate
+from featcal_bench.t5.report import PAPER
+from featcal_bench.t5.spec import BASE_MODEL, GLUE, GLUE_TASKS, T5_PRESETS, T5BenchSpec
 from flows.pipeline import machine
 from storage.rundir import RunDir
 from tests.t5_fixture import fine_tuned_t5, glue_words, t5_config, t5_tokenizer

@@ -16,9 +16,18 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from featcal_bench.tinyllama.build import (SPLITS, Shape, TinyLlamaSpec, Training, debian, docstrings, movie_reviews, speeches,
-                                     split_groups)
 from featcal_bench.stages import build_stages, direct_call, run_stages
+from featcal_bench.tinyllama.build import (
+    SPLITS,
+    Shape,
+    TinyLlamaSpec,
+    Training,
+    debian,
+    docstrings,
+    movie_reviews,
+    speeches,
+    split_groups,
+)
 from storage.rundir import RunDir
 
 WORDS = {

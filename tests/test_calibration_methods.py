@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from featcal.calibration_methods import (
-    CONFIG_KEYS, CONFIG_METHODS, METHODS, CalibrationMethod, ModuleData, StatisticsPlan, calibration_method, register,
+    CONFIG_KEYS,
+    CONFIG_METHODS,
+    METHODS,
+    CalibrationMethod,
+    ModuleData,
+    StatisticsPlan,
+    calibration_method,
+    register,
 )
 from featcal.config import ConfigError, FeatCalConfig, config_from_dict
 from featcal.statistics import HELD

@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from featcal.closed_form import (
-    BiasTerm, Hyper, LinearMoments, NormMoments, anchor, solve_linear_bias, solve_linear_weight, solve_norm_affine,
+    BiasTerm,
+    Hyper,
+    LinearMoments,
+    NormMoments,
+    anchor,
+    solve_linear_bias,
+    solve_linear_weight,
+    solve_norm_affine,
 )
 
 torch.manual_seed(0)

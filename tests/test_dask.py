@@ -15,7 +15,6 @@ from flows.prefect_flow import featcal_flow
 from storage.atomic import digest
 from storage.rundir import RunDir
 from tasks.context import context
-from tests.conftest import example_config
 from tests.dask_processes import dask_processes, free_port
 
 pytest_plugins = ("tests.prefect_server", "tests.s3_server")

@@ -11,12 +11,22 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+import featcal.devices
 import featcal_kernels
 from featcal.config import ConfigError, RuntimeConfig, config_from_dict
-import featcal.devices
 from featcal.devices import (
-    activation_dtype, bf16_warning, check_worker_devices, device_for_worker, gpu_devices,
-    peak_device_mib, pin_worker_device, reset_device_peak, resolve_device, solve_device, to_device)
+    activation_dtype,
+    bf16_warning,
+    check_worker_devices,
+    device_for_worker,
+    gpu_devices,
+    peak_device_mib,
+    pin_worker_device,
+    reset_device_peak,
+    resolve_device,
+    solve_device,
+    to_device,
+)
 from featcal_kernels.bf16 import cpu_has_native_bf16
 from tests.conftest import ROOT
 

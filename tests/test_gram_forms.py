@@ -12,7 +12,13 @@ from torch import nn
 import featcal.statistics as statistics
 from featcal.modeling import calibrated_modules
 from featcal.statistics import (
-    accumulate, captured_inputs, expert_side_form, flatten_stats, linear_moments, module_keys, new_stats,
+    accumulate,
+    captured_inputs,
+    expert_side_form,
+    flatten_stats,
+    linear_moments,
+    module_keys,
+    new_stats,
     stats_layout,
 )
 from flows.pipeline import run_pipeline

@@ -10,7 +10,14 @@ from transformers import BertConfig, BertForSequenceClassification, ViTConfig, V
 from featcal import closed_form
 from featcal.adapters import UnsupportedModelError, adapter_for
 from featcal.closed_form import (
-    BiasTerm, Hyper, LinearMoments, anchor, head_factor, head_metric, solve_linear_bias, solve_linear_weight,
+    BiasTerm,
+    Hyper,
+    LinearMoments,
+    anchor,
+    head_factor,
+    head_metric,
+    solve_linear_bias,
+    solve_linear_weight,
     solve_linear_weight_head,
 )
 from featcal.config import ConfigError

@@ -24,23 +24,26 @@ from featcal.data import DataError, load_split
 from featcal.devices import one_thread
 from featcal.hub import HubError, resolve
 from featcal_bench.clip.prompts import CLASS_NAMES
-from featcal_bench.clip.spec import BASE_MODEL as CLIP_BASE, CLIP_PRESETS, CLIP_TASKS
-from featcal_bench.llm.spec import BASE_MODEL as LLM_BASE, DOMAINS, LLM_PRESETS
+from featcal_bench.clip.spec import BASE_MODEL as CLIP_BASE
+from featcal_bench.clip.spec import CLIP_PRESETS, CLIP_TASKS
+from featcal_bench.llm.spec import BASE_MODEL as LLM_BASE
+from featcal_bench.llm.spec import DOMAINS, LLM_PRESETS
 from featcal_bench.method import run_method
 from featcal_bench.mirror import preset_spec
 from featcal_bench.stages import build_stages, direct_call, recipe_of_spec, run_stages
 from featcal_bench.t5.prompts import LABEL_WORDS
+from featcal_bench.t5.spec import BASE_MODEL as T5_BASE
+from featcal_bench.t5.spec import GLUE, GLUE_TASKS, T5_PRESETS
 from flows.plan import plan, render
-from featcal_bench.t5.spec import BASE_MODEL as T5_BASE, GLUE, GLUE_TASKS, T5_PRESETS
 from storage.rundir import Record, RunDir
 from tasks.preflight import preflight
 from tasks.record import recorded
 from tests.clip_fixture import perturbed_tower, save_tiny_clip, solid_images
-from tests.test_architectures import VISION
 from tests.conftest import ROOT
 from tests.hub_fixture import add_dataset, add_model, commit_of
 from tests.llm_fixture import llm_mirror
 from tests.t5_fixture import fine_tuned_t5, glue_words, t5_config, t5_tokenizer
+from tests.test_architectures import VISION
 from tests.tiny_example_inputs import set_key
 
 LLM_DOMAINS = ["instruction", "math"]

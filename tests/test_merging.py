@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from featcal.config import MergeConfig
-from featcal.merging import chunk_rows, dare_kept, drop_masks, dropped, merged_rows, merged_tensor, trimmed
+from featcal.merging import chunk_rows, dare_kept, drop_masks, merged_rows, merged_tensor, trimmed
 
 g = torch.Generator().manual_seed(0)
 BASE = torch.randn(7, 9, generator=g)

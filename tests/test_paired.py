@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from featcal.evaluation import TaskScores, summarize
+from featcal.evaluation import markdown as run_markdown
 from featcal_bench.paired import mcnemar, p_text, paired_bootstrap
 from featcal_bench.report import build_report, markdown
-from featcal.evaluation import TaskScores, markdown as run_markdown, summarize
 
 
 def _pair(only_a: int, only_b: int, both: int = 3, neither: int = 2) -> tuple[list[bool], list[bool]]:

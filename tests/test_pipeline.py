@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from featcal.modeling import task_model
 from flows.pipeline import run_pipeline
 from storage.activations import ActivationError
-from storage.checkpoint import CanonicalCheckpoint, CheckpointError
 from storage.atomic import digest
+from storage.checkpoint import CanonicalCheckpoint, CheckpointError
 from storage.rundir import RunDir
 from tasks.calibration import solve_groups
 from tasks.context import context

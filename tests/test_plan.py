@@ -7,11 +7,11 @@ import math
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from featcal.config import config_from_dict
 import flows.plan
+import tasks.preflight
+from featcal.config import config_from_dict
 from featcal.statistics import expert_side_form
 from flows.plan import GIB, plan, render
-import tasks.preflight
 from tests.test_decoders import SHAPE, _rows
 
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from flows.cli import main
 from storage.atomic import digest
 from storage.rundir import RunDir
-from tests.conftest import example_config, featcal_process
+from tests.conftest import featcal_process
 from tests.test_resume import _started, stopped
 
 POOL = ("--no-prefect", "--runner", "pool", "--workers", "2", "--worker-threads", "1")

@@ -4,7 +4,12 @@ import time
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
-    ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterFlowRunId,
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    FlowRunFilter,
+    FlowRunFilterId,
+    TaskRunFilter,
+    TaskRunFilterFlowRunId,
 )
 
 from flows.prefect_flow import featcal_flow

@@ -4,11 +4,15 @@ changed expert, and a scheduled run killed with -9 resumes by hand from its cach
 import os
 import shutil
 import signal
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
-    DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType,
+    DeploymentFilter,
+    DeploymentFilterId,
+    FlowRunFilter,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
 )
 from prefect.client.schemas.objects import StateType
 from prefect.client.schemas.sorting import FlowRunSort
@@ -56,7 +60,7 @@ def _run_scheduled_now(client, deployment_id):
     """Take the schedule's next run (02:00 UTC) and start it now rather than waiting for the night."""
     scheduled = wait_for("the schedule's next run", lambda: _next_scheduled(client, deployment_id), timeout=60)
     assert (scheduled.expected_start_time.hour, scheduled.expected_start_time.minute) == (2, 0)
-    client.set_flow_run_state(scheduled.id, Scheduled(scheduled_time=datetime.now(timezone.utc)), force=True)
+    client.set_flow_run_state(scheduled.id, Scheduled(scheduled_time=datetime.now(UTC)), force=True)
     return scheduled.id
 
 

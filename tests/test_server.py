@@ -8,7 +8,10 @@ from uuid import UUID
 import httpx
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
-    ArtifactFilter, ArtifactFilterFlowRunId, TaskRunFilter, TaskRunFilterFlowRunId,
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    TaskRunFilter,
+    TaskRunFilterFlowRunId,
 )
 
 from flows.cli import main

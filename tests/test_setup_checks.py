@@ -14,13 +14,24 @@ from safetensors.torch import save_file
 
 from featcal.modeling import Skeleton
 from featcal.setup_checks import (
-    NEAR_ZERO, expected_head, identical_pairs, overlap_count, row_digests, scan_checkpoints, squared_distance, task_vector_warnings,
+    NEAR_ZERO,
+    expected_head,
+    identical_pairs,
+    overlap_count,
+    row_digests,
+    scan_checkpoints,
+    squared_distance,
+    task_vector_warnings,
 )
 from flows.cli import main
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
 from tests.conftest import one_error_line, plan_or_run_args
 from tests.tiny_example_inputs import (
-    copied_bert_example, edit_example_yaml, edit_split, own_checkpoint_copy, rewrite_tensors,
+    copied_bert_example,
+    edit_example_yaml,
+    edit_split,
+    own_checkpoint_copy,
+    rewrite_tensors,
 )
 
 pytestmark = pytest.mark.usefixtures("fresh_console")

@@ -5,7 +5,13 @@ import pytest
 import torch
 
 from featcal.closed_form import (
-    Hyper, LinearMoments, NormMoments, choose_linear_hyper, choose_norm_hyper, cross_validated, solve_linear_weight,
+    Hyper,
+    LinearMoments,
+    NormMoments,
+    choose_linear_hyper,
+    choose_norm_hyper,
+    cross_validated,
+    solve_linear_weight,
     solve_norm_affine,
 )
 from featcal.config import FeatCalConfig

@@ -5,7 +5,13 @@ from torch import nn
 
 from featcal.modeling import calibrated_modules, normalized
 from featcal.statistics import (
-    accumulate, captured_inputs, flatten_stats, linear_moments, module_keys, new_stats, norm_moments,
+    accumulate,
+    captured_inputs,
+    flatten_stats,
+    linear_moments,
+    module_keys,
+    new_stats,
+    norm_moments,
 )
 
 

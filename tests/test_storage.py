@@ -13,7 +13,13 @@ from featcal.adapters import adapter_for
 from storage.activations import ActivationError, ActivationStore
 from storage.atomic import atomic_path, digest
 from storage.checkpoint import (
-    CanonicalCheckpoint, CheckpointError, TensorFiles, TensorSpec, finite, read_metadata, write_checkpoint,
+    CanonicalCheckpoint,
+    CheckpointError,
+    TensorFiles,
+    TensorSpec,
+    finite,
+    read_metadata,
+    write_checkpoint,
     write_streamed,
 )
 from storage.rundir import MissingOutput, RunDir, RunDirLocked
@@ -200,7 +206,7 @@ def test_records_verify_release_and_require(tmp_path):
 def test_second_run_on_one_directory_is_refused(tmp_path):
     run = RunDir(tmp_path)
     with run.lock():
-        with pytest.raises(RunDirLocked, match=f"pid"):
+        with pytest.raises(RunDirLocked, match="pid"):
             with RunDir(tmp_path).lock():
                 pass
     with run.lock():  # released after the first holder finished

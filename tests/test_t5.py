@@ -16,8 +16,8 @@ from featcal.modeling import task_model
 from featcal.t5 import decoder_batches, first_number, greedy_targets, normalised
 from flows.pipeline import run_pipeline
 from storage.checkpoint import CanonicalCheckpoint
-from tests.t5_fixture import t5_config, t5_tokenizer
 from tests.perturbed_experts import perturbed
+from tests.t5_fixture import t5_config, t5_tokenizer
 
 EXAMPLES = 16
 

@@ -16,11 +16,11 @@ from datasets import ClassLabel, Image
 from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel, CLIPVisionModel
 from transformers.utils import logging as hf_logging
 
-from featcal_bench.layout import BASE, data_dir
+from featcal.data import pick_examples
 from featcal_bench.clip.prompts import CLASS_NAMES
 from featcal_bench.clip.spec import BASE_MODEL, CLIP_TASKS, ClipBenchSpec
+from featcal_bench.layout import BASE, data_dir
 from featcal_bench.mirror import dataset_split, expert_stage, pretrained, write_pretrained
-from featcal.data import pick_examples
 from storage.atomic import atomic_path
 
 log = logging.getLogger("featcal")

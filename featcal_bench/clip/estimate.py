@@ -9,11 +9,20 @@ import datasets
 import torch
 from transformers import AutoImageProcessor, CLIPVisionModel
 
-from featcal_bench.layout import BASE, data_dir
 from featcal_bench.clip.methods import clip_method_runs
 from featcal_bench.clip.prompts import CLASS_NAMES, TEMPLATES
-from featcal_bench.estimate import (CALIBRATION_PASSES, Passes, Speed, calibration_rows, cost_estimate,
-                                    evaluation_passes, per_device, seconds_per_row, test_rows)
+from featcal_bench.estimate import (
+    CALIBRATION_PASSES,
+    Passes,
+    Speed,
+    calibration_rows,
+    cost_estimate,
+    evaluation_passes,
+    per_device,
+    seconds_per_row,
+    test_rows,
+)
+from featcal_bench.layout import BASE, data_dir
 from featcal_bench.method import SURGERY_METHODS, MethodRun
 
 SURGERY_PASSES = 2  # the expert's and the merged model's features of each pool image, once (featcal_bench/clip/methods.py)

@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from featcal_bench.layout import data_dir
 from featcal_bench.clip.build import CLIP
 from featcal_bench.clip.prompts import CLASS_NAMES, TEMPLATES
 from featcal_bench.clip.spec import ClipBenchSpec
+from featcal_bench.layout import data_dir
 from featcal_bench.method import MethodRun, model_sections, paper_method_runs
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from featcal.config import digest_of
 from featcal_bench import mirror
-from featcal_bench.clip import build, methods, prompts, report, spec as spec_module
+from featcal_bench.clip import build, methods, prompts, report
+from featcal_bench.clip import spec as spec_module
 from featcal_bench.clip.estimate import clip_cost_estimate
 from featcal_bench.clip.spec import BASE_MODEL, CLIP_PRESETS, ClipBenchSpec
 from featcal_bench.estimate import rows_about, split_sizes, write_estimate

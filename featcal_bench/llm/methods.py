@@ -14,8 +14,14 @@ from typing import Any
 
 from featcal_bench.layout import data_dir
 from featcal_bench.llm.build import TEXT
-from featcal_bench.llm.spec import (MAX_LENGTH, REGMEAN_OFF_DIAGONAL, REGMEAN_PP_OFF_DIAGONAL, TA_SCALING, TIES_TOP_K,
-                                    LlmBenchSpec)
+from featcal_bench.llm.spec import (
+    MAX_LENGTH,
+    REGMEAN_OFF_DIAGONAL,
+    REGMEAN_PP_OFF_DIAGONAL,
+    TA_SCALING,
+    TIES_TOP_K,
+    LlmBenchSpec,
+)
 from featcal_bench.method import PAPER_FEATCAL, MethodRun, model_sections
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from featcal_bench import mirror
 from featcal_bench.estimate import rows_about
-from featcal_bench.llm import build, methods, report, spec as spec_module
+from featcal_bench.llm import build, methods, report
+from featcal_bench.llm import spec as spec_module
 from featcal_bench.llm.spec import BASE_MODEL, LLM_PRESETS, LlmBenchSpec
 from featcal_bench.recipe import Preset, Recipe, Report
 from featcal_bench.stages import mirrored_build, save_loss_report

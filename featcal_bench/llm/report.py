@@ -10,8 +10,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from featcal_bench.llm.spec import (BASE_MODEL, DOMAINS, MAX_LENGTH, PAPER, REGMEAN_OFF_DIAGONAL,
-                                    REGMEAN_PP_OFF_DIAGONAL, TA_SCALING, TIES_TOP_K, LlmBenchSpec)
+from featcal_bench.llm.spec import (
+    BASE_MODEL,
+    DOMAINS,
+    MAX_LENGTH,
+    PAPER,
+    REGMEAN_OFF_DIAGONAL,
+    REGMEAN_PP_OFF_DIAGONAL,
+    TA_SCALING,
+    TIES_TOP_K,
+    LlmBenchSpec,
+)
 from featcal_bench.report import add_paper_column, language_model_report, paper_rows
 
 ROWS = paper_rows("Llama-3.2-3B (base)")

@@ -10,8 +10,18 @@ from pathlib import Path
 
 import datasets
 
-from featcal_bench.sources import (LEXNAMES, Sources, debates, general_inquirer, moral_foundations, roget, rotten_tomatoes,
-                                   spam_mails, Synset, synsets)
+from featcal_bench.sources import (
+    LEXNAMES,
+    Sources,
+    Synset,
+    debates,
+    general_inquirer,
+    moral_foundations,
+    roget,
+    rotten_tomatoes,
+    spam_mails,
+    synsets,
+)
 
 Example = tuple[str, str | None, int]  # text, text pair (or None), label
 

@@ -17,11 +17,11 @@ import datasets
 from datasets import ClassLabel, Value
 from transformers import AutoTokenizer, T5ForConditionalGeneration
 
+from featcal.data import pick_examples
 from featcal_bench.layout import BASE, data_dir
 from featcal_bench.mirror import dataset_split, expert_stage, pretrained, write_pretrained
 from featcal_bench.t5.prompts import LABEL_WORDS, SCORE_FORMAT, TEMPLATES
 from featcal_bench.t5.spec import BASE_MODEL, GLUE_TASKS, T5BenchSpec
-from featcal.data import pick_examples
 from storage.atomic import atomic_path
 
 log = logging.getLogger("featcal")

@@ -12,13 +12,23 @@ import datasets
 import torch
 from transformers import AutoTokenizer, T5ForConditionalGeneration
 
+from featcal.t5 import generated
+from featcal_bench.estimate import (
+    CALIBRATION_PASSES,
+    Passes,
+    Speed,
+    calibration_rows,
+    cost_estimate,
+    drifting_models,
+    evaluation_passes,
+    per_device,
+    seconds_per_row,
+    test_rows,
+)
 from featcal_bench.layout import BASE, data_dir
-from featcal_bench.estimate import (CALIBRATION_PASSES, Passes, Speed, calibration_rows, cost_estimate, drifting_models,
-                                    evaluation_passes, per_device, seconds_per_row, test_rows)
 from featcal_bench.method import MethodRun, paper_method_runs
 from featcal_bench.t5.build import TARGET, TEXT
 from featcal_bench.t5.methods import MAX_LENGTH, MAX_NEW_TOKENS, MAX_TARGET_LENGTH
-from featcal.t5 import generated
 
 TIMED_PROMPTS = 16
 
