@@ -1,7 +1,7 @@
 """A run started on one device kind and finished on another, against a run that never left the second; and one
 `--runner dask --gpus N` run. What the README claims about resuming across devices comes from this script's output.
 
-    python benchmarks/cross_device.py --first cuda --then cpu --gpus 1 --out benchmarks/results/cross_device_gpu.md
+    python -m benchmarks.cross_device --first cuda --then cpu --gpus 1 --out benchmarks/results/cross_device_gpu.md
 
 On the tiny offline BERT example (`featcal example`, evaluation off), in child processes (`featcal run`):
 1. reference: the whole run with runtime.device = --then;
@@ -31,12 +31,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.large_model import records  # noqa: E402
-from featcal.example import build_tiny_example  # noqa: E402
-from flows.pipeline import machine  # noqa: E402
+from benchmarks.common import ROOT
+from benchmarks.large_model import records
+from featcal.example import build_tiny_example
+from flows.pipeline import machine
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
 
@@ -120,7 +118,7 @@ def main() -> None:
     lines = [f"# A run resumed on another device kind — tiny BERT example, `{args.first}` then `{args.then}`", "",
              f"Machine: {machine()}"
              + (f", CUDA {torch.version.cuda}: {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "")
-             + f". Date: {time.strftime('%Y-%m-%d')}. Command: `python benchmarks/cross_device.py "
+             + f". Date: {time.strftime('%Y-%m-%d')}. Command: `python -m benchmarks.cross_device "
              + " ".join(sys.argv[1:]) + "`", "",
              "| run | runtime.device | stages per device (records) | tensors | max relative difference to the "
              "reference | bit-identical |", "|---|---|---|---:|---:|---|"]

@@ -80,7 +80,7 @@ main() {
       tests/test_precision.py
   fi
   if [[ $STEPS == *" resume "* ]]; then
-    step cross_device 300 "$py" benchmarks/cross_device.py --first cuda --then cpu --gpus 1 \
+    step cross_device 300 "$py" -m benchmarks.cross_device --first cuda --then cpu --gpus 1 \
       --out benchmarks/results/cross_device_gpu.md
   fi
   if [[ $STEPS == *" cost "* ]]; then
@@ -88,7 +88,7 @@ main() {
     if [ "$left" -lt 60 ]; then
       FAILED+=("pipeline_cost (skipped: ${left}s of the ${BUDGET}s left)")
     else
-      step pipeline_cost "$left" "$py" benchmarks/pipeline_cost.py --shape vit-b32 --experts 8 --examples 256 \
+      step pipeline_cost "$left" "$py" -m benchmarks.pipeline_cost --shape vit-b32 --experts 8 --examples 256 \
         --threads "${GPU_CHECK_THREADS:-16}" --device cuda --precision fp32 bf16 --out benchmarks/results/pipeline_cost_gpu.md
     fi
   fi

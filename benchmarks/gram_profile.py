@@ -2,7 +2,7 @@
 bf16 matmul rate, measured in one invocation on a finished bf16 run's own activations.
 
     featcal run CONFIG --run-dir RUN --no-prefect --set runtime.keep_activations=true --set runtime.threads=1
-    python benchmarks/gram_profile.py RUN --layer 5 --task task0 --out benchmarks/results/gram_profile_vitb32_bf16.md
+    python -m benchmarks.gram_profile RUN --layer 5 --task task0 --out benchmarks/results/gram_profile_vitb32_bf16.md
 
 All times are CPU seconds of this one-thread process (`time.process_time`, best of 5), so other work sharing the
 machine inflates them less than wall time. Parts, per task and block on the ViT-B/32 shape (hidden 768, MLP 3072):
@@ -28,17 +28,13 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as `featcal run` sets it, 
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.pipeline_cost import matmul_rate  # noqa: E402
-from benchmarks.solve_precision import cpu_line  # noqa: E402
-from featcal_kernels import bf16 as bf16_module  # noqa: E402
-from featcal_kernels.bf16 import bf16_target_product  # noqa: E402
-from featcal_kernels.gram import bf16_dual_gram, dual_gram  # noqa: E402
-from flows.pipeline import machine  # noqa: E402
-from tasks.calibration import gram  # noqa: E402
-from tasks.context import context  # noqa: E402
+from benchmarks.common import cpu_line, matmul_rate
+from featcal_kernels import bf16 as bf16_module
+from featcal_kernels.bf16 import bf16_target_product
+from featcal_kernels.gram import bf16_dual_gram, dual_gram
+from flows.pipeline import machine
+from tasks.calibration import gram
+from tasks.context import context
 
 ALPHA = 0.25  # featcal.alpha's default: the products' cost does not depend on it
 
@@ -105,7 +101,8 @@ def main() -> None:
                 + (6 * n * wt.shape[0] * wt.shape[1] if wt is not None else 0) for _, x, e, wt, _ in inputs)
 
     def convert() -> list[tuple]:
-        return [(x.float(), None if e is None else e.float(), None if y is None else y.float()) for _, x, e, _, y in inputs]
+        return [(x.float(), None if e is None else e.float(), None if y is None else y.float())
+                for _, x, e, _, y in inputs]
 
     convert_s = cpu_seconds(convert)
     upcast = convert()
@@ -141,10 +138,11 @@ def main() -> None:
         f"# The bf16 Gram stage, part by part — {args.run_dir.name}, block {args.layer}, {task}", "",
         f"Machine: {machine()}. CPU: {cpu_line()} (native bf16 here: {native()}). Date: "
         f"{time.strftime('%Y-%m-%d %H:%M %Z')}. One thread; CPU seconds, best of 5. Command: "
-        f"`python benchmarks/gram_profile.py {' '.join(sys.argv[1:])}`", "",
+        f"`python -m benchmarks.gram_profile {' '.join(sys.argv[1:])}`", "",
         f"Rows: {n} ({hidden} wide; fc2's input {4 * hidden}). Gram FLOPs of one task and block, as the records "
         f"count them: {gf:.2f} GFLOP. Matmul rate measured in this invocation (`pipeline_cost.matmul_rate`, a "
-        f"Gram-shaped 800-row product, by CPU time): fp32 {rate['fp32'] / 1e9:.0f} GFLOP/s, bf16 {rate['bf16'] / 1e9:.0f} GFLOP/s.",
+        f"Gram-shaped 800-row product, by CPU time): fp32 {rate['fp32'] / 1e9:.0f} GFLOP/s, "
+        f"bf16 {rate['bf16'] / 1e9:.0f} GFLOP/s.",
         "",
         "| part | CPU s | note |", "|---|---:|---|",
         f"| Zarr read + decode (merged and expert rows) | {read_s:.3f} | |",

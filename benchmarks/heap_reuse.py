@@ -12,7 +12,7 @@ seconds, minor page faults and wall time per stage, and its peak RSS. Settings:
 - `keep-freed-memory`: what `runtime.keep_freed_memory: true` does (`featcal.devices.keep_freed_memory`, by
   mallopt once the process runs, one arena too), and the solve's trim skipped: memory a stage frees serves the next.
 
-    python benchmarks/heap_reuse.py --run RUN_DIR --reps 3 --out benchmarks/results/heap_reuse_llama.md
+    python -m benchmarks.heap_reuse --run RUN_DIR --reps 3 --out benchmarks/results/heap_reuse_llama.md
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def child(run_dir: str, reps: int, setting: str) -> None:
 
 def measured(run_dir: Path, reps: int, setting: str) -> list[dict]:
     env = {**os.environ, **SETTINGS[setting], "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, __file__, "--child", setting, "--run", str(run_dir), "--reps", str(reps)]
+    cmd = [sys.executable, "-m", "benchmarks.heap_reuse", "--child", setting, "--run", str(run_dir),
+           "--reps", str(reps)]
     out = subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
@@ -107,12 +108,11 @@ def main() -> None:
         started = time.strftime("%H:%M UTC", time.gmtime())
         results[setting] = measured(args.run, args.reps, setting)
         print(f"{setting} (started {started}): done", flush=True)
-    sys.path.insert(0, str(ROOT))
     from flows.pipeline import machine
 
     head = [f"# Block 0 of a kept run, {args.reps} repetitions a setting, one child process each",
             "", f"Machine: {machine()}; load average at the end {os.getloadavg()[0]:.1f}. Run directory: "
-            f"`{args.run}`. Command: `python benchmarks/heap_reuse.py {' '.join(sys.argv[1:])}`.", ""]
+            f"`{args.run}`. Command: `python -m benchmarks.heap_reuse {' '.join(sys.argv[1:])}`.", ""]
     text = "\n".join(head + table(results, args.reps)) + "\n"
     print(text)
     if args.out:

@@ -1,6 +1,6 @@
 """CPU benchmark of featcal_kernels against the plain torch expressions, written as markdown.
 
-    python benchmarks/kernel_speed.py --out benchmarks/results/kernels_cpu.md
+    python -m benchmarks.kernel_speed --out benchmarks/results/kernels_cpu.md
 
 These machines are shared and noisy, so every repeat runs the contenders back to back (order
 alternating) next to a square fp32 matmul that measures the peak of that moment; tables quote
@@ -111,7 +111,7 @@ def bench_ridge(d: int) -> dict[str, float]:
     b = torch.randn(d, d, generator=torch.Generator().manual_seed(d + 1), dtype=torch.float64)
     eye = torch.eye(d, dtype=torch.float64)
     t_ours, t_solve = [], []
-    for rep in range(RIDGE_REPEATS):
+    for _ in range(RIDGE_REPEATS):
         start = time.perf_counter()
         sol = featcal_kernels.ridge_solve(a, b, damping=RIDGE_DAMPING)
         t_ours.append(time.perf_counter() - start)
@@ -207,7 +207,7 @@ def main() -> None:
     report = [
         "# featcal_kernels benchmark (CPU)",
         "",
-        "Written by `python benchmarks/kernel_speed.py --out benchmarks/results/kernels_cpu.md`.",
+        "Written by `python -m benchmarks.kernel_speed --out benchmarks/results/kernels_cpu.md`.",
         "",
         *machine_lines(load_start, os.getloadavg()[0]),
         "",

@@ -1,6 +1,6 @@
 """bf16 GPU table for featcal_kernels.dual_gram (needs CUDA and Triton); prints markdown.
 
-    python benchmarks/kernels_gpu.py [--peak-tflops P] [--out FILE]
+    python -m benchmarks.kernels_gpu [--peak-tflops P] [--out FILE]
 
 Compares the Triton kernel with the dense bf16 tensor-core peak, with cuBLAS bf16 matmuls of
 the same shapes (xs.T @ xs and xs.T @ xe, unweighted, bf16 out: the speed of light for the
@@ -10,21 +10,29 @@ work) and with the exact torch expression (fp32 upcast; TF32 off).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 import triton.testing
-from kernels import N_ROWS, naive_dual_gram, useful_gram_flops
 
 import featcal_kernels
 import featcal_kernels.triton_gram  # noqa: F401  (fails loudly if the Triton kernel cannot load)
+from benchmarks.kernel_speed import N_ROWS, naive_dual_gram, useful_gram_flops
 
 DIMS = (768, 1536, 3072, 4096)
 # Dense (no sparsity) bf16 tensor-core peaks from vendor datasheets, first name match wins.
-DENSE_BF16_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0))
+DENSE_BF16_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0),
+                     ("L4", 121.0))
 
 
-def median_ms(fn) -> float:
+def cublas_pair(xs: torch.Tensor, xe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two products of the Gram stage, unweighted, as cuBLAS computes them: the speed of light for the work."""
+    return xs.T @ xs, xs.T @ xe
+
+
+def median_ms(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
@@ -54,9 +62,9 @@ def main() -> None:
         ours = featcal_kernels.dual_gram(xs, xe, w)
         exact = naive_dual_gram(xs, xe, w)
         max_rel = max(float((o - r).abs().max() / r.abs().max()) for o, r in zip(ours[:2], exact[:2]))
-        t_ours = median_ms(lambda: featcal_kernels.dual_gram(xs, xe, w))
-        t_cublas = median_ms(lambda: (xs.T @ xs, xs.T @ xe))
-        t_exact = median_ms(lambda: naive_dual_gram(xs, xe, w))
+        t_ours = median_ms(partial(featcal_kernels.dual_gram, xs, xe, w))
+        t_cublas = median_ms(partial(cublas_pair, xs, xe))
+        t_exact = median_ms(partial(naive_dual_gram, xs, xe, w))
         tflops = useful_gram_flops(N_ROWS, d) / t_ours / 1e9
         cublas_tflops = 4 * N_ROWS * d * d / t_cublas / 1e9
         lines.append(

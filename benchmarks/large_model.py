@@ -2,7 +2,7 @@
 RAM), calibrated end to end on the CPU with a small calibration set: peak RSS, disk over time, time per block by stage
 against the forward floor measured in the same invocation, `featcal plan`'s estimates, and a `kill -9` + resume.
 
-    python benchmarks/large_model.py --work /work/bench_large --experts 2 5 --blocks 2 --examples 8 \
+    python -m benchmarks.large_model --work /work/bench_large --experts 2 5 --blocks 2 --examples 8 \
         --kill-run 2 --reference-blocks 2 --out benchmarks/results/large_model.md
 
 State is kept in WORK/results.json, so the same figures can come from several shorter invocations (a run directory
@@ -53,11 +53,8 @@ import numpy as np
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.pipeline_cost import matmul_rate, runtime_field  # noqa: E402
-from flows.pipeline import machine  # noqa: E402
+from benchmarks.common import ROOT, matmul_rate, runtime_field
+from flows.pipeline import machine
 
 GIB = 1024**3
 SHAPE = dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
@@ -513,7 +510,8 @@ def block_table(n: int, recs: dict, seg: list[dict], evs: list[dict], K: int, fw
         lines[-1] += (f"**Measured**, all {L} blocks: the stages sum to {stages / 60:.0f} min (merge, prepare, blocks, "
                       f"assemble), against a floor of {sum(f for _, f in totals) / 60:.0f} min for the blocks"
                       + (f"; in CPU seconds {sum(c for c, _ in cpu_blocks) / 60:.0f} min for the {len(cpu_blocks)} "
-                         f"blocks sampled, against {sum(f for _, f in cpu_blocks) / 60:.0f} min." if cpu_blocks else "."))
+                         f"blocks sampled, against {sum(f for _, f in cpu_blocks) / 60:.0f} min."
+                         if cpu_blocks else "."))
     else:
         lines[-1] += (
             f"**Extrapolated** (not measured) to all {L} blocks: merge + prepare + {L} × {mean:.1f} s "
@@ -748,7 +746,7 @@ def main() -> None:
         args.out.write_text(report(state, args))
         print(args.out.read_text())
         return
-    state["command"] = "python benchmarks/large_model.py " + " ".join(sys.argv[1:])
+    state["command"] = "python -m benchmarks.large_model " + " ".join(sys.argv[1:])
     state["runtime"] = runtime_of(args)
     state.setdefault("commands", []).append(f"{time.strftime('%H:%M UTC', time.gmtime())} {state['command']}")
     state.setdefault("build_s", {}).update(build_inputs(args.work, max(args.experts), args.examples))

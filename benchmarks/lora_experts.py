@@ -2,7 +2,7 @@
 benchmarks/large_model.py: peak RSS, disk (inputs and the run directory) and wall time of `featcal run`, and whether
 the two runs write the same merged and calibrated weights.
 
-    python benchmarks/lora_experts.py --work /work/bench_lora --layers 2 --experts 2 --rank 16 \
+    python -m benchmarks.lora_experts --work /work/bench_lora --layers 2 --experts 2 --rank 16 \
         --out benchmarks/results/lora_experts.md
 
 1. Builds (once) under WORK/models a base of the 3B shape (hidden 3072, intermediate 8192, vocabulary 128256, tied
@@ -21,17 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.large_model import GIB, TOKENS, config_file, du, llama_config, segment, write_data, write_model  # noqa: E402
-from flows.pipeline import machine  # noqa: E402
+from benchmarks.large_model import GIB, TOKENS, config_file, du, llama_config, segment, write_data, write_model
+from flows.pipeline import machine
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 EMBEDDING_GIB = 128256 * 3072 * 2 / GIB  # the bf16 embedding table (tied with the LM head)
@@ -143,11 +139,12 @@ def report(args, built: dict, runs: dict, inputs: dict, same: dict, reads: dict)
     full_blocks = (inputs["full"] / args.experts - EMBEDDING_GIB) / args.layers  # one expert's block, on disk
     extrapolated = {"lora": inputs["lora"] * 28 / args.layers,
                     "full": args.experts * (EMBEDDING_GIB + 28 * full_blocks)}
+    peak_ratio = (base + inputs["lora"] + lora["peak_run_dir_gib"]) / (base + inputs["full"] + full["peak_run_dir_gib"])
     lines = [
         "# LoRA experts against full expert checkpoints, Llama-3.2-3B shape",
         "",
         f"Machine: {machine()} ({cpu_flags()}). Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Command: "
-        f"`python benchmarks/lora_experts.py --work {args.work} --layers {args.layers} --experts {args.experts} "
+        f"`python -m benchmarks.lora_experts --work {args.work} --layers {args.layers} --experts {args.experts} "
         f"--rank {args.rank} --examples {args.examples} --out {args.out}`"
         + (" (the runs, from an invocation without --report-only, then this one with --report-only)"
            if args.report_only else "") +
@@ -174,7 +171,7 @@ def report(args, built: dict, runs: dict, inputs: dict, same: dict, reads: dict)
         f"{lora['left_gib'] / full['left_gib']:.3f} |",
         f"| inputs + run directory peak (GiB) | {base + inputs['lora'] + lora['peak_run_dir_gib']:.3f} | "
         f"{base + inputs['full'] + full['peak_run_dir_gib']:.3f} | "
-        f"{(base + inputs['lora'] + lora['peak_run_dir_gib']) / (base + inputs['full'] + full['peak_run_dir_gib']):.3f} |",
+        f"{peak_ratio:.3f} |",
         f"| peak RSS, ru_maxrss (GiB) | {lora['maxrss_gib']:.2f} | {full['maxrss_gib']:.2f} | "
         f"{lora['maxrss_gib'] / full['maxrss_gib']:.3f} |",
         f"| peak RSS, process tree sampled every second (GiB) | {lora['peak_sampled_rss_gib']:.2f} | "
@@ -184,7 +181,8 @@ def report(args, built: dict, runs: dict, inputs: dict, same: dict, reads: dict)
         f"| read every tensor of expert 0 once, CPU s (best of 3) | {reads['lora']:.2f} | "
         f"{reads['full']:.2f} | {reads['lora'] / reads['full']:.2f} |",
         "",
-        f"Both runs: {lora['stopped']} / {full['stopped']} (exit status {lora['exit']} / {full['exit']}). Largest files "
+        f"Both runs: {lora['stopped']} / {full['stopped']} (exit status {lora['exit']} / {full['exit']}). "
+        "Largest files "
         "left in the LoRA run's directory: " + ", ".join(f"{p} {s:.3f} GiB" for s, p in lora["biggest_files"]) +
         "; in the full run's: " + ", ".join(f"{p} {s:.3f} GiB" for s, p in full["biggest_files"]) + ".",
         "",

@@ -1,10 +1,12 @@
 """Runs the official FeatCal code on `pipeline_cost.py`'s synthetic ViT-B/32-shaped inputs, for `vs_official.py`.
 
-    python benchmarks/official_driver.py --official CHECKOUT --work /tmp/featcal-bench/vit-b32 --experts 8 \
+    PYTHONPATH=CHECKOUT/src python benchmarks/official_driver.py --official CHECKOUT \
+        --work /tmp/featcal-bench/vit-b32 --experts 8 \
         --examples 32 --threads 1 --out RUN_DIR
 
-The checkout (github.com/egangu/featcal, read-only, outside this repository) is imported from `CHECKOUT/src`; its
-package is also named `featcal`, so this script must not import this project's modules and runs in its own process.
+The checkout (github.com/egangu/featcal, read-only, outside this repository) is imported from `CHECKOUT/src`, which
+the caller puts first on PYTHONPATH (`vs_official` does); its package is also named `featcal`, so this script must not
+import this project's modules and runs in its own process, started by its path rather than as `benchmarks.X`.
 Its entry point (`run_ta8.py`) reads Hugging Face hub datasets through a CLIP processor; here its two data hooks
 (`load_task_dataset`, `make_clip_loader`) are replaced by the same on-disk pixel tensors our run reads, in order,
 batch 16; under transformers 5, whose CLIPVisionModel has no `vision_model` attribute, that attribute is
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -36,7 +37,6 @@ def main() -> None:
     if not (source / "featcal" / "featcal.py").is_file():
         raise SystemExit(f"--official {args.official}: no src/featcal/featcal.py; expected a checkout of "
                          "github.com/egangu/featcal")
-    sys.path.insert(0, str(source))
 
     import torch
     from datasets import load_from_disk
@@ -49,7 +49,8 @@ def main() -> None:
     from featcal.models import load_vision_model
 
     if Path(featcal.__file__).resolve().parent != source / "featcal":
-        raise SystemExit(f"imported featcal from {featcal.__file__}, expected the checkout at {source}")
+        raise SystemExit(f"imported featcal from {featcal.__file__}, expected the checkout at {source} "
+                         "first on PYTHONPATH")
     torch.set_num_threads(args.threads)
     tasks = [f"task{t}" for t in range(args.experts)]
 

@@ -1,7 +1,7 @@
 """Orchestration overhead: the same FeatCal run with the stage functions called directly in one process, and as
 the Prefect flow in ephemeral mode, against a Prefect server, and on a local Dask cluster (2 workers).
 
-    python benchmarks/orchestration.py --out benchmarks/results/orchestration.md
+    python -m benchmarks.orchestration --out benchmarks/results/orchestration.md
 
 Two workloads: the tiny example (BERT 3 layers, hidden 64, 3 tasks) and a mid-sized one with the shape of
 MiniLM-L6-H384 (6 layers, hidden 384, 12 heads, FFN 1536; 4 tasks). No MiniLM checkpoint can be downloaded
@@ -26,8 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import ROOT
 
 MODES = ("direct", "ephemeral", "server", "dask")
 MODE_LABEL = {"direct": "stage functions, one process", "ephemeral": "Prefect, ephemeral mode",
@@ -51,7 +50,8 @@ def build_mid(work: Path) -> Path:
         return config
     work.mkdir(parents=True, exist_ok=True)
     vocab = work / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *(f"w{i}" for i in range(MID_VOCAB - 5))]))
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab.write_text("\n".join([*special, *(f"w{i}" for i in range(MID_VOCAB - 5))]))
     tokenizer = BertTokenizerFast(vocab_file=str(vocab))
     cfg = BertConfig(vocab_size=MID_VOCAB, **MID)
     torch.manual_seed(0)
@@ -74,12 +74,15 @@ def build_mid(work: Path) -> Path:
 
         def split(n: int, rng: np.random.Generator) -> Dataset:
             lengths = rng.integers(MID_TOKENS // 2, MID_TOKENS + 1, n)
-            ids = [[2, *rng.integers(5, MID_VOCAB, n_tok - 2).tolist(), 3] + [0] * (MID_TOKENS - n_tok) for n_tok in lengths]
+            ids = [[2, *rng.integers(5, MID_VOCAB, n_tok - 2).tolist(), 3] + [0] * (MID_TOKENS - n_tok)
+                   for n_tok in lengths]
             mask = [[1] * n_tok + [0] * (MID_TOKENS - n_tok) for n_tok in lengths]
-            return Dataset.from_dict({"input_ids": ids, "attention_mask": mask, "label": rng.integers(0, 2, n).tolist()})
+            labels = rng.integers(0, 2, n).tolist()
+            return Dataset.from_dict({"input_ids": ids, "attention_mask": mask, "label": labels})
 
         rng = np.random.default_rng(i)
-        DatasetDict({"calibration": split(MID_EXAMPLES, rng), "test": split(MID_EVAL, rng)}).save_to_disk(work / "data" / t)
+        splits = {"calibration": split(MID_EXAMPLES, rng), "test": split(MID_EVAL, rng)}
+        DatasetDict(splits).save_to_disk(work / "data" / t)
         raw["experts"][t] = f"experts/{t}"
         raw["calibration"]["data"][t] = {"path": f"data/{t}", "split": "calibration"}
         raw["evaluation"]["data"][t] = {"path": f"data/{t}", "split": "test", "label_column": "label"}
@@ -141,7 +144,8 @@ def run_measurement(mode: str, config: Path, run_dir: Path, api_url: str | None)
     env.pop("PREFECT_API_URL", None)
     if mode in ("server", "dask"):
         env["PREFECT_API_URL"] = api_url
-    out = subprocess.run([sys.executable, __file__, "--measure", mode, str(config), str(run_dir)], cwd=ROOT, env=env,
+    cmd = [sys.executable, "-m", "benchmarks.orchestration", "--measure", mode, str(config), str(run_dir)]
+    out = subprocess.run(cmd, cwd=ROOT, env=env,
                          capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"{mode} on {config} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
@@ -184,7 +188,8 @@ def render(results: dict[str, list[dict]], about: dict[str, str]) -> str:
                 o = r["wall"] - r["stage_seconds"]
                 orch, corrected = f"{o:.1f}", f"{100 * (o - base_orch) / direct['wall']:+.1f} %"
                 per_stage = f"{1000 * (o - r['startup'] - r['artifacts']) / r['stages']:.0f}"
-            lines.append(f"| {MODE_LABEL[r['mode']]} | {r['wall']:.1f} | {wall_over} | {r['stage_seconds']:.1f} | {orch} "
+            lines.append(f"| {MODE_LABEL[r['mode']]} | {r['wall']:.1f} | {wall_over} | {r['stage_seconds']:.1f} "
+                         f"| {orch} "
                          f"| {corrected} | {r['startup']:.1f} | {r['artifacts']:.1f} | {per_stage} | {r['load']:.1f} |")
         lines.append("")
     return "\n".join(lines)
@@ -211,7 +216,8 @@ def main() -> None:
         "mid-sized (MiniLM-L6-H384 shape, 4 tasks)": build_mid(work / "mid"),
     }
     about = {
-        "tiny example": "BERT, 3 layers, hidden 64, 3 tasks, 64 calibration examples per task, evaluation on 200 per task.",
+        "tiny example": "BERT, 3 layers, hidden 64, 3 tasks, 64 calibration examples per task, "
+                        "evaluation on 200 per task.",
         "mid-sized (MiniLM-L6-H384 shape, 4 tasks)":
             f"BERT built from a transformers config with MiniLM-L6-H384's shape (6 layers, hidden 384, 12 heads, FFN "
             f"1536), random weights, experts = base + 2 % seeded noise; {MID_TASKS} tasks, {MID_EXAMPLES} calibration "

@@ -1,7 +1,7 @@
 """Cost of a FeatCal run against its floor: wall time split by stage, peak RSS, and the floor, all measured side by
 side in one invocation.
 
-    python benchmarks/pipeline_cost.py --shape vit-b32 --experts 8 --examples 32 --threads 1 \
+    python -m benchmarks.pipeline_cost --shape vit-b32 --experts 8 --examples 32 --threads 1 \
         --precision fp32 bf16 --compare-with /tmp/featcal-before --out benchmarks/results/pipeline_cost_vitb32.md
 
 The floor is what any implementation of the method must compute: per task and block, the expert and merged forwards
@@ -19,25 +19,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-# Children run in the environment this script started with: this checkout's `featcal` picks its own allocator
-# settings (flows/cli.py), and another checkout keeps what it did. The floor is measured here with the ones this
-# checkout's runs use, so it is set before torch loads.
-START_ENV = dict(os.environ)
+from benchmarks.common import ROOT, child_cost, child_env, command_line, matmul_rate, sync, weight_gap
+
+# Children run in the environment this process started with (benchmarks.common.START_ENV): this checkout's `featcal`
+# picks its own allocator settings (flows/cli.py), and another checkout keeps what it did. The floor is measured here
+# with the ones this checkout's runs use, so it is set before torch loads.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-import numpy as np
-import torch
-import yaml
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
 
-from flows.pipeline import machine
+from flows.pipeline import machine  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {
     "vit-b32": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                     image_size=224, patch_size=32),
@@ -92,37 +91,6 @@ def config_file(work: Path, n_experts: int, examples: int, runtime: dict[str, st
     return path
 
 
-def runtime_field(text: str) -> tuple[str, str]:
-    """An argparse type: `KEY=VALUE`, a runtime field a benchmark's runs also set (`keep_freed_memory=true`)."""
-    key, sep, value = text.partition("=")
-    if not (sep and key and value):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. keep_freed_memory=true")
-    return key, value
-
-
-def child_env(threads: int, code: Path | None) -> dict[str, str]:
-    """This script's starting environment with `threads` threads, offline, and `code` (when given) first on the
-    import path; with None, no PYTHONPATH at all."""
-    env = {**START_ENV, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1"}
-    env.pop("PYTHONPATH", None)
-    if code is not None:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")]))
-    return env
-
-
-def child_cost(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, float, float]:
-    """(wall seconds, peak RSS GiB, CPU seconds: user + system) of one child process, its own only; raises with its
-    stderr if it fails. On a shared machine the CPU seconds say what the work cost, the wall what it waited too."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    if status != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr.read()}")
-    return wall, usage.ru_maxrss / 1024**2, usage.ru_utime + usage.ru_stime
-
-
 def run_once(config: Path, run_dir: Path, threads: int, prefect: bool, code: Path = ROOT) -> dict:
     """One `featcal run` of the checkout at `code` in a child process: wall time and that child's own peak RSS."""
     cmd = [sys.executable, "-m", "flows.cli", "run", str(config), "--run-dir", str(run_dir)]
@@ -155,56 +123,13 @@ def forward_seconds(work: Path, examples: int, threads: int, dtype: torch.dtype,
         model(pixel_values=pixels[:2])  # warm-up
         best = float("inf")
         for _ in range(3):
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             for i in range(0, examples, 16):
                 model(pixel_values=pixels[i:i + 16])
-            _sync(device)
+            sync(device)
             best = min(best, time.perf_counter() - start)
         return best
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
-def matmul_rate(threads: int, dtype: torch.dtype, device: str, clock=time.perf_counter) -> float:
-    """FLOP/s of a Gram-shaped product (one chunk's 16 × 50 rows, in 3072, out 768) at `dtype`, best of 5; by wall
-    time, or by `clock` (time.process_time: CPU time, for a one-thread rate on a shared machine)."""
-    torch.set_num_threads(threads)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(800, 3072, generator=g).to(device, dtype)
-    y = torch.randn(800, 768, generator=g).to(device, dtype)
-    best = float("inf")
-    for _ in range(6):  # the first is a warm-up
-        _sync(device)
-        start = clock()
-        for _ in range(5):
-            x.T @ y
-        _sync(device)
-        best = min(best, (clock() - start) / 5)
-    return 2 * 800 * 3072 * 768 / best
-
-
-def weight_gap(a: Path, b: Path) -> float:
-    """Largest relative Frobenius difference between the calibrated weight matrices of two runs (biases and norms
-    of a random-init model are near zero, so their relative difference says little)."""
-    from safetensors.torch import load_file
-
-    wa, wb = load_file(a / "calibrated" / "model.safetensors"), load_file(b / "calibrated" / "model.safetensors")
-    if wa.keys() != wb.keys():
-        raise RuntimeError(f"{a} and {b} hold different tensors")
-    return max(float((wa[k].double() - wb[k].double()).norm() / wb[k].double().norm().clamp_min(1e-30))
-               for k in wa if wa[k].dim() == 2)
-
-
-def same_weights(a: Path, b: Path) -> bool:
-    """Whether two runs' calibrated checkpoints hold the same tensors, bit for bit."""
-    from safetensors.torch import load_file
-
-    x, y = load_file(a / "calibrated" / "model.safetensors"), load_file(b / "calibrated" / "model.safetensors")
-    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
 def model_gib(work: Path) -> float:
@@ -259,15 +184,17 @@ def main() -> None:
         f"{args.threads} thread(s)",
         "",
         f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d')}. Runner: "
-        f"{'Prefect flow' if args.prefect else 'direct (no Prefect)'}. Device: {args.device}. One model: {model_gib(work):.3f} GiB of float32 "
-        f"weights. Command: `python benchmarks/pipeline_cost.py {' '.join(sys.argv[1:])}`",
+        f"{'Prefect flow' if args.prefect else 'direct (no Prefect)'}. Device: {args.device}. "
+        f"One model: {model_gib(work):.3f} GiB of float32 "
+        f"weights. Command: `{command_line()}`",
         "",
         "Matmul rate measured here: " + ", ".join(f"{p} {rate[p] / 1e9:.0f} GFLOP/s" for p in args.precision)
         + "; one full forward over one task's inputs: " + ", ".join(f"{p} {forward[p]:.2f} s" for p in args.precision)
         + ".",
         "",
         "| experts | code | precision | wall (s) | " + " | ".join(f"{k} (s)" for k in KINDS)
-        + " | stages total (s) | floor (s) | stages / floor | peak RSS (GiB) | weight matrices vs this checkout's fp32 |",
+        + " | stages total (s) | floor (s) | stages / floor | peak RSS (GiB) "
+        "| weight matrices vs this checkout's fp32 |",
         "|---:|---|---|" + "---:|" * (len(KINDS) + 6),
     ]
     for r in rows:
@@ -278,8 +205,10 @@ def main() -> None:
         lines.append(f"| {r['experts']} | {r['code']} | {r['precision']} | {r['wall_s']:.1f} | "
                      + " | ".join(f"{r['stages_s'].get(k, 0.0):.1f}" for k in KINDS)
                      + f" | {total:.1f} | {floor} | {ratio} | {r['peak_rss_gib']:.2f} | {gap} |")
-    lines += ["", "Stage seconds are summed over that stage's runs (from the run's records); wall includes process start,",
-              "imports and preflight. Floor = 3 full forwards per task (expert and merged in the Gram stage, calibrated",
+    lines += ["", "Stage seconds are summed over that stage's runs (from the run's records); wall includes "
+              "process start,",
+              "imports and preflight. Floor = 3 full forwards per task (expert and merged in the Gram stage, "
+              "calibrated",
               "in propagate) at the run's precision + the Gram FLOPs its records count at the matmul rate of that",
               "precision. A checkout whose records do not count Gram FLOPs gets the forward part only (≥ / ≤)."]
     args.out.parent.mkdir(parents=True, exist_ok=True)

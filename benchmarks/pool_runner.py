@@ -2,8 +2,8 @@
 process with 2 torch threads, one process with 1 thread, and a pool of 2 workers × 1 thread; wall time of each,
 and whether the pool's weights are bit-identical to the 1-thread run's (they must be: same thread count per stage).
 
-    python benchmarks/pool_runner.py --shape vit-b32 --experts 8 --examples 32 --out benchmarks/results/pool_runner.md
-    python benchmarks/pool_runner.py --shape tiny --experts 2 --examples 8 --out /tmp/pool_runner_tiny.md   # smoke
+    python -m benchmarks.pool_runner --shape vit-b32 --experts 8 --examples 32 --out benchmarks/results/pool_runner.md
+    python -m benchmarks.pool_runner --shape tiny --experts 2 --examples 8 --out /tmp/pool_runner_tiny.md   # smoke
 
 Inputs are benchmarks/pipeline_cost.py's synthetic CLIP vision models and data (built once under --work, reused).
 """
@@ -18,11 +18,10 @@ import time
 from pathlib import Path
 
 # this script's neighbour: the same synthetic inputs
-from pipeline_cost import SHAPES, build_inputs, config_file, same_weights
-
+from benchmarks.common import ROOT, same_weights
+from benchmarks.pipeline_cost import SHAPES, build_inputs, config_file
 from flows.pipeline import machine
 
-ROOT = Path(__file__).resolve().parent.parent
 WORK = Path("/tmp/featcal-bench")  # pipeline_cost.py's default: its inputs are reused
 # name → (label, featcal run options)
 WAYS = {
@@ -62,16 +61,18 @@ def main() -> None:
         walls[name] = run(config, dirs[name], options)
         print(f"{label}: {walls[name]:.1f} s", flush=True)
     identical = same_weights(dirs["pool-2x1"], dirs["seq-1t"])
-    command = (f"python benchmarks/pool_runner.py --shape {args.shape} --experts {args.experts} "
+    command = (f"python -m benchmarks.pool_runner --shape {args.shape} --experts {args.experts} "
                f"--examples {args.examples}{'' if args.work == WORK else f' --work {args.work}'} --out {args.out}")
     lines = [
-        f"# `--runner pool` against one process — {args.shape} shape, {args.experts} experts × {args.examples} examples",
+        f"# `--runner pool` against one process — {args.shape} shape, {args.experts} experts × "
+        f"{args.examples} examples",
         "",
         f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d')}. Command: `{command}`",
         "",
         "| how | wall (s) | vs. sequential 1 thread | vs. sequential 2 threads |",
         "|---|---:|---:|---:|",
-        *(f"| {label} | {walls[name]:.1f} | {walls['seq-1t'] / walls[name]:.2f}× | {walls['seq-2t'] / walls[name]:.2f}× |"
+        *(f"| {label} | {walls[name]:.1f} | {walls['seq-1t'] / walls[name]:.2f}× | "
+          f"{walls['seq-2t'] / walls[name]:.2f}× |"
           for name, (label, _) in WAYS.items()),
         "",
         f"Calibrated weights of the pool (2 × 1 thread) and of the sequential 1-thread run bit-identical: "

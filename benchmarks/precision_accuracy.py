@@ -2,7 +2,7 @@
 invocation, on any pipeline config with evaluation (real weights and labelled test data).
 
     featcal demo --out demo                                   # builds the demo benchmark (real MiniLM, 3 tasks)
-    python benchmarks/precision_accuracy.py demo/demo.yaml --examples 256 --calibration-split train \\
+    python -m benchmarks.precision_accuracy demo/demo.yaml --examples 256 --calibration-split train \\
         --work /tmp/precision --out benchmarks/results/precision_accuracy.md
 
 (The demo's calibration split holds 64 examples a task; its train split, unlabelled here, has 256 and more.)
@@ -88,7 +88,7 @@ def main() -> None:
         f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d')}. Config: `{args.config}`"
         + (f", {args.examples} calibration examples per task" if args.examples else "")
         + (f" from its {args.calibration_split} split" if args.calibration_split else "") + ". Command: "
-        f"`python benchmarks/precision_accuracy.py {' '.join(sys.argv[1:])}`",
+        f"`python -m benchmarks.precision_accuracy {' '.join(sys.argv[1:])}`",
         "",
         "| model | " + " | ".join(tasks) + " | average | gap closed |",
         "|---|" + "---:|" * (len(tasks) + 2),
@@ -105,7 +105,8 @@ def main() -> None:
     lines += ["", f"bf16 − fp32, task average: {delta:+.2f} points (goal: within ±0.2).", "",
               "Relative difference of the calibrated weight matrices, bf16 against fp32, per block (largest in the "
               "block): " + ", ".join(f"{g:.1e}" for g in block_gaps(args.work / "fp32", args.work / "bf16")) + ".",
-              "", "| precision | wall (s) | " + " | ".join(f"{k} (s)" for k in ("prepare", "gram", "solve", "propagate"))
+              "", "| precision | wall (s) | "
+              + " | ".join(f"{k} (s)" for k in ("prepare", "gram", "solve", "propagate"))
               + " |", "|---|---:|---:|---:|---:|---:|"]
     for p in PRECISIONS:
         st = results[p]["stages"]

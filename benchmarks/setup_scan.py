@@ -1,7 +1,7 @@
 """What preflight's checkpoint scan (featcal/setup_checks.py: NaN/inf, task-vector norms and signatures) costs
 against only reading the same tensors, side by side in one invocation.
 
-    python benchmarks/setup_scan.py --out benchmarks/results/setup_scan.md
+    python -m benchmarks.setup_scan --out benchmarks/results/setup_scan.md
 
 Synthetic float32 checkpoints (a base and `--experts` experts of BERT-base-like shapes: a 30522 × 768 embedding
 read by row blocks, and 6 blocks of 768 × 3072 and 768 × 768 matrices), written to a temporary directory and read
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,12 +21,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from featcal.setup_checks import row_blocks, scan_checkpoints  # noqa: E402
-from flows.pipeline import machine  # noqa: E402
-from storage.checkpoint import CanonicalCheckpoint  # noqa: E402
+from featcal.setup_checks import row_blocks, scan_checkpoints
+from flows.pipeline import machine
+from storage.checkpoint import CanonicalCheckpoint
 
 
 class _Names:

@@ -2,7 +2,8 @@
 process, on ViT-B/32-shaped modules: per block q/k/v/out_proj (768 → 768), fc1 (768 → 3072) and fc2 (3072 → 768),
 each solved by the FeatCal method exactly as tasks/calibration.py's solve stage calls it.
 
-    python benchmarks/solve_precision.py --experts 4 --examples 32 --blocks 2 --out benchmarks/results/solve_precision.md
+    python -m benchmarks.solve_precision --experts 4 --examples 32 --blocks 2 \
+        --out benchmarks/results/solve_precision.md
 
 The statistics are synthetic: per task, merged-side inputs X_s [examples·50 tokens, d] with a decaying spectrum
 (as activations have) and expert-side inputs X_e = X_s + noise, so the normalised Gram is rank-deficient at
@@ -73,7 +74,7 @@ def main() -> None:
     methods = {p: calibration_method(fc, p) for p in ("float64", "mixed")}
     rows = args.examples * TOKENS
     lines = ["# Solve stage: float64 vs mixed precision (runtime.solve_precision)", "",
-             f"`python benchmarks/solve_precision.py --experts {args.experts} --examples {args.examples} "
+             f"`python -m benchmarks.solve_precision --experts {args.experts} --examples {args.examples} "
              f"--blocks {args.blocks} --threads {args.threads} --lambda {args.lam:g}`", "",
              f"- CPU: {cpu_line()}", f"- torch {torch.__version__}, Python {platform.python_version()}, "
              f"{args.threads} thread(s)",

@@ -3,7 +3,7 @@ functions ranked by their own time, so the gap between a run and its floor (benc
 pinned on what costs it.
 
     featcal run CONFIG --run-dir RUN --no-prefect --set runtime.keep_activations=true --set runtime.threads=1
-    python benchmarks/stage_profile.py RUN --layer 5 --task task0 --out benchmarks/results/stage_profile_vitb32.md
+    python -m benchmarks.stage_profile RUN --layer 5 --task task0 --out benchmarks/results/stage_profile_vitb32.md
 
 The stages run in this process on the run's own inputs, one thread. Each Gram call first removes the outputs it
 writes (its statistics and its next boundary), as in a first run: replacing a large file costs what a first run
@@ -90,7 +90,7 @@ def main() -> None:
 
     lines = [f"# One Gram stage and one solve, profiled — {args.run_dir.name}, block {args.layer}", "",
              f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d')}. One thread. {len(ctx.tasks)} tasks. "
-             f"Command: `python benchmarks/stage_profile.py {args.run_dir} --layer {args.layer} --task {task} "
+             f"Command: `python -m benchmarks.stage_profile {args.run_dir} --layer {args.layer} --task {task} "
              f"--out {args.out}`", ""]
     for title, fn, before in ((f"gram · {task} · block {args.layer}", run_gram, fresh_gram),
                               (f"solve · block {args.layer}", run_solve, lambda: None)):

@@ -1,6 +1,6 @@
 """How long `featcal run` takes to stop on a signal, measured side by side in one invocation.
 
-    python benchmarks/stop_latency.py --out benchmarks/results/stop_latency.md [--example DIR] [--repeats 3]
+    python -m benchmarks.stop_latency --out benchmarks/results/stop_latency.md [--example DIR] [--repeats 3]
 
 Each case starts the tiny example (built into a temporary directory unless --example names one) as a user
 would — its own session, Prefect's ephemeral server unless `--no-prefect` — waits until block 01's first Gram
@@ -24,11 +24,9 @@ from pathlib import Path
 import psutil
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from featcal.example import build_tiny_example  # noqa: E402
-from flows.pipeline import machine  # noqa: E402
+from benchmarks.common import ROOT
+from featcal.example import build_tiny_example
+from flows.pipeline import machine
 
 CASES = {  # name: (signal, to the whole process group?, extra options)
     "Ctrl-C (SIGINT to the group), Prefect": (signal.SIGINT, True, []),
@@ -94,12 +92,13 @@ def main() -> None:
     rows = []
     for name, (signum, to_group, options) in CASES.items():
         runs = [one_stop(config, work / f"run-{len(rows)}-{i}", signum, to_group, options) for i in range(args.repeats)]
-        rows.append((name, statistics.median(r[0] for r in runs), sorted({r[1] for r in runs}), sum(r[2] for r in runs)))
+        rows.append((name, statistics.median(r[0] for r in runs), sorted({r[1] for r in runs}),
+                     sum(r[2] for r in runs)))
         print(f"{name}: median {rows[-1][1]:.2f} s, exit codes {rows[-1][2]}, children left {rows[-1][3]}", flush=True)
     lines = [
         "# Stopping `featcal run` with a signal",
         "",
-        f"Machine: {machine()}, {time.strftime('%Y-%m-%d')}. `python benchmarks/stop_latency.py`, "
+        f"Machine: {machine()}, {time.strftime('%Y-%m-%d')}. `python -m benchmarks.stop_latency`, "
         f"{args.repeats} repeats per case, all cases in one invocation; the tiny BERT example without evaluation, "
         f"signalled when `{STAGE}` starts. Every stopped run was rerun with the same command and finished.",
         "",

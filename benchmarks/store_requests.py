@@ -2,7 +2,7 @@
 side in one invocation: on a real bucket each request costs a round trip (tens of ms), so their number, not the
 bytes, sets a small model's stage times there.
 
-    python benchmarks/store_requests.py --compare-with /tmp/featcal-before --out benchmarks/results/store_requests.md
+    python -m benchmarks.store_requests --compare-with /tmp/featcal-before --out benchmarks/results/store_requests.md
 
 The tiny offline BERT example (evaluation off) runs with `--no-prefect` in a child process against a moto S3 server
 on loopback in this process, which counts every request it answers. Rows: another checkout (`--compare-with`),
@@ -24,12 +24,10 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.pipeline_cost import run_once  # noqa: E402
-from featcal.example import build_tiny_example  # noqa: E402
-from flows.pipeline import machine  # noqa: E402
+from benchmarks.common import ROOT
+from benchmarks.pipeline_cost import run_once
+from featcal.example import build_tiny_example
+from flows.pipeline import machine
 
 KINDS = ("HEAD", "GET", "LIST", "PUT", "DELETE")
 REQUEST = re.compile(r'"(?P<verb>[A-Z]+) (?P<path>\S+) HTTP/[\d.]+" (?P<status>\d{3})')
@@ -108,7 +106,7 @@ def main() -> None:
         "# Requests to an S3 activation store — tiny BERT example, 3 tasks × 3 blocks",
         "",
         f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d')}. moto S3 server on loopback, `featcal run "
-        f"--no-prefect`, 1 thread. Command: `python benchmarks/store_requests.py {' '.join(sys.argv[1:])}`",
+        f"--no-prefect`, 1 thread. Command: `python -m benchmarks.store_requests {' '.join(sys.argv[1:])}`",
         "",
         "| code | " + " | ".join(KINDS) + " | all requests | of them 404 | stages (s) | wall (s) |",
         "|---|" + "---:|" * (len(KINDS) + 4),

@@ -1,7 +1,7 @@
 """Our TIES and DARE-TIES against MergeKit's own functions, on random task vectors: how many entries differ.
 
     pip install --target /tmp/mk --no-deps mergekit
-    PYTHONPATH=/tmp/mk:. python benchmarks/ties_vs_mergekit.py --out benchmarks/results/ties_vs_mergekit.md
+    PYTHONPATH=/tmp/mk:. python -m benchmarks.ties_vs_mergekit --out benchmarks/results/ties_vs_mergekit.md
 
 MergeKit's `ties` and `dare_ties` are its GTA task (mergekit/merge_methods/generalized_task_arithmetic.py): sparsify
 each task vector, weight it, elect signs with `get_mask(..., "sum")`, sum the agreeing entries, divide by the
@@ -88,10 +88,13 @@ def main() -> None:
              "elected entry that is not the same); `max rel`: the largest difference over that update (float rounding",
              "when nothing differs); `trim on their τ`: entries kept by one trim and not the other when ours is given",
              "MergeKit's float32 task vectors (TIES only), summed over the experts; `of them off the cut`: those whose",
-             "|τ| is not the magnitude at the cut. θ_t − θ0 rounded to float32 is a multiple of θ0's ulp, so magnitudes",
-             "tied at the cut are common, and MergeKit's argsort orders them in no stated way (we keep the lower index).",
+             "|τ| is not the magnitude at the cut. θ_t − θ0 rounded to float32 is a multiple of θ0's ulp, so "
+             "magnitudes",
+             "tied at the cut are common, and MergeKit's argsort orders them in no stated way (we keep the lower "
+             "index).",
              "",
-             "| tensor | method | density | merge | entries | differ | max rel | trim on their τ | of them off the cut |",
+             "| tensor | method | density | merge | entries | differ | max rel | trim on their τ "
+             "| of them off the cut |",
              "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['shape']} | {r['method']} | {r['density']} | {r['how']} | {r['entries']:,} | {r['differ']} | "
               f"{r['max_rel']:.1e} | {r['trim_same_input'] if r['method'] == 'ties' else ''} | "

@@ -1,7 +1,7 @@
 """tinyllama-domains (issue 33 §4): every label-free FeatCal row against RegMean, paired on the same held-out rows.
 
     featcal bench run BENCH                        # every run of the recipe (results/*.json, runs/*)
-    python benchmarks/tinyllama_paired.py BENCH --out benchmarks/results/tinyllama_paired.md
+    python -m benchmarks.tinyllama_paired BENCH --out benchmarks/results/tinyllama_paired.md
 
 Each model's next-token loss is recomputed row by row on each domain's held-out rows (the sums match the report's
 losses; checked below). A bootstrap then redraws every domain's rows with replacement, the same rows for every
@@ -12,24 +12,20 @@ averaged): the intervals of (RegMean − row) in nats and of the row's gap close
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.bench_summary import summarise  # noqa: E402
-from featcal.data import InputBuilder, load_split, row_batches  # noqa: E402
-from featcal.evaluation import next_token_sums  # noqa: E402
-from featcal.modeling import task_model  # noqa: E402
-from featcal_bench.method import run_dir  # noqa: E402
-from flows.pipeline import machine  # noqa: E402
-from storage.atomic import read_json  # noqa: E402
-from tasks.context import context  # noqa: E402
+from featcal.data import InputBuilder, load_split, row_batches
+from featcal.evaluation import next_token_sums
+from featcal.modeling import task_model
+from featcal_bench.method import run_dir
+from flows.pipeline import machine
+from storage.atomic import read_json
+from tasks.context import context
 
 RESAMPLES, SEED = 10_000, 0
 REFERENCES = {"task arithmetic": ("ta_featcal", "merged"), "RegMean": ("regmean", "calibrated"),
@@ -96,7 +92,8 @@ def markdown(bench: Path) -> str:
              f"({time.time() - started:.0f} s).", "",
              f"Average loss (nats): task arithmetic {point[ta]:.4f}, RegMean {point[rm]:.4f}, experts {point[ex]:.4f}; "
              f"RegMean closes {100 * (point[ta] - point[rm]) / (point[ta] - point[ex]):.1f} % of the gap. "
-             f"Intervals: 2.5–97.5 percentiles of {RESAMPLES:,} paired bootstrap draws (rows redrawn within each domain, "
+             f"Intervals: 2.5–97.5 percentiles of {RESAMPLES:,} paired bootstrap draws "
+             "(rows redrawn within each domain, "
              "the same rows for every model).", "",
              "| row | average loss | gap closed | RegMean − row (nats) [95 % CI] | gap closed / RegMean's [95 % CI] |",
              "|---|---:|---:|---:|---:|"]
@@ -113,8 +110,14 @@ def markdown(bench: Path) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("bench", type=Path, help="a built tinyllama-domains benchmark whose runs have run")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
     torch.set_num_threads(1)
-    summarise(__doc__.splitlines()[0], markdown)
+    text = markdown(args.bench.resolve())
+    args.out.write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A screenshot of a FeatCal flow run in the Prefect UI, with its artifacts tab open.
 
-    python benchmarks/ui_screenshot.py --out benchmarks/results/ui_flow_run.png
+    python -m benchmarks.ui_screenshot --out benchmarks/results/ui_flow_run.png
 
 What it does, the way a user would: starts `featcal server` in a temporary home on a free loopback port,
 builds the tiny example if `--example` does not hold it yet, runs `featcal run` on it (which reports to that
@@ -30,10 +30,8 @@ from pathlib import Path
 import httpx
 from websockets.sync.client import connect
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from flows import server  # noqa: E402
+from benchmarks.common import ROOT
+from flows import server
 
 SHOWN = ("featcal-progress", "featcal-accuracy", "featcal-block-00")  # on screen once the tab has rendered
 
@@ -125,7 +123,8 @@ def main() -> None:
     parser.add_argument("--example", type=Path, default=ROOT / "examples" / "tiny",
                         help="the tiny example (built here if missing)")
     parser.add_argument("--url", help="photograph this flow-run page instead of making one")
-    parser.add_argument("--chromium", default=shutil.which("chromium") or shutil.which("chromium-browser") or "chromium")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser") or "chromium"
+    parser.add_argument("--chromium", default=chromium)
     args = parser.parse_args()
     if args.url:
         screenshot(args.url, args.out, args.chromium)

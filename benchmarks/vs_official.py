@@ -2,7 +2,7 @@
 the same threads: wall time, calibration time, peak RSS (each run in its own child process) and how far our fp32
 calibrated weights are from the official code's.
 
-    python benchmarks/vs_official.py --official /work/official --experts 8 --examples 32 --threads 1 \
+    python -m benchmarks.vs_official --official /work/official --experts 8 --examples 32 --threads 1 \
         --precision fp32 bf16 --out benchmarks/results/vs_official.md
 
 `--official` is a checkout of github.com/egangu/featcal given at run time (never copied here); it runs through
@@ -23,21 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.pipeline_cost import (  # noqa: E402
-    KINDS,
-    build_inputs,
-    child_cost,
-    child_env,
-    config_file,
-    run_once,
-    runtime_field,
-    weight_gap,
-)
-from benchmarks.solve_precision import cpu_line  # noqa: E402
-from flows.pipeline import machine  # noqa: E402
+from benchmarks.common import ROOT, child_cost, child_env, cpu_line, runtime_field, weight_gap
+from benchmarks.pipeline_cost import KINDS, build_inputs, config_file, run_once
+from flows.pipeline import machine
 
 # Goals of issue 32 §3 (1 thread, 8 experts × 32 examples): speed-up over the official code by our precision, our
 # peak RSS as a fraction of the official code's, and the fp32 weight gap.
@@ -51,7 +39,7 @@ def run_official(official: Path, work: Path, run_dir: Path, experts: int, exampl
            "--work", str(work), "--experts", str(experts), "--examples", str(examples), "--threads", str(threads),
            "--out", str(run_dir)]
     run_dir.mkdir(parents=True)
-    wall, rss, cpu = child_cost(cmd, run_dir, child_env(threads, None))
+    wall, rss, cpu = child_cost(cmd, run_dir, child_env(threads, official.resolve() / "src"))
     timing = json.loads((run_dir / "timing.json").read_text())
     return {"wall_s": wall, "cpu_s": cpu, "calibration_s": timing["calibration_s"], "peak_rss_gib": rss}
 
@@ -120,9 +108,10 @@ def main() -> None:
         f"Machine: {machine()}. CPU: {cpu_line()}. Date: {time.strftime('%Y-%m-%d %H:%M %Z')}. Runs: {order}. "
         f"1-minute load average at the start and as each run was collected: "
         f"{' → '.join(f'{x:.1f}' for x in loads)} (each run adds about {args.threads}). "
-        f"Command: `python benchmarks/vs_official.py {' '.join(sys.argv[1:])}`",
+        f"Command: `python -m benchmarks.vs_official {' '.join(sys.argv[1:])}`",
         "",
-        "| code | precision | solve | CPU (s) | wall (s) | calibration (s) | peak RSS (GiB) | CPU speed-up | wall speed-up "
+        "| code | precision | solve | CPU (s) | wall (s) | calibration (s) | peak RSS (GiB) | CPU speed-up "
+        "| wall speed-up "
         "| RSS / official's | weight matrices vs official |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -145,7 +134,8 @@ def main() -> None:
               "CPU: user + system seconds of the child process (each run is one process, one thread); wall: that",
               "process from start to exit (interpreter, imports, model loads), which on a shared machine also counts",
               "the time it waited for a core. Calibration (wall): the official code from its Task Arithmetic merge to",
-              "the saved model (timed in `official_driver.py`); ours, the sum of its stages (merge, prepare, Gram, solve,",
+              "the saved model (timed in `official_driver.py`); ours, the sum of its stages (merge, prepare, Gram, "
+              "solve,",
               "propagate, assemble) from the run's records. Weight gap: the largest relative Frobenius difference over",
               "the calibrated weight matrices (`pipeline_cost.weight_gap`)."]
     args.out.parent.mkdir(parents=True, exist_ok=True)
