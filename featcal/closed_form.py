@@ -61,7 +61,8 @@ class LinearMoments:
 
         The cross term takes the same target as the Gram: in the directions the rows leave unseen the shrunk data term
         reads x_t as x_s, so its γ part is γ‖(W − W_t)T_t^½‖², a pull towards the task's own expert (as RegMean's
-        diagonal shrinkage). Shrinking C_ss alone would pull W towards zero instead. γ = 0 adds exactly C_ss and C_st."""
+        diagonal shrinkage). Shrinking C_ss alone would pull W towards zero instead. γ = 0 adds exactly C_ss and
+        C_st."""
         a.add_(self.c_ss, alpha=scale * (1.0 - hp.shrink))
         self.add_target(b, hp.alpha, w_t, scale * (1.0 - hp.shrink))
         if hp.shrink:

@@ -62,7 +62,8 @@ def _pinned_from(old: Any, new: Any) -> bool:
     if not (isinstance(old, str) and isinstance(new, str)):
         return False
     ref = hub_ref(new)
-    return ref is not None and ref[1] is None and old.startswith(f"{new}@") and hub_ref(old) == (new, old[len(new) + 1:])
+    return (ref is not None and ref[1] is None and old.startswith(f"{new}@")
+            and hub_ref(old) == (new, old[len(new) + 1:]))
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

@@ -49,7 +49,8 @@ def load_split(source: DataSource, where: str) -> datasets.Dataset:
         if path.is_file():
             builder = FILE_BUILDERS.get(path.suffix)
             if builder is None:
-                raise DataError(f"{where}.path: {path} has suffix {path.suffix!r}; expected one of {sorted(FILE_BUILDERS)}")
+                raise DataError(f"{where}.path: {path} has suffix {path.suffix!r}; "
+                                f"expected one of {sorted(FILE_BUILDERS)}")
             if _file_has_no_rows(path):
                 raise DataError(f"{where}.path: {path} has no rows")
             try:
@@ -138,7 +139,8 @@ class InputBuilder:
         if source.column is not None and source.column not in columns:
             raise DataError(f"{where}.column: {source.column!r} is not a column of the data (it has {columns})")
         if self.pair_column is not None and self.pair_column not in columns:
-            raise DataError(f"{where}.text_pair_column: {self.pair_column!r} is not a column of the data (it has {columns})")
+            raise DataError(f"{where}.text_pair_column: {self.pair_column!r} is not a column of the data "
+                            f"(it has {columns})")
         self.ready = [c for c in ("input_ids", "pixel_values") if c in columns and c in input_names]
         self.padding_notice: str | None = None  # set where a tokenizer without a padding token pads with EOS
         self.special_ids: frozenset[int] = frozenset()  # a tokenizer's, which token views never delete
@@ -159,7 +161,8 @@ class InputBuilder:
         if "pixel_values" not in input_names and Path(local).is_dir() and not any(
                 (Path(local) / name).is_file() for name in TOKENIZER_FILES):
             # transformers then makes an empty tokenizer of the config's class: every word becomes [UNK], silently
-            raise DataError(f"{where}: raw text column {self.column!r} needs the base's tokenizer, but {base_dir} holds "
+            raise DataError(f"{where}: raw text column {self.column!r} needs the base's tokenizer, "
+                            f"but {base_dir} holds "
                             f"none of {list(TOKENIZER_FILES)}; expected the tokenizer saved with the base "
                             "(tokenizer.save_pretrained(BASE_DIR))")
         try:
@@ -187,7 +190,8 @@ class InputBuilder:
             def pad(seqs: list[list[int]], value: int) -> torch.Tensor:
                 return torch.tensor([s + [value] * (width - len(s)) for s in seqs], dtype=torch.long)
 
-            return {"input_ids": pad(ids, self.pad_id), "attention_mask": pad(masks, 0), "token_type_ids": pad(types, 0)}
+            return {"input_ids": pad(ids, self.pad_id), "attention_mask": pad(masks, 0),
+                    "token_type_ids": pad(types, 0)}
         pair = rows[self.pair_column] if self.pair_column else None
         enc = self.processor(rows[self.column], pair, padding=True, truncation=True, max_length=self.max_length,
                              return_tensors="pt")

@@ -265,7 +265,8 @@ def hms(seconds: float) -> str:
 def summarize(tasks: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Averages over tasks, normalised accuracy (model / expert) and gap closed ((cal − merged)/(expert − merged))."""
     scored = {t: s["accuracy"] for t, s in tasks.items() if s["accuracy"]}
-    avg = {m: sum(a[m] for a in scored.values()) / len(scored) for m in MODELS if scored and all(m in a for a in scored.values())}
+    avg = {m: sum(a[m] for a in scored.values()) / len(scored)
+           for m in MODELS if scored and all(m in a for a in scored.values())}
     out: dict[str, Any] = {"average_accuracy": avg}
     if "expert" in avg and avg["expert"] > 0:
         out["normalized_accuracy"] = {m: v / avg["expert"] for m, v in avg.items()}
@@ -298,7 +299,8 @@ def _language_model_summary(tasks: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def _average(per_task: list[dict[str, list[float]]]) -> dict[str, list[float]]:
-    return {m: [sum(d[m][i] for d in per_task) / len(per_task) for i in range(len(per_task[0][m]))] for m in per_task[0]}
+    return {m: [sum(d[m][i] for d in per_task) / len(per_task) for i in range(len(per_task[0][m]))]
+            for m in per_task[0]}
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -320,10 +322,12 @@ def markdown(report: dict[str, Any]) -> str:
             cells = [f"{100 * s['accuracy'][m]:.1f}" if m in s["accuracy"] else "–" for m in models]
             lines.append(f"| {task} | " + " | ".join(cells) + f" | {s['examples']} |")
         avg = report["summary"]["average_accuracy"]
-        lines.append("| **average** | " + " | ".join(f"{100 * avg[m]:.1f}" if m in avg else "–" for m in models) + " | |")
+        lines.append("| **average** | " + " | ".join(f"{100 * avg[m]:.1f}" if m in avg else "–" for m in models)
+                     + " | |")
         lines.append("")
         if "gap_closed" in report["summary"]:
-            lines.append(f"Gap closed (calibrated − merged) / (expert − merged): **{100 * report['summary']['gap_closed']:.1f} %**")
+            gap = 100 * report["summary"]["gap_closed"]
+            lines.append(f"Gap closed (calibrated − merged) / (expert − merged): **{gap:.1f} %**")
             lines.append("")
     else:
         lines += ["No task has labelled evaluation data and a head: accuracy not measured.", ""]
@@ -398,13 +402,15 @@ def drift_markdown(report: dict[str, Any]) -> list[str]:
         if not separate:
             kinds = [("all_tokens", "all tokens = head")]
         cols = [(m, k, f"{m} · {label}") for m in models for k, label in kinds]
-        lines += [f"### Last boundary ({last}, the last block's output; the head reads it), per task (lower is better)", "",
+        lines += [f"### Last boundary ({last}, the last block's output; the head reads it), per task "
+                  "(lower is better)", "",
                   "| task | " + " | ".join(c[2] for c in cols) + " |", "|---|" + "---:|" * len(cols)]
         for task, s in report["tasks"].items():
             lb = s.get("last_boundary_drift") or {}
             lines.append(f"| {task} | " + " | ".join(f"{lb[m][k]:.4f}" if m in lb else "–" for m, k, _ in cols) + " |")
         avg = report["summary"]["average_last_boundary_drift"]
-        lines.append("| **average** | " + " | ".join(f"{avg[m][k]:.4f}" if m in avg else "–" for m, k, _ in cols) + " |")
+        lines.append("| **average** | " + " | ".join(f"{avg[m][k]:.4f}" if m in avg else "–" for m, k, _ in cols)
+                     + " |")
         lines.append("")
     heads = report["summary"].get("average_drift_head_token") if separate else None
     cols = [(drift, m, f"{m} · all tokens" if has_head else m) for m in models]

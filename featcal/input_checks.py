@@ -88,7 +88,8 @@ def pad_with_eos(tokenizer, directory: str, field: str = "base") -> str | None:
                               "with; expected one (set tokenizer.pad_token and save the tokenizer with the base)")
     tokenizer.pad_token = tokenizer.eos_token
     return (f"{field}: the tokenizer of {directory} has no padding token; padding with its EOS token "
-            f"{tokenizer.eos_token!r} (id {tokenizer.eos_token_id}), as lm-evaluation-harness does (padding is masked out)")
+            f"{tokenizer.eos_token!r} (id {tokenizer.eos_token_id}), as lm-evaluation-harness does "
+            "(padding is masked out)")
 
 
 def _real_names(id2label: dict | None, num_labels: int) -> list[str] | None:

@@ -391,7 +391,8 @@ def accumulate(
             add(xs, w, as_out_in(expert, expert.weight), expert_outputs[name], expert.bias)
 
 
-def stats_layout(modules: dict[str, nn.Module], weights: dict[str, torch.Tensor], sides: tuple[dict[str, torch.Tensor], ...],
+def stats_layout(modules: dict[str, nn.Module], weights: dict[str, torch.Tensor],
+                 sides: tuple[dict[str, torch.Tensor], ...],
                  examples: int, chunk_examples: int, keeps_expert: bool,
                  rows_of_tasks: int = 0) -> tuple[dict[str, str], dict[str, str]]:
     """(form, owner of the input sums) of each linear module, from a task's first chunk of module inputs: the form

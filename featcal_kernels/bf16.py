@@ -18,7 +18,8 @@ BF16_WEIGHT_VALUES = 4
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); without them torch emulates it."""
     cpu = torch.cpu
-    return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(cpu, probe, lambda: False)() for probe in probes)
 
 
 def product_terms(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,8 @@ from storage.atomic import digest, read_json, write_json
 
 def _signature(path: Path) -> list[tuple[str, int, int]]:
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    return [(str(f.relative_to(path) if path.is_dir() else f.name), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    return [(str(f.relative_to(path) if path.is_dir() else f.name), f.stat().st_size, f.stat().st_mtime_ns)
+            for f in files]
 
 
 def fingerprint(path: str | Path, memo_file: Path) -> str:

@@ -103,7 +103,8 @@ class RunDir:
             fh.seek(0)
             holder = fh.read().strip() or "another process"
             fh.close()
-            raise RunDirLocked(f"run directory {self.root} is in use by {holder}; wait for it or use another --run-dir") from None
+            raise RunDirLocked(f"run directory {self.root} is in use by {holder}; "
+                               "wait for it or use another --run-dir") from None
         try:
             fh.seek(0)
             fh.truncate()
