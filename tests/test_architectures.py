@@ -14,7 +14,9 @@ from featcal.config import config_from_dict
 from flows.pipeline import run_pipeline
 from tests.perturbed_experts import perturbed
 
-VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=8)
+VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=8
+)
 CASES = {
     "vit": ("ViTForImageClassification", lambda: ViTConfig(**VISION, num_labels=3)),
     "clip-vision": ("CLIPVisionModel", lambda: CLIPVisionConfig(**VISION)),
@@ -43,10 +45,15 @@ def _build(root, arch: str, experts: int):
     raw = {
         "base": str(root / "base"),
         "experts": {name: str(root / f"e{t}") for name, t in paths.items()},
-        "calibration": {"data": {name: {"path": str(root / f"d{t}")} for name, t in paths.items()},
-                        "examples_per_task": 12, "batch_size": 4},
+        "calibration": {
+            "data": {name: {"path": str(root / f"d{t}")} for name, t in paths.items()},
+            "examples_per_task": 12,
+            "batch_size": 4,
+        },
         "featcal": {"lambda": 0.01, "rho": 1.0, "alpha": 1.0},
-        "evaluation": {"data": {name: {"path": str(root / f"d{t}"), "label_column": "label"} for name, t in paths.items()}},
+        "evaluation": {
+            "data": {name: {"path": str(root / f"d{t}"), "label_column": "label"} for name, t in paths.items()}
+        },
     }
     return cls, config_from_dict(raw, root)
 

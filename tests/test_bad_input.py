@@ -57,7 +57,8 @@ def _empty_evaluation_file(root: Path) -> None:
 
 def _empty_calibration_jsonl(root: Path) -> None:
     (root / "empty.jsonl").write_text("\n")
-    edit_example_yaml(root, lambda raw: raw["calibration"]["data"]["negation"].update(path="empty.jsonl", split="train"))
+    edit_example_yaml(root, lambda raw: raw["calibration"]["data"]["negation"].update(path="empty.jsonl",
+                                                                                       split="train"))
 
 
 def _checkpoint_is_file(root: Path) -> None:
@@ -182,18 +183,21 @@ CASES = [
          ("nope.x=1",)),
     Case("set-without-equals", "config", _unchanged, ["--set 'merge.scaling'", "expected KEY.PATH=VALUE"],
          ("merge.scaling",)),
-    Case("set-value-not-yaml", "config", _unchanged, ["--set 'merge.scaling=[1'", "not valid YAML"], ("merge.scaling=[1",)),
+    Case("set-value-not-yaml", "config", _unchanged, ["--set 'merge.scaling=[1'", "not valid YAML"],
+         ("merge.scaling=[1",)),
     Case("set-below-a-value", "config", _unchanged, ["merge.scaling is not a section", "0.3"], ("merge.scaling.x=1",)),
     Case("set-wrong-type", "config", _unchanged, ["calibration.batch_size", "got 'many'", "from --set"],
          ("calibration.batch_size=many",)),
-    Case("merge-method-unknown", "config", _set("merge.method", "magic"), ["merge.method", "'magic'", "task_arithmetic"]),
+    Case("merge-method-unknown", "config", _set("merge.method", "magic"),
+         ["merge.method", "'magic'", "task_arithmetic"]),
     Case("merge-scaling-negative", "config", _set("merge.scaling", -0.5), ["merge.scaling", "greater than 0", "-0.5"]),
     Case("lambda-negative", "config", _set("featcal.lambda", -1), ["featcal.lambda", "must be >= 0", "-1"]),
     Case("examples-per-task-zero", "config", _set("calibration.examples_per_task", 0),
          ["calibration.examples_per_task", "greater than or equal to 1", "got 0"]),
     Case("views-token-drop-one", "config", _set("calibration.views", {"count": 2, "drop": 1}),
          ["calibration.views.drop", "less than 1"]),
-    Case("experts-empty", "config", lambda r: edit_example_yaml(r, _no_experts), ["experts:", "needs at least one task"]),
+    Case("experts-empty", "config", lambda r: edit_example_yaml(r, _no_experts),
+         ["experts:", "needs at least one task"]),
     Case("task-name-with-slash", "config", lambda r: edit_example_yaml(r, _slash_task),
          ["experts", "'a/b'", "without '/'"]),
     Case("calibration-data-missing-task", "config",
@@ -210,7 +214,8 @@ CASES = [
          ["evaluation.models", "lists ['merged'] more than once"]),
     Case("label-words-unknown-task", "config", _set("evaluation.label_words", {"extra": ["no", "yes"]}),
          ["evaluation.label_words names task(s) ['extra']"]),
-    Case("zero-shot-template-without-slot", "config", _set("zero_shot", {"clip_model": "base", "templates": ["a photo"]}),
+    Case("zero-shot-template-without-slot", "config",
+         _set("zero_shot", {"clip_model": "base", "templates": ["a photo"]}),
          ["zero_shot.templates", "'a photo' must hold exactly one {}"]),
     Case("zero-shot-class-names-repeated", "config",
          _set("zero_shot", {"clip_model": "base", "class_names": {"topic": ["cat", "cat", "car"]}}),
@@ -221,7 +226,8 @@ CASES = [
          _set("featcal", {"method": "regmean_plus_plus", "task_weights": {"topic": 2.0}}),
          ["featcal.task_weights: only with featcal.method featcal, not regmean_plus_plus"]),
     # ---- checkpoints: what the directories hold ----
-    Case("base-missing", "checkpoint", _set("base", "./nowhere"), ["base: checkpoint directory", "nowhere does not exist"]),
+    Case("base-missing", "checkpoint", _set("base", "./nowhere"),
+         ["base: checkpoint directory", "nowhere does not exist"]),
     Case("expert-path-is-a-file", "checkpoint", _checkpoint_is_file, ["experts.count", "a_file", "is a file"]),
     Case("expert-header-truncated", "checkpoint", lambda r: _truncate_header(r, "experts/topic"),
          ["experts.topic", "model.safetensors", "unreadable safetensors header"]),
@@ -237,7 +243,8 @@ CASES = [
          ["experts.negation: tensor names differ from the base", "missing [", "layer.1.attention.self.query.bias"]),
     Case("expert-tensor-shape", "checkpoint", _tensors("experts/topic", _widen_query_bias),
          ["experts.topic: tensor", "layer.1.attention.self.query.bias has shape (65,), the base has (64,)"]),
-    Case("base-without-tokenizer", "checkpoint", _remove("base", "vocab.txt", "tokenizer.json", "tokenizer_config.json"),
+    Case("base-without-tokenizer", "checkpoint",
+         _remove("base", "vocab.txt", "tokenizer.json", "tokenizer_config.json"),
          ["calibration.data.topic: raw text column 'text' needs the base's tokenizer", "holds none of"]),
     Case("given-merge-missing", "checkpoint", _given_merge(None), ["merge.path", "elsewhere does not exist"]),
     Case("given-merge-other-shape", "checkpoint", _given_merge(_reshaped),
@@ -253,7 +260,8 @@ CASES = [
          ["calibration.data.topic.path:", "nowhere does not exist", "a saved dataset directory"]),
     Case("split-unknown", "data", _set("calibration.data.negation.split", "dev"),
          ["calibration.data.negation.split: 'dev' is not a split of", "['calibration', 'test', 'train']"]),
-    Case("file-suffix-unknown", "data", _data_file("rows.xlsx", "x"), ["calibration.data.topic.path", "suffix '.xlsx'"]),
+    Case("file-suffix-unknown", "data", _data_file("rows.xlsx", "x"),
+         ["calibration.data.topic.path", "suffix '.xlsx'"]),
     Case("column-unknown", "data", _set("calibration.data.topic.column", "body"),
          ["calibration.data.topic.column: 'body' is not a column", "['text', 'label']"]),
     Case("pair-column-unknown", "data", _set("evaluation.data.count.text_pair_column", "second"),
@@ -277,7 +285,8 @@ CASES = [
          ["calibration.data.topic.path", "split 'calibration' has no rows"]),
     Case("evaluation-empty", "data", _split("negation", "test", lambda ds: ds.select([])),
          ["calibration.data.negation.path", "split 'test' has no rows"]),  # the directory holds both splits
-    Case("evaluation-empty-file", "data", _empty_evaluation_file, ["evaluation.data.topic.path", "empty.csv has no rows"]),
+    Case("evaluation-empty-file", "data", _empty_evaluation_file,
+         ["evaluation.data.topic.path", "empty.csv has no rows"]),
     Case("calibration-empty-jsonl", "data", _empty_calibration_jsonl,
          ["calibration.data.negation.path", "empty.jsonl has no rows"]),
     Case("text-not-string", "data", _split("negation", "calibration", _column("text", lambda ds: list(range(len(ds))))),
@@ -379,7 +388,8 @@ def test_max_length_beyond_positions_is_clamped_with_one_notice(tiny_example, tm
     assert p["tokens_per_example_max"] == 32 and f"notice            {notice}" in render(p)
     source = cfg.calibration.data["topic"]
     ds = datasets.load_from_disk(str(root / "data/topic"))["calibration"]
-    builder = InputBuilder(cfg.base, ("input_ids", "attention_mask", "token_type_ids"), source, 128, ds.column_names, "w")
+    builder = InputBuilder(cfg.base, ("input_ids", "attention_mask", "token_type_ids"), source, 128, ds.column_names,
+                           "w")
     assert builder(ds[:4])["input_ids"].shape == (4, 32)
     assert json.loads((Path(cfg.base) / "config.json").read_text())["max_position_embeddings"] == 32
 
@@ -466,7 +476,8 @@ def test_a_tokenizer_without_padding_or_eos_is_refused(tmp_path, capsys, command
     capsys.readouterr()
     assert main(plan_or_run_args(command, config, run_dir)) == 2
     err = capsys.readouterr().err
-    assert err.splitlines() == [f"featcal: error: base: the tokenizer of {tmp_path / 'base'} has no padding token and no "
+    assert err.splitlines() == [f"featcal: error: base: the tokenizer of {tmp_path / 'base'} has no padding token "
+                                "and no "
                                 "EOS token to pad with; expected one (set tokenizer.pad_token and save the tokenizer "
                                 "with the base)"]
     assert not run_dir.exists()

@@ -42,7 +42,9 @@ def in_process(bench, kind: str, name: str, key: str, **params) -> Record:
 def built(tmp_path_factory):
     with one_thread():  # tiny models: a second thread only adds contention
         models, data = llm_mirror(tmp_path_factory.mktemp("mirror"), DOMAINS_RUN, ROWS)
-    spec = preset_spec(LLM_PRESETS[PRESET], str(models), str(data), tasks=DOMAINS_RUN).model_copy(update={"calibration": CALIBRATION})
+    spec = preset_spec(LLM_PRESETS[PRESET], str(models), str(data), tasks=DOMAINS_RUN).model_copy(
+        update={"calibration": CALIBRATION}
+    )
     bench = tmp_path_factory.mktemp("bench")
     return bench, spec, build_stages(bench, spec, direct_call)
 
@@ -131,8 +133,10 @@ def test_run_reports_every_methods_losses_beside_the_papers_figures(built, ran):
     assert report["harness_tasks"] == {"instruction": {"lm_eval": ["ifeval"], "other": None},
                                        "math": {"lm_eval": ["gsm8k_cot"], "other": None}}
     md = (bench / "report" / f"{PRESET}.md").read_text()
-    header = ("| method | instruction | math | average loss (perplexity) | gap closed (loss) | next-token accuracy (%) | "
-              f"{PAPER_COLUMN} |")
+    header = (
+        "| method | instruction | math | average loss (perplexity) | gap closed (loss) | next-token accuracy (%) | "
+        f"{PAPER_COLUMN} |"
+    )
     assert header in md
     lines = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines() if line.startswith("| ")}
     assert "| 60.1 |" in lines["task arithmetic"] and "| 62.1 |" in lines["TA + FeatCal"]

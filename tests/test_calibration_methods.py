@@ -40,7 +40,10 @@ def test_an_unknown_method_is_named_with_the_known_ones():
     """A FeatCalConfig built without validation (the only way past the config's own check)."""
     with pytest.raises(ValueError) as err:
         calibration_method(FeatCalConfig.model_construct(method="fisher"))
-    assert str(err.value) == "featcal.method: unknown calibration method 'fisher'; known: featcal, regmean, regmean_plus_plus"
+    assert (
+        str(err.value)
+        == "featcal.method: unknown calibration method 'fisher'; known: featcal, regmean, regmean_plus_plus"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))
@@ -129,7 +132,9 @@ def test_featcal_module_solve_is_its_least_squares_solution(linear):
     bias is b = [Σ_t (b_t + W_t μ_t − W μ_s)/n_t + λ A(b)] / (Σ_t 1/n_t + λ)."""
     data, rows, p = linear
     lam, rho, alpha = 0.3, 2.2, 0.25
-    solved = calibration_method(_featcal(**{"lambda": lam, "rho": rho, "alpha": alpha, "eps": 1e-14})).solve_linear(data)
+    solved = calibration_method(_featcal(**{"lambda": lam, "rho": rho, "alpha": alpha, "eps": 1e-14})).solve_linear(
+        data
+    )
     a_w = rho * p["merged.weight"] + (1 - rho) * p["base.weight"]
     a_b = rho * p["merged.bias"] + (1 - rho) * p["base.bias"]
     lhs, rhs, num, den = [], [], lam * a_b, lam
@@ -264,7 +269,9 @@ def test_regmean_mixed_solve_falls_back_to_float64_on_a_nearly_singular_gram():
 
 
 def test_solve_precision_is_checked_with_a_one_line_error(tmp_path):
-    assert config_from_dict({**RAW, "runtime": {"solve_precision": "mixed"}}, tmp_path).runtime.solve_precision == "mixed"
+    assert (
+        config_from_dict({**RAW, "runtime": {"solve_precision": "mixed"}}, tmp_path).runtime.solve_precision == "mixed"
+    )
     assert config_from_dict(RAW, tmp_path).runtime.solve_precision == "float64"
     with pytest.raises(ConfigError) as err:
         config_from_dict({**RAW, "runtime": {"solve_precision": "fp16"}}, tmp_path)

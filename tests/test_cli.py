@@ -25,7 +25,10 @@ def test_bad_override_is_named_and_exits_2(tiny_example, tmp_path, capsys):
 
 def test_run_prints_where_the_results_are(tiny_example, tmp_path, capsys):
     config = str(tiny_example / "bert" / "example.yaml")
-    assert main(["run", config, "--run-dir", str(tmp_path / "r"), "--no-prefect", "--set", "evaluation.enabled=false"]) == 0
+    assert (
+        main(["run", config, "--run-dir", str(tmp_path / "r"), "--no-prefect", "--set", "evaluation.enabled=false"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"calibrated checkpoint: {tmp_path / 'r' / 'calibrated'}" in out
     assert (tmp_path / "r" / "calibrated" / "model.safetensors").is_file()
@@ -35,8 +38,22 @@ def test_runtime_threads_is_applied(tiny_example, tmp_path):
     import torch
 
     with torch_threads_restored():
-        assert main(["run", str(tiny_example / "bert" / "example.yaml"), "--run-dir", str(tmp_path / "r"), "--no-prefect",
-                     "--set", "evaluation.enabled=false", "--set", "runtime.threads=1"]) == 0
+        assert (
+            main(
+                [
+                    "run",
+                    str(tiny_example / "bert" / "example.yaml"),
+                    "--run-dir",
+                    str(tmp_path / "r"),
+                    "--no-prefect",
+                    "--set",
+                    "evaluation.enabled=false",
+                    "--set",
+                    "runtime.threads=1",
+                ]
+            )
+            == 0
+        )
         assert torch.get_num_threads() == 1
 
 

@@ -40,8 +40,14 @@ def problem(request):
     g = torch.Generator().manual_seed(99)
     w_t = [torch.randn(D_OUT, D_IN, generator=g, dtype=torch.float64) for _ in range(T)]
     b_t = [torch.randn(D_OUT, generator=g, dtype=torch.float64) for _ in range(T)]
-    w_m, w_0 = torch.randn(D_OUT, D_IN, generator=g, dtype=torch.float64), torch.randn(D_OUT, D_IN, generator=g, dtype=torch.float64)
-    b_m, b_0 = torch.randn(D_OUT, generator=g, dtype=torch.float64), torch.randn(D_OUT, generator=g, dtype=torch.float64)
+    w_m, w_0 = (
+        torch.randn(D_OUT, D_IN, generator=g, dtype=torch.float64),
+        torch.randn(D_OUT, D_IN, generator=g, dtype=torch.float64),
+    )
+    b_m, b_0 = (
+        torch.randn(D_OUT, generator=g, dtype=torch.float64),
+        torch.randn(D_OUT, generator=g, dtype=torch.float64),
+    )
     return hp, data, w_t, b_t, (w_m, w_0), (b_m, b_0)
 
 
@@ -113,7 +119,10 @@ def test_norm_affine_matches_least_squares(problem, with_beta):
         expected_g[j] = sol[0]
         if with_beta:
             expected_b[j] = sol[1]
-    moms = [NormMoments(m=(w[:, None] * z).sum(0) / w.sum(), e=(w[:, None] * z * z).sum(0) / w.sum()) for z, w in zip(zs, ws)]
+    moms = [
+        NormMoments(m=(w[:, None] * z).sum(0) / w.sum(), e=(w[:, None] * z * z).sum(0) / w.sum())
+        for z, w in zip(zs, ws)
+    ]
     gamma, beta = solve_norm_affine(moms, gam_t, bet_t if with_beta else None, gam_m, gam_0,
                                     bet_m if with_beta else None, bet_0 if with_beta else None, hp)
     torch.testing.assert_close(gamma, expected_g, rtol=1e-8, atol=1e-10)

@@ -76,7 +76,9 @@ def test_errors_say_whether_the_bad_value_came_from_set_or_the_file(tmp_path):
     assert str(err.value) == (
         "featcal.alpha: Input should be less than or equal to 1 (got 3, from " + str(path) + "); "
         "featcal.lamda: Extra inputs are not permitted (got 0.1, from --set featcal.lamda=0.1)")
-    with pytest.raises(ConfigError, match=r"--set 'featcal.alpha.x=1': featcal.alpha is not a section \(the config has 3"):
+    with pytest.raises(
+        ConfigError, match=r"--set 'featcal.alpha.x=1': featcal.alpha is not a section \(the config has 3"
+    ):
         load_config(path, ["featcal.alpha.x=1"])
     with pytest.raises(ConfigError, match=r"--set 'featcal.rho=\[1': the value is not valid YAML"):
         load_config(path, ["featcal.rho=[1"])

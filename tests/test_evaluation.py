@@ -49,7 +49,9 @@ def _brute(model: str, token: int | None) -> list[float]:
             for i in range(B):
                 for t in range(T) if token is None else [token]:
                     if mask[i, t]:
-                        diff += sum((models[model][k][i, t, d].item() - expert[k][i, t, d].item()) ** 2 for d in range(D))
+                        diff += sum(
+                            (models[model][k][i, t, d].item() - expert[k][i, t, d].item()) ** 2 for d in range(D)
+                        )
                         ref += sum(expert[k][i, t, d].item() ** 2 for d in range(D))
         out.append(math.sqrt(diff / ref))
     return out
@@ -123,9 +125,11 @@ def test_markdown_labels_both_figures_per_task():
     assert ("| boundary | merged · all tokens | calibrated · all tokens | merged · head token | "
             "calibrated · head token |") in md
     last = BOUNDARIES - 1
-    assert (f"| {last} | {every['average_drift']['merged'][last]:.4f} | {every['average_drift']['calibrated'][last]:.4f} | "
-            f"{every['average_drift_head_token']['merged'][last]:.4f} | "
-            f"{every['average_drift_head_token']['calibrated'][last]:.4f} |") in md
+    assert (
+        f"| {last} | {every['average_drift']['merged'][last]:.4f} | {every['average_drift']['calibrated'][last]:.4f} | "
+        f"{every['average_drift_head_token']['merged'][last]:.4f} | "
+        f"{every['average_drift_head_token']['calibrated'][last]:.4f} |"
+    ) in md
 
 
 def test_markdown_without_pooled_token_says_the_head_reads_all_tokens():

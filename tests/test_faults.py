@@ -57,7 +57,8 @@ def test_read_only_run_directory_is_one_line(resume_config, tmp_path, capsys):
         subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
         assert main(["run", str(resume_config), "--run-dir", str(mnt / "run"), "--no-prefect"]) == 2
     err = capsys.readouterr().err
-    assert err == f"featcal: error: run directory {mnt / 'run'} is not writable: Read-only file system ({mnt / 'run' / '.lock'})\n"
+    assert err == (f"featcal: error: run directory {mnt / 'run'} is not writable: Read-only file system "
+                   f"({mnt / 'run' / '.lock'})\n")
 
 
 def test_too_little_free_space_is_refused_with_the_numbers(resume_config, tmp_path, capsys):

@@ -109,8 +109,9 @@ def test_zero_eta_is_the_plain_solve_without_a_step(problem):
 
 
 def test_head_metric_bias_zeroes_the_objectives_gradient(problem):
-    """The bias's objective Σ_t (b − r_t)ᵀM_t(b − r_t)/n_t + μ Σ_t ‖b − r_m,t‖²/n_t + λ‖b − A(b)‖², r_t = b_t + W_t μ_t −
-    W μ_s and r_m,t = b_m + (W_m − W) μ_s, differentiated by autograd: its gradient at the solved bias is zero."""
+    """The bias's objective Σ_t (b − r_t)ᵀM_t(b − r_t)/n_t + μ Σ_t ‖b − r_m,t‖²/n_t + λ‖b − A(b)‖²,
+    r_t = b_t + W_t μ_t − W μ_s and r_m,t = b_m + (W_m − W) μ_s, differentiated by autograd: its gradient at the
+    solved bias is zero."""
     tasks, w_m, w_0 = problem
     hp = Hyper(lam=0.1, rho=2.0, alpha=0.25, eps=1e-12, trust=0.5)
     g = torch.Generator().manual_seed(1)

@@ -59,8 +59,13 @@ def _build(root, arch: str, **featcal):
     expert.save_pretrained(root / "expert")
     _data(arch).save_to_disk(str(root / "data"))
     raw = {
-        "base": str(root / "base"), "experts": {"task": str(root / "expert")},
-        "calibration": {"data": {"task": {"path": str(root / "data")}}, "examples_per_task": EXAMPLES, "batch_size": 16},
+        "base": str(root / "base"),
+        "experts": {"task": str(root / "expert")},
+        "calibration": {
+            "data": {"task": {"path": str(root / "data")}},
+            "examples_per_task": EXAMPLES,
+            "batch_size": 16,
+        },
         "merge": {"method": "task_arithmetic", "scaling": 0.3},
         "featcal": {"lambda": 1e-8, "alpha": 1.0, "rho": 2.2, **featcal},
         "evaluation": {"enabled": False},
@@ -169,8 +174,12 @@ def test_run_head_side_gives_what_the_head_reads(arch):
               else {"input_ids": torch.randint(3, 64, (2, 7))})
     with torch.inference_mode():
         out = model.base_model(**inputs)
-        got = adapter.run_head_side(body.get_submodule(adapter.head_side_path()), last[0][:, adapter.head_side_tokens()])
-    reads = out.pooler_output[:, None] if arch in ("bert", "clip") else out.last_hidden_state[:, adapter.head_side_tokens()]
+        got = adapter.run_head_side(
+            body.get_submodule(adapter.head_side_path()), last[0][:, adapter.head_side_tokens()]
+        )
+    reads = (
+        out.pooler_output[:, None] if arch in ("bert", "clip") else out.last_hidden_state[:, adapter.head_side_tokens()]
+    )
     torch.testing.assert_close(got, reads)
 
 
@@ -182,7 +191,9 @@ def test_refused_where_there_is_no_head_side_or_no_featcal_solve(tmp_path):
                                                     "T5ForConditionalGeneration$"):
         run_pipeline(config_from_dict(raw, tmp_path), tmp_path / "run")
     regmean = _build(tmp_path, "clip", calibrate_head_side=True, method="regmean")
-    with pytest.raises(ConfigError, match="^featcal.calibrate_head_side: only with featcal.method featcal, not regmean$"):
+    with pytest.raises(
+        ConfigError, match="^featcal.calibrate_head_side: only with featcal.method featcal, not regmean$"
+    ):
         run_pipeline(regmean, tmp_path / "run")
     assert not (tmp_path / "run").exists()
     clip_classifier = adapter_for(transformers.CLIPConfig(vision_config=VISION, architectures=[

@@ -75,8 +75,9 @@ def _llm(cache: Path, root: Path) -> None:
 CLIP_SPLITS = {"train": 12, "test": 8, "extra": 5}  # svhn's `extra` too; eurosat has train and test
 # openai/clip-vit-base-patch32's preprocessor_config.json is the old feature-extractor form (sizes as ints), with CLIP's
 # own constants; here at the tiny tower's size.
-CLIP_PREPROCESSOR = {"crop_size": VISION["image_size"], "do_center_crop": True, "do_normalize": True, "do_resize": True,
-                     "feature_extractor_type": "CLIPFeatureExtractor", "image_mean": [0.48145466, 0.4578275, 0.40821073],
+CLIP_PREPROCESSOR = {"crop_size": VISION["image_size"], "do_center_crop": True, "do_normalize": True,
+                     "do_resize": True, "feature_extractor_type": "CLIPFeatureExtractor",
+                     "image_mean": [0.48145466, 0.4578275, 0.40821073],
                      "image_std": [0.26862954, 0.26130258, 0.27577711], "resample": 3, "size": VISION["image_size"]}
 
 
@@ -111,7 +112,8 @@ def _glue_rows(task: str, rng: np.random.Generator, n: int) -> Dataset:
     text = lambda: [" ".join(rng.choice(GLUE_WORDS, 4)) for _ in range(n)]  # noqa: E731
     names = {"cola": ["unacceptable", "acceptable"], "mnli": ["entailment", "neutral", "contradiction"]}[task]
     columns = {"cola": {"sentence": text()}, "mnli": {"premise": text(), "hypothesis": text()}}[task]
-    features = Features({**{c: Value("string") for c in columns}, "label": ClassLabel(names=names), "idx": Value("int32")})
+    features = Features({**{c: Value("string") for c in columns}, "label": ClassLabel(names=names),
+                         "idx": Value("int32")})
     return Dataset.from_dict({**columns, "label": rng.integers(0, len(names), n).tolist(), "idx": list(range(n))},
                              features=features)
 
@@ -159,7 +161,8 @@ def _run_config(tmp: Path, **change) -> Path:
         "calibration": {"data": {d: {"path": DOMAINS[d].dataset(d), "column": DOMAINS[d].prompt} for d in LLM_DOMAINS},
                         "examples_per_task": 4, "batch_size": 2, "max_length": 32},
         "evaluation": {"enabled": True, "batch_size": 4,
-                       "data": {d: {"path": DOMAINS[d].dataset(d), "column": DOMAINS[d].response} for d in LLM_DOMAINS}},
+                       "data": {d: {"path": DOMAINS[d].dataset(d), "column": DOMAINS[d].response}
+                                for d in LLM_DOMAINS}},
     }
     for dotted, value in change.items():
         set_key(raw, dotted, value, sep="__")
@@ -205,7 +208,8 @@ def test_featcal_plan_and_run_read_hub_ids_and_record_them_pinned_without_the_to
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     recorded_cfg = yaml.safe_load((run_dir / "run.yaml").read_text())
     assert recorded_cfg["base"] == f"{LLM_BASE}@{commit_of(LLM_BASE)}"
-    assert recorded_cfg["calibration"]["data"]["math"]["path"] == f"MergeBench/math_val@{commit_of('MergeBench/math_val')}"
+    math_val = "MergeBench/math_val"
+    assert recorded_cfg["calibration"]["data"]["math"]["path"] == f"{math_val}@{commit_of(math_val)}"
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["inputs"]["base"] == f"name:{LLM_BASE}@{commit_of(LLM_BASE)}"
     report = json.loads((run_dir / "report.json").read_text())
@@ -278,8 +282,10 @@ def test_mergebench_builds_and_runs_from_the_hub_cache(hub, tmp_path):
     for d in LLM_DOMAINS:
         info = records[f"data/{d}"]["info"]
         assert info["source"] == f"{DOMAINS[d].dataset(d)}@{commit_of(DOMAINS[d].dataset(d))}"
-        assert (info["source_rows"], info["calibration"], info["test"]) == (LLM_ROWS, CALIBRATION, LLM_ROWS - CALIBRATION)
-    assert records["base"]["info"]["source"].endswith(f"models--meta-llama--Llama-3.2-3B/snapshots/{commit_of(LLM_BASE)}")
+        assert (info["source_rows"], info["calibration"], info["test"]) == (LLM_ROWS, CALIBRATION,
+                                                                           LLM_ROWS - CALIBRATION)
+    snapshot = f"models--meta-llama--Llama-3.2-3B/snapshots/{commit_of(LLM_BASE)}"
+    assert records["base"]["info"]["source"].endswith(snapshot)
     assert ran["report"]["outputs"] and (bench / "report" / "mergebench-llama-3.2-3b.md").is_file()
 
 
@@ -308,12 +314,13 @@ def test_clip_and_flan_t5_build_from_the_hub_cache(clip_bench, t5_bench):
     bench, built = clip_bench
     svhn = datasets.load_from_disk(str(bench / "data" / "svhn"))
     assert {s: len(svhn[s]) for s in svhn} == {"calibration": 12, "test": 8}  # test, not extra
-    assert built["data/svhn"]["info"]["source"] == f"ufldl-stanford/svhn@{commit_of('ufldl-stanford/svhn')} (cropped_digits)"
+    svhn_id = "ufldl-stanford/svhn"
+    assert built["data/svhn"]["info"]["source"] == f"{svhn_id}@{commit_of(svhn_id)} (cropped_digits)"
     # openai/clip-vit-base-patch32 holds pytorch_model.bin only: the build converts it to safetensors.
     assert (bench / "clip" / "model.safetensors").is_file()
     processor = json.loads((bench / "base" / "preprocessor_config.json").read_text())
-    assert (processor["size"], processor["crop_size"]) == ({"shortest_edge": VISION["image_size"]},
-                                                           {"height": VISION["image_size"], "width": VISION["image_size"]})
+    side = VISION["image_size"]
+    assert (processor["size"], processor["crop_size"]) == ({"shortest_edge": side}, {"height": side, "width": side})
     bench, built = t5_bench
     mnli = datasets.load_from_disk(str(bench / "data" / "mnli"))
     assert len(mnli["test"]) == GLUE_SPLITS["mnli"]["validation_matched"]
@@ -360,7 +367,8 @@ def test_clip_runs_from_the_hub_cache_and_reports_its_rows(hub, clip_bench):
     assert [r["method"] for r in got["report"]["methods"]] == ["experts (individual)", "zero-shot", "task arithmetic",
                                                                "TA + FeatCal"]
     assert all(set(p) <= set(range(10)) for t in CLIP_RUN for p in got["result"]["predictions"][t].values())
-    assert got["report"]["methods"][0]["accuracy"]["eurosat"] > 0  # the expert's most frequent class is among the labels
+    # the expert's most frequent class is among the labels
+    assert got["report"]["methods"][0]["accuracy"]["eurosat"] > 0
     assert "- `svhn`: SVHN house-number digits (10); data `ufldl-stanford/svhn`" in got["md"]
     assert "test 8 rows, calibration pool 12" in got["md"]
 
@@ -369,8 +377,8 @@ def test_flan_t5_runs_from_the_hub_cache_and_scores_mnli_on_validation_matched(h
     bench, built = t5_bench
     matched = _hub_split(GLUE, "mnli", "validation_matched")
     got = _ran(bench, {"cola": _hub_split(GLUE, "cola", "validation"), "mnli": matched})
-    assert [r["method"] for r in got["report"]["methods"]] == ["experts (individual)", "FLAN-T5-base", "task arithmetic",
-                                                               "TA + FeatCal"]
+    assert [r["method"] for r in got["report"]["methods"]] == ["experts (individual)", "FLAN-T5-base",
+                                                               "task arithmetic", "TA + FeatCal"]
     run = json.loads((bench / "runs" / "ta_featcal" / "report.json").read_text())
     assert run["tasks"]["mnli"]["examples"] == len(matched) == 7  # validation_mismatched has 9, test_matched 5
     assert built["data/mnli"]["info"]["test_split"] == "validation_matched"

@@ -246,7 +246,9 @@ def test_eval_harness_refuses_lora_experts(tmp_path):
     cfg = _run_config(tmp_path, "", 1, evaluate=False)
     (tmp_path / "run" / "merged").mkdir(parents=True)
     assert checkpoints(tmp_path / "run", cfg, ["merged", "base"]).keys() == {"merged", "base"}
-    with pytest.raises(HarnessError, match=r"^--models: expert:task0 is a LoRA adapter, .* \(--models calibrated,merged\)$"):
+    with pytest.raises(
+        HarnessError, match=r"^--models: expert:task0 is a LoRA adapter, .* \(--models calibrated,merged\)$"
+    ):
         checkpoints(tmp_path / "run", cfg, ["merged", "experts"])
 
 

@@ -161,7 +161,7 @@ def test_dare_rescaled_expectation_is_the_task_vector():
     for seed in range(seeds):
         cfg = MergeConfig(method="dare_linear", density=p, scaling=1.0, seed=seed)
         masks = drop_masks(cfg, ["t"], "w", (3, 4))
-        total += merged_tensor(base, lambda: iter([base + tau]), cfg, lambda t: masks(t, 0, 3)) - base
+        total += merged_tensor(base, lambda: iter([base + tau]), cfg, lambda t, masks=masks: masks(t, 0, 3)) - base
     error = (total / seeds - tau).abs()
     bound = 5 * tau.abs() * ((1 - p) / (p * seeds)) ** 0.5
     assert bool((error <= bound).all()), (error / bound).max()
@@ -242,12 +242,14 @@ def test_row_chunks_equal_the_whole_tensor(method):
         rows = chunk_rows(tuple(base.shape), cfg, max_elements=50)
         assert rows == 4 and 37 % rows
         masks = drop_masks(cfg, ["x", "y", "z"], "emb", (37, 11)) if method.startswith("dare") else None
-        got = merged_rows(tuple(base.shape), dtype, lambda a, b: base[a:b],
-                          lambda a, b: (e[a:b] for e in experts), cfg, rows, masks)
-        whole = merged_tensor(base, lambda: iter(experts), cfg, masks and (lambda t: masks(t, 0, 37)))
+        got = merged_rows(tuple(base.shape), dtype, lambda a, b, base=base: base[a:b],
+                          lambda a, b, experts=experts: (e[a:b] for e in experts), cfg, rows, masks)
+        whole = merged_tensor(base, lambda experts=experts: iter(experts), cfg,
+                              masks and (lambda t, masks=masks: masks(t, 0, 37)))
         assert torch.equal(got, whole)
         if masks is not None:  # the masks did drop entries
-            assert not torch.equal(whole, merged_tensor(base, lambda: iter(experts), MergeConfig(scaling=0.3)))
+            assert not torch.equal(whole, merged_tensor(base, lambda experts=experts: iter(experts),
+                                                        MergeConfig(scaling=0.3)))
 
 
 def test_chunking_is_off_for_ties_and_small_tensors():

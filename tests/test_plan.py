@@ -87,7 +87,9 @@ def test_plan_says_when_bf16_would_be_emulated(tmp_path, monkeypatch, caplog):
     assert "warning           runtime.precision: bf16 on a CPU without bf16 instructions" in text
     assert caplog.records == []
     tasks.preflight.preflight(bf16)
-    assert [r.getMessage()[:58] for r in caplog.records] == ["runtime.precision: bf16 on a CPU without bf16 instructions"]
+    assert [r.getMessage()[:58] for r in caplog.records] == [
+        "runtime.precision: bf16 on a CPU without bf16 instructions"
+    ]
     assert plan(cfg)["warning"] is None and "warning" not in render(plan(cfg))
     monkeypatch.setattr(flows.plan, "cpu_has_native_bf16", lambda: True)
     assert plan(bf16)["warning"] is None

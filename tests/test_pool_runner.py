@@ -18,7 +18,11 @@ from tests.conftest import featcal_process
 from tests.test_resume import _started, stopped
 
 POOL = ("--no-prefect", "--runner", "pool", "--workers", "2", "--worker-threads", "1")
-WEIGHTS = ("calibrated/model.safetensors", "merged/model.safetensors", *(f"blocks/l{b:02d}.safetensors" for b in range(3)))
+WEIGHTS = (
+    "calibrated/model.safetensors",
+    "merged/model.safetensors",
+    *(f"blocks/l{b:02d}.safetensors" for b in range(3)),
+)
 
 
 def _pool_pids(run_dir: Path, main_pid: int) -> set[int]:
@@ -67,7 +71,9 @@ def test_killed_worker_is_one_line_and_the_rerun_resumes(resume_config, one_thre
     finished = {e["stage"] for e in before if e["event"] == "done"}
     assert "solve/l00" in finished
     assert main(["run", str(resume_config), "--run-dir", str(run_dir), *POOL]) == 0  # in this process: no start-up
-    assert digest(run_dir / "calibrated" / "model.safetensors") == digest(one_thread_run / "calibrated" / "model.safetensors")
+    assert digest(run_dir / "calibrated" / "model.safetensors") == digest(
+        one_thread_run / "calibrated" / "model.safetensors"
+    )
     again = {e["stage"] for e in RunDir(run_dir).events()[len(before):] if e["event"] == "start"}
     assert "assemble" in again and not again & finished, f"recomputed after resume: {again & finished}"
 

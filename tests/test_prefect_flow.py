@@ -50,7 +50,9 @@ def test_flow_caches_across_runs_and_publishes_report(prefect_server, tiny_examp
         assert len(first_tasks) == len(second_tasks) == stages
         assert all(t.state.name == "Cached" for t in second_tasks), {t.name: t.state.name for t in second_tasks}
         assert all(t.tags == [] for t in first_tasks)
-        assert all({"featcal", "merge:task_arithmetic", f"run-dir:{tmp_path / 'run'}"} <= set(t.tags) for t in second_tasks)
+        assert all(
+            {"featcal", "merge:task_arithmetic", f"run-dir:{tmp_path / 'run'}"} <= set(t.tags) for t in second_tasks
+        )
         artifacts = client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[first.state_details.flow_run_id])))
         by_key = {a.key: a for a in artifacts}

@@ -1,4 +1,5 @@
-"""Crash safety: kill -9 or a stop signal mid-flow and rerun, corrupted outputs, changed settings, a held run directory."""
+"""Crash safety: kill -9 or a stop signal mid-flow and rerun, corrupted outputs, changed settings, a held run
+directory."""
 
 import os
 import signal

@@ -77,8 +77,9 @@ def test_scheduled_runs_pick_up_changed_experts_and_resume_by_hand(prefect_serve
                     env=env)
     try:
         with get_client(sync_client=True) as client:
-            deployment = wait_for("the deployment", lambda: serve.poll() is None and _deployment(client, "featcal/nightly"),
-                                  timeout=90)
+            deployment = wait_for(
+                "the deployment", lambda: serve.poll() is None and _deployment(client, "featcal/nightly"), timeout=90
+            )
             assert [s.schedule.cron for s in deployment.schedules] == [CRON] and not deployment.paused
             assert deployment.parameters["run_dir"] == str(run_dir)
             assert main(["deployments"]) == 0
@@ -102,7 +103,9 @@ def test_scheduled_runs_pick_up_changed_experts_and_resume_by_hand(prefect_serve
             # Night 2: the schedule's run picks it up and recomputes what depends on it; killed (-9) in block 01.
             n = len(RunDir(run_dir).events())
             second = _run_scheduled_now(client, deployment.id)
-            victim = wait_for("block 01 to start", lambda: _started_since(run_dir, n).get("gram/l01/count"), timeout=120)
+            victim = wait_for(
+                "block 01 to start", lambda: _started_since(run_dir, n).get("gram/l01/count"), timeout=120
+            )
             os.kill(victim, signal.SIGKILL)
             assert _final(client, second, timeout=60).state.type in (StateType.CRASHED, StateType.FAILED)
             assert {"merge", "prepare/topic", "gram/l00/count", "solve/l00"} <= set(_started_since(run_dir, n))

@@ -118,7 +118,8 @@ def _api_texts(info: server.ServerInfo, flow_run_id: str) -> dict[str, str]:
 
 
 def _files_containing(root: Path, needle: str) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and needle.encode() in p.read_bytes())
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*")
+                  if p.is_file() and needle.encode() in p.read_bytes())
 
 
 def _planted() -> str:
@@ -224,7 +225,8 @@ def test_secrets_change_the_fingerprint_but_only_their_hash_is_kept(tiny_example
     opts = lambda s: [f'runtime.storage_options={{"endpoint_url": "http://x", "secret": "{s}", "key": "id"}}']  # noqa: E731
     cfg_a, cfg_b, plain = load_config(config, opts(a)), load_config(config, opts(b)), load_config(config)
     assert cfg_a.runtime.storage_options["secret"] == a  # the run itself uses the value
-    assert cfg_a.fingerprint() != cfg_b.fingerprint() and cfg_a.fingerprint() == load_config(config, opts(a)).fingerprint()
+    assert cfg_a.fingerprint() != cfg_b.fingerprint()
+    assert cfg_a.fingerprint() == load_config(config, opts(a)).fingerprint()
     assert a not in json.dumps(cfg_a.redacted()) and a not in cfg_a.fingerprint()
     assert plain.redacted() == plain.model_dump(mode="json", by_alias=True)  # no secret, nothing changes
     assert cfg_a.slice("featcal", "calibration") == plain.slice("featcal", "calibration")  # stage keys unchanged
@@ -307,9 +309,9 @@ def _make_tls(where: Path) -> dict[str, str]:
           .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
           .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
           .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                                       key_encipherment=False, data_encipherment=False, key_agreement=False,
-                                       encipher_only=False, decipher_only=False), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
           .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
           .sign(ca_key, hashes.SHA256()))
     key = ec.generate_private_key(ec.SECP256R1())
@@ -317,7 +319,8 @@ def _make_tls(where: Path) -> dict[str, str]:
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
@@ -373,8 +376,9 @@ def test_dask_over_tls_with_a_ca_made_here(auth_server, tiny_example, tls_cluste
     planted = _planted()
     run_dir = tmp_path / "run"
     code, out = _featcal("run", str(tiny_example / "bert" / "example.yaml"), "--run-dir", str(run_dir),
-                         "--runner", "dask", "--address", address, "--tls-ca-file", tls["ca"], "--tls-cert", tls["cert"],
-                         "--tls-key", tls["key"], *_store_overrides(s3_bucket, {**s3_options, "secret": planted}),
+                         "--runner", "dask", "--address", address, "--tls-ca-file", tls["ca"],
+                         "--tls-cert", tls["cert"], "--tls-key", tls["key"],
+                         *_store_overrides(s3_bucket, {**s3_options, "secret": planted}),
                          env=_env(auth_server))
     assert code == 0, out + (logs / "workers.log").read_text()[-3000:]
     flow_run_id = _flow_run_id(out)

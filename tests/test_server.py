@@ -21,7 +21,9 @@ pytest_plugins = ("tests.prefect_server",)
 
 TASKS = ("count", "negation", "topic")
 BLOCKS = 3
-STAGES = 1 + 3 + BLOCKS * (3 + 1) + (BLOCKS - 1) * 3 + 1 + 1  # merge, prepare, gram+solve, propagate, assemble, evaluate
+STAGES = (
+    1 + 3 + BLOCKS * (3 + 1) + (BLOCKS - 1) * 3 + 1 + 1
+)  # merge, prepare, gram+solve, propagate, assemble, evaluate
 
 
 def _table(artifact) -> list[dict]:

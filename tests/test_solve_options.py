@@ -245,7 +245,9 @@ def test_one_standard_error_rule_equals_its_brute_force(folded):
             and float(excess[:, m].mean()) <= float(excess[:, m].std()) / 3 ** 0.5]
     assert (rule.lam, rule.rho) == (max(kept), lowest.rho)
     assert rule.lam > lowest.lam  # the rule moves λ here: the test can fail
-    with pytest.raises(ValueError, match=r"lambda_choice one_standard_error needs the folds' spread: holdout_folds >= 2"):
+    with pytest.raises(
+        ValueError, match=r"lambda_choice one_standard_error needs the folds' spread: holdout_folds >= 2"
+    ):
         FeatCalConfig.model_validate({"lambda": "auto", "lambda_choice": "one_standard_error"})
 
 

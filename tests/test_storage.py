@@ -51,7 +51,9 @@ def specs_of(tensors: list[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
 
 
 def test_sharded_checkpoint_round_trip(tmp_path):
-    tensors = [(f"t{i}", torch.full((100,), float(i))) for i in range(4)] + [("bf", torch.ones(3, dtype=torch.bfloat16))]
+    tensors = [(f"t{i}", torch.full((100,), float(i))) for i in range(4)] + [
+        ("bf", torch.ones(3, dtype=torch.bfloat16))
+    ]
     write_checkpoint(tmp_path / "ck", specs_of(tensors), (t for _, t in tensors),
                      extra_files={"heads/a.safetensors": {"w": torch.ones(2)}}, max_shard_bytes=900)
     files = TensorFiles(tmp_path / "ck")
@@ -156,9 +158,14 @@ def test_canonical_names_across_prefixes(tmp_path):
     probe = adapter.probe_key
     for name, prefix in (("bare", ""), ("prefixed", "bert.")):
         (tmp_path / name).mkdir()
-        save_file({prefix + probe: torch.zeros(3), prefix + "encoder.x": torch.ones(1), "classifier.weight": torch.ones(2)},
-                  str(tmp_path / name / "model.safetensors"))
-    bare, prefixed = CanonicalCheckpoint(tmp_path / "bare", adapter), CanonicalCheckpoint(tmp_path / "prefixed", adapter)
+        save_file(
+            {prefix + probe: torch.zeros(3), prefix + "encoder.x": torch.ones(1), "classifier.weight": torch.ones(2)},
+            str(tmp_path / name / "model.safetensors"),
+        )
+    bare, prefixed = (
+        CanonicalCheckpoint(tmp_path / "bare", adapter),
+        CanonicalCheckpoint(tmp_path / "prefixed", adapter),
+    )
     assert bare.names() == prefixed.names() == sorted([probe, "encoder.x", "classifier.weight"])
     assert prefixed.file_name("encoder.x") == "bert.encoder.x"
     (tmp_path / "other").mkdir()

@@ -68,7 +68,8 @@ def _teacher_forced(expert_dir, rows: Dataset, targets: list[list[int]] | None =
 
 
 def _boundaries(model, batch: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(hidden states, real-token mask) at every encoder and decoder boundary (the last of each after its final norm)."""
+    """(hidden states, real-token mask) at every encoder and decoder boundary (the last of each after its final
+    norm)."""
     with torch.inference_mode():
         out = model(**batch, output_hidden_states=True)
     return ([(h, batch["attention_mask"]) for h in out.encoder_hidden_states]
@@ -234,7 +235,10 @@ def test_views_of_encoder_decoder_inputs_are_refused_before_work(tmp_path):
     cfg = _build(tmp_path, experts=1, calibration={
         "data": {"task0": {"path": str(tmp_path / "d0"), "target_column": "target"}}, "examples_per_task": EXAMPLES,
         "views": {"count": 2}})
-    with pytest.raises(DataError, match=r"^calibration.views.count: 2 views need token inputs of an encoder or a causal "
-                                        r"LM; calibration.data.task0 gives encoder–decoder inputs"):
+    with pytest.raises(
+        DataError,
+        match=r"^calibration.views.count: 2 views need token inputs of an encoder or a causal "
+        r"LM; calibration.data.task0 gives encoder–decoder inputs",
+    ):
         run_pipeline(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()

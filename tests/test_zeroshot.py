@@ -114,7 +114,9 @@ def test_each_task_gets_its_class_names_and_templates(tiny_clip, tmp_path):
 def test_head_less_experts_scored_with_zero_shot_heads(tmp_path):
     """Scored on raw images whose ClassLabel gives the class names, with one template, against CLIPModel's forward."""
     raw = _head_less_config(tmp_path, experts=2)
-    clip_processor().save_pretrained(tmp_path / "base")  # the evaluation images are raw: the base's processor reads them
+    clip_processor().save_pretrained(
+        tmp_path / "base"
+    )  # the evaluation images are raw: the base's processor reads them
     clip_dir = raw["zero_shot"]["clip_model"]
     raw["zero_shot"]["templates"] = [TEMPLATE]
     raw["evaluation"]["data"] = {task: {"path": str(_images(tmp_path / f"images-{task}", clip_dir, seed=i)),
