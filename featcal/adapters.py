@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -34,6 +34,12 @@ class BlockInput:
     position_bias: torch.Tensor | None = None  # [1, heads, T, T]
     # Decoder-only models with rotary positions: the (cos, sin) the model's rotary module makes for the batch.
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def given_mask(self) -> torch.Tensor:
+        """The attention mask, for architectures whose `block_input` always sets it."""
+        if self.attention_mask is None:
+            raise ValueError("this architecture's blocks need BlockInput.attention_mask")
+        return self.attention_mask
 
 
 # Reads one tensor of a checkpoint by canonical name (CanonicalCheckpoint.get).
@@ -103,7 +109,7 @@ class Adapter:
         return f"{attr}." if attr else ""
 
     def blocks(self, body: nn.Module) -> nn.ModuleList:
-        return body.get_submodule(self.blocks_path)
+        return cast(nn.ModuleList, body.get_submodule(self.blocks_path))  # typed Module; a ModuleList at that path
 
     def num_blocks(self) -> int:
         return self.text_or_vision_config().num_hidden_layers
@@ -383,7 +389,8 @@ class T5Adapter(Adapter):
         return layer >= self.encoder_blocks
 
     def blocks(self, body: nn.Module) -> nn.ModuleList:
-        return nn.ModuleList([*body.encoder.block, *(body.decoder.block if self.has_decoder else ())])
+        stacks = ("encoder.block", "decoder.block") if self.has_decoder else ("encoder.block",)
+        return nn.ModuleList([b for path in stacks for b in cast(nn.ModuleList, body.get_submodule(path))])
 
     def block_prefix(self, layer: int) -> str:
         if self.is_decoder(layer):
@@ -445,11 +452,12 @@ class T5Adapter(Adapter):
                           encoder_mask=inputs["encoder_attention_mask"], position_bias=bias)
 
     def run_block(self, block: nn.Module, hidden: torch.Tensor, extra: BlockInput) -> torch.Tensor:
-        keep = extra.attention_mask[:, None, None, :].bool()
+        keep = extra.given_mask()[:, None, None, :].bool()
         cross = None
         if block.is_decoder:
-            if extra.encoder_hidden is None:
-                raise ValueError("a T5 decoder block needs its stream's encoder output (BlockInput.encoder_hidden)")
+            if extra.encoder_hidden is None or extra.encoder_mask is None:
+                raise ValueError("a T5 decoder block needs its stream's encoder output and its mask "
+                                 "(BlockInput.encoder_hidden, encoder_mask)")
             length = hidden.shape[1]
             keep = keep & torch.ones(length, length, dtype=torch.bool, device=hidden.device).tril()
             cross = additive_mask(extra.encoder_mask[:, None, None, :].bool(), hidden.dtype)
@@ -508,7 +516,7 @@ class LlamaAdapter(_CausalLMAdapter):
     (cos, sin) once per batch for every block, and each block gets a causal mask with padded keys dropped (and the
     sliding window, where the model has one)."""
 
-    model_types = ("llama", "qwen2", "mistral")
+    model_types: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "mistral")
     body_attr = {"LlamaForCausalLM": "", "Qwen2ForCausalLM": "", "MistralForCausalLM": ""}
     blocks_path = "model.layers"
     kv_modules = ("self_attn.k_proj", "self_attn.v_proj")
@@ -567,7 +575,9 @@ class LlamaAdapter(_CausalLMAdapter):
         window = getattr(block.self_attn, "sliding_window", getattr(self.config, "sliding_window", None))
         if window is not None:
             keep = keep & (key > query - window)
-        keep = keep[None, None] & extra.attention_mask[:, None, None, :].bool()
+        keep = keep[None, None] & extra.given_mask()[:, None, None, :].bool()
+        if extra.rotary is None:
+            raise ValueError("a rotary-position block needs the batch's (cos, sin) (BlockInput.rotary)")
         cos, sin = extra.rotary
         out = block(hidden, attention_mask=additive_mask(keep, hidden.dtype),
                     position_embeddings=(cos.to(hidden.device, hidden.dtype), sin.to(hidden.device, hidden.dtype)))
@@ -598,7 +608,7 @@ class GPT2Adapter(_CausalLMAdapter):
     probe_key = "transformer.wte.weight"
 
     def __init__(self, config: PretrainedConfig):
-        if (config.architectures or [None])[0] == "GPT2ForSequenceClassification":
+        if config.architectures and config.architectures[0] == "GPT2ForSequenceClassification":
             raise UnsupportedModelError(
                 "GPT2ForSequenceClassification is not supported: its head reads each row's last real token, an index "
                 "that varies from row to row, and the calibration weighs one fixed pooled token per architecture; "

@@ -185,13 +185,13 @@ def _fit_and_held(stats: dict[str, torch.Tensor], task: str, where: str, every: 
     return fit_sums(stats, fold), held
 
 
-def _head_factors(module: ModuleData, tasks: int) -> list[torch.Tensor]:
+def _head_factors(head_map: Callable[[int], torch.Tensor], tasks: int) -> list[torch.Tensor]:
     """Each task's U_t (head_factor), computed once per head map: where every task reads one head (a causal LM's
     merged LM head) they all get the same tensor."""
     made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(H) → (H, U); H is held, so no id is reused
     factors = []
     for t in range(tasks):
-        head = module.head(t)
+        head = head_map(t)
         if id(head) not in made:
             made[id(head)] = (head, head_factor(head))
         factors.append(made[id(head)][1])
@@ -274,27 +274,38 @@ class FeatCal(CalibrationMethod):
             return self._solve_rows(module, hp, report)
         bias_terms: list[BiasTerm] = []
         eta = self.settings["head_metric"]
-        heads = None if module.head is None or not eta else _head_factors(module, len(weights))
+        heads = None if module.head is None or not eta else _head_factors(module.head, len(weights))
 
-        def per_task() -> Iterator[tuple[LinearMoments, torch.Tensor]
-                                   | tuple[LinearMoments, torch.Tensor, torch.Tensor]]:
-            """(moments, W_t), and task t's head factor U_t with featcal.head_metric."""
+        def moments_of(t: int, stats: dict[str, torch.Tensor]) -> tuple[LinearMoments, torch.Tensor]:
+            """Task t's moments and W_t, and its bias term on the side."""
+            c = weights[t]
+            # W_t in float64 once: the right-hand side's product and the bias term both read it
+            mom = replace(linear_moments(stats, where, in_place=True), weight=c)
+            w_t = module.expert(t, "weight").double()
+            if module.has_bias:
+                metric = None if heads is None else head_metric(heads[t], eta)
+                bias_terms.append(BiasTerm.of(mom, w_t, module.expert(t, "bias"), hp.alpha, metric))
+            return mom, w_t
+
+        def per_task() -> Iterator[tuple[LinearMoments, torch.Tensor]]:
+            """(moments, W_t) of each task."""
             for t, stats in _each_task_stats(module):
-                c = weights[t]
-                # W_t in float64 once: the right-hand side's product and the bias term both read it
-                mom = replace(linear_moments(stats, where, in_place=True), weight=c)
-                w_t = module.expert(t, "weight").double()
-                if module.has_bias:
-                    metric = None if heads is None else head_metric(heads[t], eta)
-                    bias_terms.append(BiasTerm.of(mom, w_t, module.expert(t, "bias"), hp.alpha, metric))
-                yield (mom, w_t) if heads is None else (mom, w_t, heads[t])
+                mom, w_t = moments_of(t, stats)
+                yield mom, w_t
                 del stats, mom, w_t  # before the next task's are read: one task's d × d moments at a time
+
+        def per_task_with_head(heads: list[torch.Tensor]) -> Iterator[tuple[LinearMoments, torch.Tensor, torch.Tensor]]:
+            """(moments, W_t, U_t): with featcal.head_metric, task t's head factor too."""
+            for t, stats in _each_task_stats(module):
+                mom, w_t = moments_of(t, stats)
+                yield mom, w_t, heads[t]
+                del stats, mom, w_t  # as per_task
 
         if heads is None:
             sol = solve_linear_weight(per_task(), w_merged, module.base("weight"), hp, self.mixed)
         else:  # λ and ρ as chosen above, by the plain held-out data term
             try:
-                sol = solve_linear_weight_head(per_task(), w_merged, module.base("weight"), hp, eta)
+                sol = solve_linear_weight_head(per_task_with_head(heads), w_merged, module.base("weight"), hp, eta)
             except ValueError as err:
                 raise ValueError(f"{where}: {err}") from None
         if sol.path is not None:

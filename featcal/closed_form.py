@@ -242,16 +242,16 @@ def solve_linear_weight_head(
     `tasks` yields (moments, W_t, U_t [k, out]). Tasks with equal U_t share one S and so one summed Gram in the
     iterations: one in² per distinct head (a causal LM's tasks all read the merged head: one in all, and the
     preconditioner is then the system), at most T·in² floats."""
-    d, f64 = merged.shape[1], {"dtype": torch.float64, "device": merged.device}
-    a = torch.zeros(d, d, **f64)
+    d, f64, dev = merged.shape[1], torch.float64, merged.device
+    a = torch.zeros(d, d, dtype=f64, device=dev)
     b = anchor(merged, base, hp.rho, hp.lam).T
     grams: list[torch.Tensor] = []  # per distinct U: Σ G_t over the tasks that read it
     factors: list[torch.Tensor] = []
     for mom, w_t, u_t in tasks:
-        g_t = torch.zeros(d, d, **f64)
+        g_t = torch.zeros(d, d, dtype=f64, device=dev)
         b_t = torch.zeros_like(b)
         mom.add_shrunk(g_t, b_t, hp, w_t, 1.0 / mom.normaliser())
-        u_t = u_t.to(**f64)
+        u_t = u_t.to(dtype=f64, device=dev)
         a += g_t
         b.add_(b_t, alpha=1.0 - eta).add_((b_t @ u_t.T) @ u_t, alpha=eta)
         same = next((k for k, u in enumerate(factors) if u is u_t or torch.equal(u, u_t)), None)
@@ -272,7 +272,7 @@ def solve_linear_weight_head(
         return out
 
     total = float(a.trace())
-    mean_metric = plain * torch.eye(merged.shape[0], **f64)
+    mean_metric = plain * torch.eye(merged.shape[0], dtype=f64, device=dev)
     for g_t, u_t in zip(grams, factors, strict=True):
         mean_metric.add_(u_t.T @ u_t, alpha=eta * float(g_t.trace()) / total)
     e, v = torch.linalg.eigh(a)
@@ -364,13 +364,13 @@ def choose_linear_hyper(
     and for each λ the held-out score is a quadratic in ρ, so each (γ, λ) costs two products with the rotated
     held-out Gram: the joint grid costs |γ| times the λ grid's products."""
     shrinks = [hp.shrink] if shrinks is None else list(shrinks)
-    d, f64 = merged.shape[1], {"dtype": torch.float64, "device": merged.device}
-    a = torch.zeros(d, d, **f64)
-    h = torch.zeros(d, d, **f64)
-    b0 = torch.zeros(d, merged.shape[0], **f64)
+    d, f64, dev = merged.shape[1], torch.float64, merged.device
+    a = torch.zeros(d, d, dtype=f64, device=dev)
+    h = torch.zeros(d, d, dtype=f64, device=dev)
+    b0 = torch.zeros(d, merged.shape[0], dtype=f64, device=dev)
     g = torch.zeros_like(b0)
     shrinking = any(shrinks)
-    diag = torch.zeros(d, **f64)  # D's diagonal
+    diag = torch.zeros(d, dtype=f64, device=dev)  # D's diagonal
     e_rhs = torch.zeros_like(b0) if shrinking else b0  # E = Σ_t T_t W_tᵀ / n_t (unused without a γ > 0)
     for fit, held, w_t in tasks:
         n_fit, n_held = fit.normaliser(), held.normaliser()
@@ -385,8 +385,8 @@ def choose_linear_hyper(
         del fit, held, w_t  # before the next task's are read
     shared = hp.shrink_target == "identity"  # D = c·I: every γ has A's eigenvectors
     delta = merged.double() - base.double()
-    rho = torch.tensor(rhos, **f64)
-    scores = torch.empty(len(shrinks), len(lams), len(rhos), **f64)
+    rho = torch.tensor(rhos, dtype=f64, device=dev)
+    scores = torch.empty(len(shrinks), len(lams), len(rhos), dtype=f64, device=dev)
     basis: tuple[torch.Tensor, ...] = ()
     for k, gamma in enumerate(shrinks):
         if not basis or not shared:
@@ -503,6 +503,7 @@ def solve_norm_affine(
         rhs_g = rhs_g + mom.weight * mom.e * g_t.double()
     if expert_betas is None:
         return rhs_g / (sum_e + reg), None
+    assert merged_beta is not None and base_beta is not None  # experts with β: so has every side
     sum_m = sum(m.weight * m.m for m in moments)
     rhs_b = anchor(merged_beta, base_beta, hp.rho, hp.lam)
     for mom, g_t, b_t in zip(moments, expert_gammas, expert_betas, strict=True):

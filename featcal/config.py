@@ -143,8 +143,8 @@ class FeatCalConfig(_Strict):
 
     @field_validator("lam")
     @classmethod
-    def _non_negative(cls, lam: float | str) -> float | str:
-        if lam != "auto" and lam < 0:
+    def _non_negative(cls, lam: float | Literal["auto"]) -> float | Literal["auto"]:
+        if not isinstance(lam, str) and lam < 0:
             raise ValueError(f"must be >= 0 or 'auto', got {lam}")
         return lam
 
@@ -158,8 +158,8 @@ class FeatCalConfig(_Strict):
 
     @field_validator("shrinkage")
     @classmethod
-    def _a_fraction(cls, gamma: float | str) -> float | str:
-        if gamma != "auto" and not 0 <= gamma <= 1:
+    def _a_fraction(cls, gamma: float | Literal["auto"]) -> float | Literal["auto"]:
+        if not isinstance(gamma, str) and not 0 <= gamma <= 1:
             raise ValueError(f"must be in [0, 1] or 'auto', got {gamma}")
         return gamma
 
@@ -189,7 +189,7 @@ class FeatCalConfig(_Strict):
 
 
 EvaluatedModel = Literal["base", "merged", "calibrated", "expert"]
-EVALUATED_MODELS: tuple[str, ...] = get_args(EvaluatedModel)
+EVALUATED_MODELS: tuple[EvaluatedModel, ...] = get_args(EvaluatedModel)
 
 
 class EvaluationConfig(_Strict):
@@ -405,8 +405,9 @@ def _apply_override(raw: dict[str, Any], assignment: str) -> tuple[str, ...]:
                               f"(the config has {secrets.redact_value(node, keys[: depth + 1])!r} there)")
     try:
         node[keys[-1]] = yaml.safe_load(value)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {shown!r}: the value is not valid YAML ({exc.problem})") from None
+    except yaml.YAMLError as exc:  # a parse error says where (MarkedYAMLError.problem); others say what they say
+        problem = exc.problem if isinstance(exc, yaml.MarkedYAMLError) else exc
+        raise ConfigError(f"--set {shown!r}: the value is not valid YAML ({problem})") from None
     return made or keys
 
 

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import datasets
 import numpy as np
@@ -141,12 +142,14 @@ class InputBuilder:
         if self.pair_column is not None and self.pair_column not in columns:
             raise DataError(f"{where}.text_pair_column: {self.pair_column!r} is not a column of the data "
                             f"(it has {columns})")
-        self.ready = [c for c in ("input_ids", "pixel_values") if c in columns and c in input_names]
+        self.ready: list[str] = [c for c in ("input_ids", "pixel_values") if c in columns and c in input_names]
         self.padding_notice: str | None = None  # set where a tokenizer without a padding token pads with EOS
         self.special_ids: frozenset[int] = frozenset()  # a tokenizer's, which token views never delete
+        # The tokenizer or image processor (transformers' Auto classes type what they load as Any), None with ready
+        # inputs; the raw column it reads likewise.
+        self.processor: Any = None
+        self.column: str | None = None
         if self.ready:
-            self.column = None
-            self.processor = None
             self.pad_id = _pad_token_id(base_dir)
             return
         self.column = source.column or next((c for c in (*TEXT_COLUMNS, *IMAGE_COLUMNS) if c in columns), None)
@@ -193,7 +196,7 @@ class InputBuilder:
             return {"input_ids": pad(ids, self.pad_id), "attention_mask": pad(masks, 0),
                     "token_type_ids": pad(types, 0)}
         pair = rows[self.pair_column] if self.pair_column else None
-        enc = self.processor(rows[self.column], pair, padding=True, truncation=True, max_length=self.max_length,
+        enc = self.processor(rows[self._raw_column()], pair, padding=True, truncation=True, max_length=self.max_length,
                              return_tensors="pt")
         enc = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
         enc.setdefault("token_type_ids", torch.zeros_like(enc["input_ids"]))
@@ -202,7 +205,13 @@ class InputBuilder:
     def image_inputs(self, rows: dict[str, list]) -> dict[str, torch.Tensor]:
         if "pixel_values" in self.ready:
             return {"pixel_values": torch.tensor(np.asarray(rows["pixel_values"], dtype=np.float32))}
-        return {"pixel_values": self.processor(rows[self.column], return_tensors="pt")["pixel_values"].float()}
+        return {"pixel_values": self.processor(rows[self._raw_column()], return_tensors="pt")["pixel_values"].float()}
+
+    def _raw_column(self) -> str:
+        """The raw column the tokenizer or image processor reads: set whenever the data lacks ready inputs."""
+        if self.column is None:
+            raise DataError(f"{self.where}: the data holds ready inputs, not a raw column to tokenize")
+        return self.column
 
     def __call__(self, rows: dict[str, list]) -> dict[str, torch.Tensor]:
         return self.text_inputs(rows) if self.is_text else self.image_inputs(rows)

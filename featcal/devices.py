@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -137,7 +137,7 @@ def reset_device_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _libc_function(name: str) -> ctypes._CFuncPtr | None:
+def _libc_function(name: str) -> Callable[..., int] | None:
     """A glibc function, or None where the C library has none (macOS, musl)."""
     try:
         return getattr(ctypes.CDLL(None), name, None)
@@ -166,6 +166,7 @@ def keep_freed_memory() -> None:
     Llama-3.2-3B block spent 14.0 of its 63.1 s in the kernel, 8.3 of 57.8 s with this
     (benchmarks/results/heap_reuse_llama.md)."""
     check_keep_freed_memory(True)
+    assert _MALLOPT is not None  # refused just above otherwise
     # mallopt returns 1 on success; −1 as the trim threshold means never (mallopt(3))
     settings = (("M_MMAP_MAX", M_MMAP_MAX, 0), ("M_TRIM_THRESHOLD", M_TRIM_THRESHOLD, -1),
                 ("M_ARENA_MAX", M_ARENA_MAX, 1))

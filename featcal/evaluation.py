@@ -72,9 +72,9 @@ class TaskScores:
     metric: str = "accuracy"
     values: dict[str, list[float]] = field(default_factory=dict)
     targets: list[float] = field(default_factory=list)
-    # A causal LM: per model [Σ next-token NLL, tokens predicted, tokens predicted right] (`add_next_tokens`); its
+    # A causal LM: per model (Σ next-token NLL, tokens predicted, tokens predicted right) (`add_next_tokens`); its
     # accuracy figure is then the next-token accuracy.
-    next_tokens: dict[str, list[float]] = field(default_factory=dict)
+    next_tokens: dict[str, tuple[float, int, int]] = field(default_factory=dict)
     # Per model, [Σ KL(p_expert ‖ p_model), rows agreeing with the expert's top class, rows]: read through the task's
     # head with no labels (`add_head_errors`).
     head_errors: dict[str, list[float]] = field(default_factory=dict)
@@ -104,10 +104,8 @@ class TaskScores:
         """One batch of a causal LM: every real token after a row's first is predicted from the ones before it."""
         self.metric = "next_token_accuracy"
         nll, tokens, right = next_token_sums(logits, input_ids, mask)
-        acc = self.next_tokens.setdefault(model, [0.0, 0, 0])
-        acc[0] += nll
-        acc[1] += tokens
-        acc[2] += right
+        total_nll, total_tokens, total_right = self.next_tokens.get(model, (0.0, 0, 0))
+        self.next_tokens[model] = (total_nll + nll, total_tokens + tokens, total_right + right)
 
     def add_head_errors(self, model: str, expert_logits: torch.Tensor, logits: torch.Tensor) -> None:
         """One batch of `model`'s logits against the expert's, on the same rows (`head_error_sums`)."""

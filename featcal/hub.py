@@ -185,7 +185,12 @@ def _patterns(where: str | None, repo_id: str, repo_type: str, config: str | Non
             return _data_patterns(str(card), config) if card and card.is_file() else None
         except HubError as exc:
             raise HubError(f"{field}: hub dataset {repo_id}: {exc}") from None
-    files = listing if listing is not None else list(_files(where))
+    if listing is not None:
+        files = listing
+    elif where is not None:
+        files = list(_files(where))
+    else:
+        raise HubError(f"{field}: hub {repo_type} {repo_id}: no file listing and no local copy to list")
     return (*MODEL_FILES, *_weights(files, repo_id, field, convert_bin))
 
 

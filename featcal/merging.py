@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 
 import numpy as np
 import torch
@@ -80,6 +81,7 @@ def merged_tensor(base: torch.Tensor, experts: ExpertTensors, cfg: MergeConfig,
             if cfg.method == "ties":
                 yield trimmed(tau, cfg.ties_top_k)
             elif cfg.method in DARE:
+                assert kept is not None  # refused above when missing
                 if t not in masks:
                     masks[t] = kept(t)
                 yield dropped(tau, masks[t], cfg.density)
@@ -101,13 +103,13 @@ def merged_tensor(base: torch.Tensor, experts: ExpertTensors, cfg: MergeConfig,
     elected = torch.where(mass >= 0, 1.0, -1.0).to(theta0.dtype)
     del mass
     # Pass 2: disjoint merge of the entries whose sign is the elected one (a zero entry has none).
-    agreed, count = torch.zeros_like(theta0), torch.zeros_like(theta0)
+    agreed, agreeing = torch.zeros_like(theta0), torch.zeros_like(theta0)
     for tau in task_vectors():
         agree = torch.sign(tau) == elected
         agreed += torch.where(agree, tau, 0.0)
-        count += agree.double()
+        agreeing += agree.double()
     if cfg.ties_merge == "mean":
-        agreed = agreed / count.clamp_min(1.0)
+        agreed = agreed / agreeing.clamp_min(1.0)
     return (theta0 + cfg.scaling * agreed).to(base.dtype)
 
 
@@ -133,6 +135,11 @@ def chunk_rows(shape: tuple[int, ...], cfg: MergeConfig, max_elements: int = CHU
     return max(1, max_elements // (numel // shape[0]))
 
 
+def _chunk_masks(masks: DropMasks, start: int, stop: int) -> Callable[[int], torch.Tensor]:
+    """Expert t's keep mask of rows [start, stop) alone: what `merged_tensor` asks of one chunk."""
+    return lambda t: masks(t, start, stop)
+
+
 def merged_rows(shape: tuple[int, ...], dtype: torch.dtype, base: RowReader, experts: ExpertRows, cfg: MergeConfig,
                 rows: int, masks: DropMasks | None = None) -> torch.Tensor:
     """`merged_tensor` of a tensor `rows` rows at a time: memory holds the result, one chunk of the base and of one
@@ -141,6 +148,6 @@ def merged_rows(shape: tuple[int, ...], dtype: torch.dtype, base: RowReader, exp
     out = torch.empty(shape, dtype=dtype)
     for start in range(0, shape[0], rows):
         stop = min(start + rows, shape[0])
-        kept = None if masks is None else (lambda t, a=start, b=stop: masks(t, a, b))
-        out[start:stop] = merged_tensor(base(start, stop), lambda a=start, b=stop: experts(a, b), cfg, kept)
+        kept = None if masks is None else _chunk_masks(masks, start, stop)
+        out[start:stop] = merged_tensor(base(start, stop), partial(experts, start, stop), cfg, kept)
     return out

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import transformers
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging as hf_logging
 
@@ -104,7 +104,9 @@ def linear_dims(module: nn.Module) -> tuple[int, int]:
     """(in, out) features of a calibrated linear map."""
     if isinstance(module, Conv1D):
         return module.nx, module.nf
-    return module.in_features, module.out_features
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    raise TypeError(f"{type(module).__name__} is not a linear map (nn.Linear or Conv1D)")
 
 
 def as_out_in(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
@@ -158,7 +160,7 @@ def expert_checkpoint(directory: str | Path, base_dir: str | Path,
     return CanonicalCheckpoint(directory, skeleton.adapter)
 
 
-def _lora_expert_model(expert_dir: str | Path, base_dir: str | Path | None) -> nn.Module:
+def _lora_expert_model(expert_dir: str | Path, base_dir: str | Path | None) -> PreTrainedModel:
     """A LoRA expert as a whole model: the base's weights loaded into the expert's class, then every tensor the
     adapter changes (`LoraCheckpoint.adapted`) set to base + ΔW or to the adapter's own."""
     if base_dir is None:
@@ -166,6 +168,8 @@ def _lora_expert_model(expert_dir: str | Path, base_dir: str | Path | None) -> n
     config = AutoConfig.from_pretrained(config_directory(expert_dir, base_dir), local_files_only=True)
     skeleton = Skeleton(config)
     expert = expert_checkpoint(expert_dir, base_dir, skeleton)
+    if not isinstance(expert, LoraCheckpoint):
+        raise CheckpointError(f"{expert_dir}: expected a LoRA adapter, found a full checkpoint")
     model = getattr(transformers, skeleton.adapter.architecture).from_pretrained(base_dir, config=config,
                                                                                   local_files_only=True)
     body_state, model_state = skeleton.adapter.body(model).state_dict(), model.state_dict()

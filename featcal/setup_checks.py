@@ -24,7 +24,7 @@ from featcal.data import InputBuilder, load_split, picked_rows
 from featcal.merging import chunk_rows
 from featcal.modeling import Skeleton, expert_checkpoint
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError, finite
-from storage.lora import config_directory
+from storage.lora import LoraCheckpoint, config_directory
 
 # ‖θ_t − θ0‖ / ‖θ0‖ over the body below this is a near-zero task vector: far below the tiny example's experts (0.12
 # to 0.17; published fine-tunes are not measured here), above the exact 0 of a float32 re-save of the base. A bf16
@@ -33,6 +33,8 @@ NEAR_ZERO = 1e-5
 # Row blocks of the size the merge reads a large tensor in (an LLM's embedding), so the scan holds no more.
 _BY_ROWS = MergeConfig(method="average")
 _PIECE = 1 << 18  # entries per piece of the sums (1 MiB of float32): temporaries that stay in cache
+# What a task's expert is read as: a full checkpoint, or a LoRA adapter over the base (base + ΔW).
+Checkpoint = CanonicalCheckpoint | LoraCheckpoint
 
 
 class SetupError(ConfigError):
@@ -47,14 +49,14 @@ class ExpertScan:
     signature: tuple[tuple[str, float], ...]
 
 
-def row_blocks(ckpt: CanonicalCheckpoint, name: str) -> list[tuple[int, int] | None]:
+def row_blocks(ckpt: Checkpoint, name: str) -> list[tuple[int, int] | None]:
     """The row ranges tensor `name` is read in: whole (None), or blocks of rows of the size the merge reads."""
     shape = ckpt.shape(name)
     rows = chunk_rows(shape, _BY_ROWS) if ckpt.dtype(name).is_floating_point else None
     return [None] if rows is None else [(a, min(a + rows, shape[0])) for a in range(0, shape[0], rows)]
 
 
-def _read(owner: str, ckpt: CanonicalCheckpoint, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
+def _read(owner: str, ckpt: Checkpoint, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
     """A tensor (block), or one line naming the config field, tensor and file where its data is cut short."""
     try:
         return ckpt.get(name, rows)
@@ -75,13 +77,13 @@ def squared_distance(x: torch.Tensor, y: torch.Tensor | None = None) -> float:
     return total
 
 
-def _finite_sum(total: float, owner: str, ckpt: CanonicalCheckpoint, name: str, tensor: torch.Tensor) -> float:
+def _finite_sum(total: float, owner: str, ckpt: Checkpoint, name: str, tensor: torch.Tensor) -> float:
     if not math.isfinite(total):
         finite(tensor, name, owner, ckpt.directory)  # raises, naming the owner, tensor, count and directory
     return total
 
 
-def scan_checkpoints(base: CanonicalCheckpoint, experts: dict[str, CanonicalCheckpoint],
+def scan_checkpoints(base: CanonicalCheckpoint, experts: dict[str, Checkpoint],
                      is_head: Callable[[str], bool]) -> dict[str, ExpertScan]:
     """Per owner (`experts.TASK`): its task vector's relative norm and signature; every tensor of base and experts
     refused if it holds NaN/inf or its data is cut short. Memory: one block of the base and of one expert."""
@@ -107,7 +109,7 @@ def scan_checkpoints(base: CanonicalCheckpoint, experts: dict[str, CanonicalChec
             for owner in experts}
 
 
-def same_content(a: CanonicalCheckpoint, b: CanonicalCheckpoint) -> bool:
+def same_content(a: Checkpoint, b: Checkpoint) -> bool:
     """Every tensor of `a` and `b` equal in name, dtype, shape and value, read a block at a time."""
     if a.names() != b.names():
         return False
@@ -119,7 +121,8 @@ def same_content(a: CanonicalCheckpoint, b: CanonicalCheckpoint) -> bool:
     return True
 
 
-def identical_pairs(experts: dict[str, CanonicalCheckpoint], scans: dict[str, ExpertScan]) -> list[tuple[str, str]]:
+def identical_pairs(experts: dict[str, Checkpoint],
+                    scans: dict[str, ExpertScan]) -> list[tuple[str, str]]:
     """Pairs of tasks (in order) whose checkpoints hold the same content: those with equal signatures, confirmed."""
     tasks = list(experts)
     return [(a, b) for i, a in enumerate(tasks) for b in tasks[i + 1:]
@@ -161,7 +164,8 @@ def expected_head(skeleton: Skeleton) -> list[str]:
     return sorted(n for n in skeleton.model.state_dict() if skeleton.adapter.is_head(n))
 
 
-def head_warning(task: str, path: str, expected: list[str], ckpt: CanonicalCheckpoint, adapter: Adapter) -> str | None:
+def head_warning(task: str, path: str, expected: list[str], ckpt: Checkpoint,
+                 adapter: Adapter) -> str | None:
     """None when the expert holds the head its class has; a warning when its class has none (the task is calibrated,
     not scored); a refusal when the class has a head the file lacks (every score of the task would be chance)."""
     held = [n for n in ckpt.names() if adapter.is_head(n)]

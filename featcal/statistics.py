@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import cast
 
 import torch
 from torch import nn
@@ -80,13 +81,13 @@ class InputSums:
     row form (`rows`: its readers all keep rows) the rows of non-zero weight and their weights instead of C_ss."""
 
     def __init__(self, dim: int, with_se: bool, device: torch.device | None = None, rows: bool = False):
-        f64 = {"dtype": torch.float64, "device": device}
-        self.ss = None if rows else torch.zeros(dim, dim, **f64)
-        self.se = torch.zeros(dim, dim, **f64) if with_se else None
+        f64 = torch.float64
+        self.ss = None if rows else torch.zeros(dim, dim, dtype=f64, device=device)
+        self.se = torch.zeros(dim, dim, dtype=f64, device=device) if with_se else None
         self.rows: dict[str, list[torch.Tensor]] | None = {"xs": [], "w": []} if rows else None  # one entry per chunk
-        self.sum_s = torch.zeros(dim, **f64)
-        self.sum_e = torch.zeros(dim, **f64)
-        self.sum_w = torch.zeros((), **f64)
+        self.sum_s = torch.zeros(dim, dtype=f64, device=device)
+        self.sum_e = torch.zeros(dim, dtype=f64, device=device)
+        self.sum_w = torch.zeros((), dtype=f64, device=device)
         self.flops = 0
 
     def add(self, xs: torch.Tensor, xe: torch.Tensor, w: torch.Tensor) -> None:
@@ -99,6 +100,7 @@ class InputSums:
             self.rows["xs"].append(xs[keep])
             self.rows["w"].append(w32[keep])
             return
+        assert self.ss is not None  # C_ss is kept whenever rows are not
         g = featcal_kernels.dual_gram(xs, xe if self.se is not None else None, w)
         add_widened(self.ss, g.c_ss)
         self.sum_s += g.sum_s
@@ -116,6 +118,7 @@ class InputSums:
         out = {"sum_s": self.sum_s, "sum_e": self.sum_e, "sum_w": self.sum_w}
         if self.rows is not None:
             return {**out, **{key: torch.cat(parts) for key, parts in self.rows.items()}}
+        assert self.ss is not None  # C_ss is kept whenever rows are not
         out["ss"] = self.ss
         return out if self.se is None else {**out, "se": self.se}
 
@@ -131,8 +134,8 @@ class LinearStats:
         if form in ("product", "rows") and alpha is None:
             raise ValueError(f"{form}-form statistics need featcal.alpha, the target mix they keep")
         self.form, self.owner, self.inputs, self.alpha = form, owner, inputs, alpha
-        f64 = {"dtype": torch.float64, "device": inputs.sum_s.device}
-        self.pt = torch.zeros(d_in, d_out, **f64) if form == "product" else None
+        device = inputs.sum_s.device
+        self.pt = torch.zeros(d_in, d_out, dtype=torch.float64, device=device) if form == "product" else None
         self.targets: list[torch.Tensor] = []  # row form: one entry per chunk
         self.flops = 0
 
@@ -141,24 +144,28 @@ class LinearStats:
         """P_t += Σ w x_s (α·y_e + (1−α)·W_t x_s)ᵀ with y_e = W_t x_e = y − bias (y the expert module's output) and
         W_t [out, in]. bf16 rows, output and W_t on a CPU with bf16 units: on those units
         (featcal_kernels.bf16.bf16_target_product); else in fp32."""
+        pt, alpha = self.pt, self.alpha
+        assert pt is not None and alpha is not None  # product form: both set in __init__
         w32 = w.float()
         if y.dtype == w_t.dtype == torch.bfloat16 and bf16_units_serve(xs, y, w32):
-            add_widened(self.pt, bf16_target_product(xs, w32, w_t, y, bias, self.alpha))
+            add_widened(pt, bf16_target_product(xs, w32, w_t, y, bias, alpha))
         else:
             xs32 = xs.float()
-            target = torch.mm(xs32, w_t.float().T).mul_(1.0 - self.alpha)
-            target.add_(y.float() if bias is None else y.float() - bias.float(), alpha=self.alpha)
-            add_widened(self.pt, (xs32 * w32[:, None]).T @ target)
+            target = torch.mm(xs32, w_t.float().T).mul_(1.0 - alpha)
+            target.add_(y.float() if bias is None else y.float() - bias.float(), alpha=alpha)
+            add_widened(pt, (xs32 * w32[:, None]).T @ target)
         self.flops += 4 * xs.shape[0] * w_t.shape[0] * w_t.shape[1]
 
     def add_rows(self, xs: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor, y: torch.Tensor,
                  bias: torch.Tensor | None) -> None:
         """Row form: W_t x_t = α·y_e + (1−α)·W_t x_s in fp32 (y_e = y − bias, as add_target_product) for the chunk's
         rows of non-zero weight, the rows the input keeps."""
+        alpha = self.alpha
+        assert alpha is not None  # row form: set in __init__
         keep = w > 0
         xs, y = xs[keep], y[keep]
-        target = torch.mm(xs.float(), w_t.float().T).mul_(1.0 - self.alpha)
-        target.add_(y.float() if bias is None else y.float() - bias.float(), alpha=self.alpha)
+        target = torch.mm(xs.float(), w_t.float().T).mul_(1.0 - alpha)
+        target.add_(y.float() if bias is None else y.float() - bias.float(), alpha=alpha)
         self.targets.append(target)
         self.flops += 2 * xs.shape[0] * w_t.shape[0] * w_t.shape[1]
 
@@ -170,10 +177,9 @@ class LinearStats:
 
 class NormStats:
     def __init__(self, dim: int, device: torch.device | None = None):
-        f64 = {"dtype": torch.float64, "device": device}
-        self.sum_z = torch.zeros(dim, **f64)
-        self.sum_z2 = torch.zeros(dim, **f64)
-        self.sum_w = torch.zeros((), **f64)
+        self.sum_z = torch.zeros(dim, dtype=torch.float64, device=device)
+        self.sum_z2 = torch.zeros(dim, dtype=torch.float64, device=device)
+        self.sum_w = torch.zeros((), dtype=torch.float64, device=device)
 
     def add(self, z: torch.Tensor, w: torch.Tensor) -> None:
         wz = w[:, None] * z
@@ -316,7 +322,7 @@ def new_stats(modules: dict[str, nn.Module], forms: dict[str, str] | None = None
     out: Stats = {}
     for name, m in modules.items():
         if is_norm(m):
-            out[name] = NormStats(m.weight.shape[0], device)
+            out[name] = NormStats(cast(torch.Tensor, m.weight).shape[0], device)
             continue
         d_in, d_out = linear_dims(m)
         owner = owners.get(name, name)
@@ -341,15 +347,15 @@ def captured_inputs(modules: dict[str, nn.Module], sink: dict[str, torch.Tensor]
 
         return hook
 
-    def post_hook(name: str):
+    def post_hook(name: str, into: dict[str, torch.Tensor]):
         def hook(module: nn.Module, args: tuple, y: torch.Tensor) -> None:
-            outputs[name] = y.reshape(-1, y.shape[-1])
+            into[name] = y.reshape(-1, y.shape[-1])
 
         return hook
 
     handles = [m.register_forward_pre_hook(pre_hook(name)) for name, m in modules.items()]
     if outputs is not None:
-        handles += [m.register_forward_hook(post_hook(name)) for name, m in modules.items() if not is_norm(m)]
+        handles += [m.register_forward_hook(post_hook(name, outputs)) for name, m in modules.items() if not is_norm(m)]
     try:
         yield
     finally:
@@ -388,7 +394,9 @@ def accumulate(
                 raise ValueError(f"module {name}: {s.form}-form statistics need the expert module and its outputs")
             expert = expert_modules[name]
             add = s.add_rows if s.form == "rows" else s.add_target_product
-            add(xs, w, as_out_in(expert, expert.weight), expert_outputs[name], expert.bias)
+            # nn.Module types its attributes as Tensor | Module; a linear module's weight and bias are tensors
+            weight, bias = cast(torch.Tensor, expert.weight), cast("torch.Tensor | None", expert.bias)
+            add(xs, w, as_out_in(expert, weight), expert_outputs[name], bias)
 
 
 def stats_layout(modules: dict[str, nn.Module], weights: dict[str, torch.Tensor],

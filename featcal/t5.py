@@ -12,7 +12,7 @@ from pathlib import Path
 import datasets
 import torch
 from torch import nn
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, GenerationMixin, PreTrainedModel
 
 from featcal.data import DataError
 from featcal.modeling import task_model
@@ -26,6 +26,8 @@ def _until_eos(ids: list[int], eos: set[int]) -> list[int]:
 
 def generated(model: nn.Module, batch: dict[str, torch.Tensor], max_new_tokens: int) -> torch.Tensor:
     """Greedy output sequences [B, 1 + ≤max_new_tokens], the start token first."""
+    if not isinstance(model, GenerationMixin):
+        raise TypeError(f"{type(model).__name__} cannot generate: expected a model with a generation head")
     with torch.inference_mode():
         return model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                               max_new_tokens=max_new_tokens, do_sample=False, num_beams=1)
@@ -33,6 +35,8 @@ def generated(model: nn.Module, batch: dict[str, torch.Tensor], max_new_tokens: 
 
 def targets_of(model: nn.Module, sequences: torch.Tensor) -> list[list[int]]:
     """Each generated sequence without the start token, up to its first EOS: the target it teacher-forces."""
+    if not isinstance(model, PreTrainedModel) or model.generation_config is None:
+        raise TypeError(f"{type(model).__name__} has no generation config: expected a model with a generation head")
     eos = model.generation_config.eos_token_id
     eos = set(eos) if isinstance(eos, list) else {eos}
     return [_until_eos(row, eos) for row in sequences[:, 1:].tolist()]

@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from datasets import ClassLabel
 from torch import nn
-from transformers import AutoTokenizer, CLIPModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, CLIPModel, CLIPTextConfig, PreTrainedTokenizerBase
 from transformers.modeling_outputs import ImageClassifierOutput
 from transformers.utils import logging as hf_logging
 
-from featcal.config import RunConfig
+from featcal.config import RunConfig, ZeroShotConfig
 from featcal.data import load_split
 from featcal.hub import local_dir
 from featcal.input_checks import pad_with_eos
@@ -39,10 +39,17 @@ class ZeroShotError(ValueError):
     """A zero-shot head that cannot be made, with the config fields that would fix it."""
 
 
+def zero_shot_settings(cfg: RunConfig) -> ZeroShotConfig:
+    """The run's `zero_shot` section, which only runs of head-less CLIPVisionModel experts set."""
+    if cfg.zero_shot is None:
+        raise ValueError("zero_shot is not set: zero-shot heads are for head-less CLIPVisionModel experts")
+    return cfg.zero_shot
+
+
 def class_names(cfg: RunConfig, task: str) -> list[str]:
     """The task's class names in label-id order: `zero_shot.class_names[task]`, else the names of the `ClassLabel`
     label column of the data the task is evaluated on (its `label_column`, or its only ClassLabel column)."""
-    listed = cfg.zero_shot.class_names.get(task)
+    listed = zero_shot_settings(cfg).class_names.get(task)
     if listed:
         return listed
     source = cfg.evaluation.data.get(task) or cfg.calibration.data[task]
@@ -61,7 +68,10 @@ def class_names(cfg: RunConfig, task: str) -> list[str]:
 def text_features(clip: CLIPModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> torch.Tensor:
     """[prompts, projection_dim]: `CLIPModel.get_text_features` (the text tower's end-of-text token through
     `text_projection`), in float32, a batch of prompts at a time."""
-    width = clip.config.text_config.max_position_embeddings
+    text_config = clip.config.text_config
+    if not isinstance(text_config, CLIPTextConfig):
+        raise TypeError(f"{type(clip).__name__}'s text_config is a {type(text_config).__name__}, not a CLIPTextConfig")
+    width = text_config.max_position_embeddings
     out = []
     for start in range(0, len(prompts), TEXT_BATCH):
         enc = tokenizer(prompts[start:start + TEXT_BATCH], padding=True, truncation=True, max_length=width,
@@ -97,7 +107,7 @@ def zero_shot_head(clip: CLIPModel, tokenizer: PreTrainedTokenizerBase, names: l
 
 def zero_shot_heads(cfg: RunConfig) -> dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]]:
     """Every task's head (tensors, metadata), from one load of `zero_shot.clip_model`."""
-    zs = cfg.zero_shot
+    zs = zero_shot_settings(cfg)
     hf_logging.disable_progress_bar()
     clip_dir = local_dir(zs.clip_model)
     clip = CLIPModel.from_pretrained(clip_dir, local_files_only=True, dtype=torch.float32).eval()

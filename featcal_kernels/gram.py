@@ -125,12 +125,12 @@ def _dual_gram_op(xs: torch.Tensor, xe: torch.Tensor | None, w: torch.Tensor | N
     for start in range(0, n, rows):
         block = slice(start, min(start + rows, n))
         b = block.stop - start
-        xs_b = xs_buf[:b].copy_(xs[block]) if upcast else xs[block]
+        xs_b = xs_buf[:b].copy_(xs[block]) if xs_buf is not None else xs[block]  # None unless upcast
         wxs_b = torch.mul(xs_b, w32[block, None], out=wxs_buf[:b])
         sum_s += wxs_b.sum(0)
         _add_upper_gram(c_ss, wxs_b, xs_b)
         if xe is not None:
-            xe_b = xe_buf[:b].copy_(xe[block]) if upcast else xe[block]
+            xe_b = xe_buf[:b].copy_(xe[block]) if xe_buf is not None else xe[block]
             c_se.addmm_(wxs_b.T, xe_b)
             sum_e.addmv_(xe_b.T, w32[block])
     sum_w = w32.sum()
@@ -142,7 +142,8 @@ def _dual_gram_op(xs: torch.Tensor, xe: torch.Tensor | None, w: torch.Tensor | N
 def _dual_gram_fake(xs: torch.Tensor, xe: torch.Tensor | None, w: torch.Tensor | None) -> GramOutputs:
     check_gram_shapes(xs, xe, w)
     shapes = output_shapes(xs.shape[1], xe is not None)
-    return tuple(xs.new_empty(shape, dtype=torch.float32) for shape in shapes)
+    c_ss, c_se, sum_s, sum_e, sum_w = (xs.new_empty(shape, dtype=torch.float32) for shape in shapes)
+    return c_ss, c_se, sum_s, sum_e, sum_w
 
 
 def dual_gram(xs: torch.Tensor, xe: torch.Tensor | None = None, w: torch.Tensor | None = None) -> DualGram:

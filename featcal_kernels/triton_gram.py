@@ -177,9 +177,10 @@ def triton_dual_gram(
     xe = None if xe is None else _row_major(xe)
     n_splits = splits or _default_splits(n, d, xs.device)
     e = d if xe is not None else 0
-    f32 = dict(dtype=torch.float32, device=xs.device)
-    p_ss, p_s, p_w = torch.empty(n_splits, d, d, **f32), torch.empty(n_splits, d, **f32), torch.empty(n_splits, **f32)
-    p_se, p_e = torch.empty(n_splits, e, e, **f32), torch.empty(n_splits, e, **f32)
+    f32, dev = torch.float32, xs.device
+    p_ss, p_s = torch.empty(n_splits, d, d, dtype=f32, device=dev), torch.empty(n_splits, d, dtype=f32, device=dev)
+    p_w = torch.empty(n_splits, dtype=f32, device=dev)
+    p_se, p_e = torch.empty(n_splits, e, e, dtype=f32, device=dev), torch.empty(n_splits, e, dtype=f32, device=dev)
     args = (
         xs, xe if xe is not None else xs, w32 if w32 is not None else p_w,  # unused stand-ins when absent
         p_ss, p_se if xe is not None else p_ss, p_s, p_e if xe is not None else p_s, p_w,

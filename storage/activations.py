@@ -61,8 +61,8 @@ class ActivationStore:
     def staged(self, location: str) -> Iterator[str]:
         """A temporary location that replaces `location` (an array or a group of arrays) if the block succeeds."""
         if self.local:
-            with atomic_path(Path(location)) as tmp:
-                yield str(tmp)
+            with atomic_path(Path(location)) as local_tmp:
+                yield str(local_tmp)
             return
         self.fs.invalidate_cache()
         for stale in self.fs.glob(f"{location}.partial-*"):  # one writer per array: leftovers of a crashed one

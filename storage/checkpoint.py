@@ -88,7 +88,7 @@ def read_tensor(path: Path, entry: dict, data_start: int, rows: tuple[int, int] 
     raw = torch.empty(end - start, dtype=torch.uint8)
     with open(path, "rb") as fh:
         fh.seek(data_start + start)
-        got = fh.readinto(memoryview(raw.numpy()))
+        got = fh.readinto(raw.numpy().data)  # ndarray.data: a memoryview of the tensor's bytes
     if got != raw.numel():
         raise CheckpointError(f"{path}: tensor data ends after {got} of {raw.numel()} bytes: the file is cut short")
     return raw.view(DTYPES[entry["dtype"]]).reshape(shape)
@@ -254,7 +254,7 @@ def write_streamed(path: Path, specs: list[TensorSpec], tensors: Iterator[torch.
                 raise ValueError(f"{path}: tensor {spec.name}: expected {spec.dtype} {list(spec.shape)}, got "
                                  f"{tensor.dtype} {list(tensor.shape)}")
             data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-            _naming(path, fh.write, memoryview(data.numpy()))
+            _naming(path, fh.write, data.numpy().data)
             del tensor, data  # before the next is computed
         _naming(path, fh.truncate)
         _naming(path, fh.flush)

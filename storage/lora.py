@@ -109,6 +109,7 @@ class LoraCheckpoint:
         header, data_start = read_header(weights)
         self._entries = {name: (weights, entry, data_start) for name, entry in header.items()}
         factors: dict[str, dict[str, str]] = {}  # module (file name) → role → tensor name in the adapter file
+        embeddings: set[str] = set()  # modules whose factors are an embedding's (lora_embedding_A/B)
         self._whole: dict[str, str] = {}  # canonical → tensor name in the adapter file
         self._file_name: dict[str, str] = {}
         for key in header:
@@ -118,14 +119,18 @@ class LoraCheckpoint:
             suffix = next((s for s in FACTORS if name.endswith(s)), None)
             if suffix is not None:
                 factors.setdefault(name[:-len(suffix)], {})[FACTORS[suffix]] = key
-                factors[name[:-len(suffix)]]["embedding"] = suffix.startswith(".lora_embedding")
+                if suffix.startswith(".lora_embedding"):
+                    embeddings.add(name[:-len(suffix)])
             elif ".lora_" in name:
                 raise CheckpointError(f"{where}: tensor {key} is not a LoRA factor this reader knows (DoRA and other "
                                       "variants are not supported)")
             else:  # a wrapped module's own weight (PEFT saves a targeted embedding's) sits under `base_layer`
                 name = name.replace(".base_layer.", ".")
-                canonical = self._canonical(naming, name, must_exist=False)
-                self._whole[canonical], self._file_name[canonical] = key, name
+                whole = self._canonical(naming, name, must_exist=False)
+                if whole is None:
+                    raise CheckpointError(f"{where}: tensor {key} starts with none of the model's prefixes "
+                                          f"{list(naming.file_prefixes)}")
+                self._whole[whole], self._file_name[whole] = key, name
         alpha = config.get("lora_alpha")
         if factors and alpha is None:
             raise CheckpointError(f"{where}: {ADAPTER_CONFIG} has no lora_alpha")
@@ -133,7 +138,7 @@ class LoraCheckpoint:
         self._bias: dict[str, tuple[str, float]] = {}
         for module, parts in sorted(factors.items()):
             if "A" not in parts or "B" not in parts:
-                raise CheckpointError(f"{where}: module {module} has only {sorted(parts.keys() - {'embedding'})} of "
+                raise CheckpointError(f"{where}: module {module} has only {sorted(parts)} of "
                                       "lora_A and lora_B")
             canonical = self._canonical(naming, f"{module}.weight", must_exist=True)
             if canonical is None:
@@ -146,7 +151,7 @@ class LoraCheckpoint:
             # The rank is the factors' own (PEFT's r, or its rank_pattern for this module).
             module_alpha = _pattern_value(config.get("alpha_pattern") or {}, module, alpha)
             scale = module_alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-            transposed = parts["embedding"] or stored_in_out(canonical)
+            transposed = module in embeddings or stored_in_out(canonical)
             delta_shape = (a_shape[1], b_shape[0]) if transposed else (b_shape[0], a_shape[1])
             if delta_shape != base.shape(canonical):
                 raise CheckpointError(f"{where}: module {module}: ΔW has shape {delta_shape}, the base tensor "
