@@ -206,7 +206,7 @@ def finite(tensor: torch.Tensor, name: str, owner: str, directory: Path) -> torc
     holds NaN or inf: a merge must not spread one expert's corruption into every weight it writes.
 
     Its sum first: one NaN or inf makes the sum NaN or inf, and a sum reads a tensor 22× faster than
-    isfinite().all() (fp32, one thread, `benchmarks/finite_check.py`). Only a sum that is not finite, from a bad
+    isfinite().all() (fp32, one thread, benchmarks/results/finite_check.md). Only a sum that is not finite, from a bad
     value or from finite values that overflow, sends the tensor to the element-by-element count."""
     if not tensor.is_floating_point() or math.isfinite(float(tensor.sum())):
         return tensor

@@ -354,7 +354,7 @@ def test_dare_ties_run_is_one_pipeline_run_with_two_report_rows(tmp_path) -> Non
 def test_minilm8_tasks_and_expert_seeds() -> None:
     minilm8 = ["gloss_match", "gloss_pos", "noun_category", "sentiment", "spam", "word_moral", "wordnet_antonym",
                "wordnet_hypernym"]
-    assert PRESETS["minilm8"].tasks == minilm8  # chosen by benchmarks/minilm8_tasks.py, two rounds
+    assert PRESETS["minilm8"].tasks == minilm8  # chosen in two rounds: benchmarks/results/minilm8_tasks*.md
     # An expert's seed is its task's index in sorted(RECIPES) (featcal_bench/minilm/build.py): new tasks sort after the
     # old ones, so the seeds of the experts built before them stay what they were.
     assert [expert_seed(PRESETS["minilm8"], t) for t in minilm8] == [0, 1, 2, 4, 5, 8, 11, 12]
