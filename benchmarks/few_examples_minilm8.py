@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_summary import summarise  # noqa: E402
 from featcal.config import config_from_dict  # noqa: E402
-from featcal_bench.method import AUTO, MethodRun  # noqa: E402
+from featcal_bench.runs import AUTO, MethodRun  # noqa: E402
 from featcal_bench.minilm.recipe import FEATCAL, pipeline_config  # noqa: E402
 from featcal_bench.minilm.spec import BenchSpec  # noqa: E402
 from featcal_bench.paired import RESAMPLES, SEED, compared, p_text  # noqa: E402

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_summary import summarise  # noqa: E402
 from featcal.config import config_from_dict  # noqa: E402
-from featcal_bench.method import AUTO, MethodRun  # noqa: E402
+from featcal_bench.runs import AUTO, MethodRun  # noqa: E402
 from featcal_bench.minilm.recipe import pipeline_config  # noqa: E402
 from featcal_bench.minilm.spec import BenchSpec  # noqa: E402
 from flows.pipeline import machine, run_pipeline  # noqa: E402

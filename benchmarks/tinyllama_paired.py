@@ -26,7 +26,7 @@ from benchmarks.bench_summary import summarise  # noqa: E402
 from featcal.data import InputBuilder, load_split, row_batches  # noqa: E402
 from featcal.evaluation import next_token_sums  # noqa: E402
 from featcal.modeling import task_model  # noqa: E402
-from featcal_bench.method import run_dir  # noqa: E402
+from featcal_bench.runs import run_dir  # noqa: E402
 from flows.pipeline import machine  # noqa: E402
 from storage.atomic import read_json  # noqa: E402
 from tasks.context import context  # noqa: E402

@@ -1,5 +1,5 @@
 """The `featcal` command line with the benchmark commands: flows.cli's commands, plus `bench` (list, build, run) and
-`demo`, which dispatch through the recipe registry (featcal_bench/recipe.py). They live here because recipes sit above
+`demo`, which dispatch through the recipe registry (featcal_bench/builtin.py). They live here because recipes sit above
 flows: flows.cli never imports a recipe."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from featcal_bench import stages
-    from featcal_bench.recipe import recipe_of
+    from featcal_bench.builtin import recipe_of
 
     if args.bench_command == "list":
         print(bench_list())
@@ -72,7 +72,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def bench_list() -> str:
     """One line per benchmark `bench build` takes: name, where its models and data come from, its tasks, its cost."""
-    from featcal_bench.recipe import recipes
+    from featcal_bench.builtin import recipes
 
     lines = []
     for recipe in recipes().values():
@@ -87,7 +87,8 @@ def _build(args: argparse.Namespace) -> int:
     """A preset's or a recipe file's spec, its sources checked before Prefect starts (a missing mirror path, source or
     recipe field named in one line), then the build flow, then what running it will cost here where the recipe
     says."""
-    from featcal_bench.recipe import BuildOptions, recipe_for
+    from featcal_bench.recipe import BuildOptions
+    from featcal_bench.builtin import recipe_for
     from featcal_bench.stages import build_bench
 
     options = BuildOptions(**{k: getattr(args, k) for k in FLAGS})
@@ -113,7 +114,7 @@ def _build(args: argparse.Namespace) -> int:
 
 def _refuse(options: BuildOptions, accepted: frozenset[str], name: str) -> None:
     """Options given that the benchmark does not read, named in one line with the benchmarks that do."""
-    from featcal_bench.recipe import recipes
+    from featcal_bench.builtin import recipes
 
     given = [k for k in options.given() if k not in accepted]
     if not given:

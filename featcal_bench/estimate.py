@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from featcal.evaluation import DRIFT_MODELS
-from featcal_bench.method import MethodRun
+from featcal_bench.runs import MethodRun
 from storage.atomic import write_bytes
 from storage.rundir import RunDir
 

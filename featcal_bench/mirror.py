@@ -16,10 +16,13 @@ from typing import Any, ClassVar, TypeVar
 import datasets
 from pydantic import ConfigDict, Field, field_validator
 
+from featcal.config import digest_of
 from featcal.hub import local_dir, resolve
 from featcal_bench.layout import expert_dir
-from featcal_bench.recipe import BuildOptions, SavedSpec, Stage
+from featcal_bench.recipe import BuildOptions, Call, SavedSpec, Stage
 from storage.atomic import atomic_path
+from storage.fingerprint import fingerprint
+from storage.rundir import Record
 
 log = logging.getLogger("featcal")
 
@@ -195,3 +198,29 @@ def expert_stage(spec_type: type[MirroredSpec], load: Callable[[Any, str], Any])
         return [expert_dir(task)], {"source": source, "dtype": str(model.dtype)}
 
     return write_expert
+
+
+def mirrored_build(kind: str) -> Callable[[Path, Any, Call, str, Path], dict[str, Record]]:
+    """The build graph of a hub recipe whose base is its hub model as it stands: `{kind}-base`, then
+    `mirrored_task_stages`."""
+
+    def build(bench: Path, spec: Any, stage: Call, code: str, memo: Path) -> dict[str, Record]:
+        records = {"base": stage(bench, f"{kind}-base", "base", digest_of(
+            [code, "base", fingerprint(spec.model_source(spec.BASE_MODEL), memo)]))}
+        records.update(mirrored_task_stages(bench, spec, stage, kind, code, memo))
+        return records
+
+    return build
+
+
+def mirrored_task_stages(bench: Path, spec: Any, stage: Call, kind: str, code: str, memo: Path) -> dict[str, Record]:
+    """A hub recipe's `{kind}-data` and `{kind}-expert` stages, one of each per task, each cached on its source's
+    fingerprint (a mirror's content, or a hub id's name)."""
+    records = {}
+    for t in spec.tasks:
+        records[f"data/{t}"] = stage(bench, f"{kind}-data", f"data/{t}", digest_of(
+            [code, "data", t, spec.calibration, spec.test_rows, spec.seed, fingerprint(spec.data_source(t), memo)]), task=t)
+    for t in spec.tasks:
+        records[f"expert/{t}"] = stage(bench, f"{kind}-expert", f"expert/{t}", digest_of(
+            [code, "expert", t, fingerprint(spec.model_source(spec.expert_id(t)), memo)]), task=t)
+    return records

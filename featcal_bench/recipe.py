@@ -3,8 +3,8 @@
 A recipe says only what differs between benchmarks: where its base and experts come from and which stages build them
 (its build graph), its tasks' data, the matrix of method runs and each run's pipeline config, and its report. The
 generic machinery (featcal_bench/stages.py) builds, runs, caches, resumes and reports every recipe the same way;
-`featcal_bench.method` is the one process a method run runs in; the CLI (featcal_bench/cli.py) finds a recipe by the
-name `bench build` is given, or by the spec file a built directory holds.
+`featcal_bench.method` is the one process a method run runs in; the registry (featcal_bench/builtin.py) finds a recipe
+by the name `bench build` is given, or by the spec file a built directory holds.
 
 A frozen dataclass rather than a YAML file for the built-in recipes: their build graphs and data renderers are code
 (fine-tunes, tokenizer training, prompt templates), and a dataclass of typed fields and functions is checked by the
@@ -14,7 +14,6 @@ validated by pydantic (featcal_bench/user.py's UserRecipe), built and run by the
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel
 
-from featcal_bench.method import MethodRun
+from featcal_bench.runs import MethodRun
 from storage.atomic import read_json, write_json
 from storage.rundir import Record
 
@@ -120,44 +119,3 @@ class Recipe:
     cache_surgery_features: bool = False
     threads: int | None = None  # torch threads of a method run's process (None: the pipeline config decides)
     write_configs: bool = False  # write every run's pipeline config under configs/ at build time
-
-
-def registry(listed: Sequence[Recipe]) -> dict[str, Recipe]:
-    """`listed` by name; two recipes that claim one name, preset or stage kind are refused."""
-    out: dict[str, Recipe] = {}
-    claimed: dict[str, str] = {}
-    for recipe in listed:
-        for claim in [f"recipe {recipe.name}", *(f"preset {p}" for p in recipe.presets),
-                      *(f"stage kind {k}" for k in recipe.stages)]:
-            if claim in claimed:
-                raise ValueError(f"recipe {recipe.name}: {claim} is already {claimed[claim]}'s")
-            claimed[claim] = recipe.name
-        out[recipe.name] = recipe
-    return out
-
-
-@functools.cache
-def recipes() -> dict[str, Recipe]:
-    """Every recipe, in the order featcal_bench/builtin.py lists them (the one place a recipe is registered)."""
-    from featcal_bench.builtin import RECIPES
-
-    return registry(RECIPES)
-
-
-def recipe_for(preset: str) -> Recipe:
-    """The recipe whose presets include `preset`."""
-    for recipe in recipes().values():
-        if preset in recipe.presets:
-            return recipe
-    known = [p for r in recipes().values() for p in r.presets]
-    raise ValueError(f"unknown benchmark {preset!r}; known: {sorted(known)} (or --recipe FILE.yaml)")
-
-
-def recipe_of(bench: str | Path) -> Recipe:
-    """The recipe that built directory `bench`, told by the spec file it holds."""
-    for recipe in recipes().values():
-        if recipe.spec.is_built(bench):
-            return recipe
-    files = sorted({r.spec.SPEC_FILE for r in recipes().values()})
-    raise FileNotFoundError(f"{bench}: no benchmark spec ({', '.join(files)}): build it first (featcal bench build "
-                            f"... --out {bench})")

@@ -9,6 +9,7 @@ carrying a published figure (`paper`) get a column of their own.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from featcal_bench.method import FULL, SAMPLE_SIZES  # noqa: E402
 from featcal_bench.paired import RESAMPLES, SEED, compared, p_text  # noqa: E402
+from featcal_bench.runs import FULL, SAMPLE_SIZES  # noqa: E402
+from storage.atomic import write_bytes, write_json  # noqa: E402
 
 
 def paper_rows(base_label: str, *, surgery: bool = False) -> tuple[tuple[str, str, str, str | None], ...]:
@@ -485,3 +487,35 @@ def plots(report: dict[str, Any], out_dir: Path, stem: str, curves: Curves = CUR
         ax.legend()
         paths.append(_saved(fig, out_dir / f"{stem}_drift.png"))
     return paths
+
+
+def save_report(bench: Path, stem: str, report: dict[str, Any], results: dict[str, dict[str, Any]], out_dir: str | None,
+                curves: Curves = CURVES) -> tuple[list[str], dict[str, Any]]:
+    """The accuracy benchmarks' report stage: its files with the plots, and each method's average."""
+    (bench / "report").mkdir(parents=True, exist_ok=True)
+    drawn = plots(report, bench / "report", stem, curves)
+    files = saved_report_files(bench, stem, report, results, out_dir, markdown(report, curves), drawn)
+    return files, {"methods": {r["method"]: round(100 * r["average"], 2) for r in report["methods"]}}
+
+
+def save_loss_report(bench: Path, stem: str, report: dict[str, Any], results: dict[str, dict[str, Any]],
+                     out_dir: str | None, markdown: str) -> tuple[list[str], dict[str, Any]]:
+    """The language-model benchmarks' report stage: its files, and each method's average held-out loss."""
+    files = saved_report_files(bench, stem, report, results, out_dir, markdown)
+    return files, {"average_loss": {r["method"]: round(r["average_loss"], 4) for r in report["methods"]}}
+
+
+def saved_report_files(bench: Path, stem: str, report: dict[str, Any], results: dict[str, dict[str, Any]],
+                       out_dir: str | None, markdown: str, plots: Sequence[Path] = ()) -> list[str]:
+    """`report/{stem}.json`, `.md` and `plots`, also copied to `out_dir` where given: a report stage's outputs."""
+    # Each run's record without its per-example predictions (the paired comparisons summarise them).
+    report["runs"] = {r: {k: v for k, v in res.items() if k not in ("predictions", "labels")} for r, res in results.items()}
+    files = [f"report/{stem}.json", f"report/{stem}.md"]
+    write_json(bench / files[0], report)
+    write_bytes(bench / files[1], markdown.encode())
+    files += [str(p.relative_to(bench)) for p in plots]
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        for rel in files:
+            shutil.copy2(bench / rel, Path(out_dir) / Path(rel).name)
+    return files

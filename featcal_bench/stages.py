@@ -8,11 +8,9 @@ the first stage not done, and a changed input reruns only the stages it reaches.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,18 +22,19 @@ from transformers.utils import logging as hf_logging
 from featcal.config import digest_of
 from featcal_bench import method, probsurgery, surgery, surgery_run
 from featcal_bench import report as bench_report
+from featcal_bench import runs as run_defs
+from featcal_bench.builtin import recipe_of, recipes
 from featcal_bench.layout import CONFIGS
-from featcal_bench.recipe import Call, Recipe, SavedSpec, Stage, recipe_of, recipes
+from featcal_bench.recipe import Call, Recipe, SavedSpec, Stage
 from flows import signals
 from flows.pipeline import code_digest, code_version, machine
 from flows.prefect_flow import key_parameter
-from storage.atomic import read_json, write_bytes, write_json
-from storage.fingerprint import fingerprint
+from storage.atomic import read_json, write_bytes
 from storage.rundir import Record, RunDir
 from tasks.record import recorded
 
 RESULTS_DIR = ".prefect-results"
-METHOD_MODULES = (method, probsurgery, surgery, surgery_run)  # what every recipe's method runs execute besides the pipeline
+METHOD_MODULES = (method, run_defs, probsurgery, surgery, surgery_run)  # what every recipe's method runs execute besides the pipeline
 
 
 def stage_kinds() -> dict[str, Stage]:
@@ -113,32 +112,6 @@ def prepared_bench(bench: Path, spec: SavedSpec) -> Path:
     return bench
 
 
-def mirrored_build(kind: str) -> Callable[[Path, Any, Call, str, Path], dict[str, Record]]:
-    """The build graph of a hub recipe whose base is its hub model as it stands: `{kind}-base`, then
-    `mirrored_task_stages`."""
-
-    def build(bench: Path, spec: Any, stage: Call, code: str, memo: Path) -> dict[str, Record]:
-        records = {"base": stage(bench, f"{kind}-base", "base", digest_of(
-            [code, "base", fingerprint(spec.model_source(spec.BASE_MODEL), memo)]))}
-        records.update(mirrored_task_stages(bench, spec, stage, kind, code, memo))
-        return records
-
-    return build
-
-
-def mirrored_task_stages(bench: Path, spec: Any, stage: Call, kind: str, code: str, memo: Path) -> dict[str, Record]:
-    """A hub recipe's `{kind}-data` and `{kind}-expert` stages, one of each per task, each cached on its source's
-    fingerprint (a mirror's content, or a hub id's name)."""
-    records = {}
-    for t in spec.tasks:
-        records[f"data/{t}"] = stage(bench, f"{kind}-data", f"data/{t}", digest_of(
-            [code, "data", t, spec.calibration, spec.test_rows, spec.seed, fingerprint(spec.data_source(t), memo)]), task=t)
-    for t in spec.tasks:
-        records[f"expert/{t}"] = stage(bench, f"{kind}-expert", f"expert/{t}", digest_of(
-            [code, "expert", t, fingerprint(spec.model_source(spec.expert_id(t)), memo)]), task=t)
-    return records
-
-
 def write_run_configs(directory: Path, configs: dict[str, dict[str, Any]]) -> None:
     """Each method run's pipeline config as `directory/{run}.yaml` (`featcal plan` / `featcal run` ready), a file
     rewritten only when its text changes."""
@@ -172,38 +145,6 @@ def write_report(bench: Path, runs: list[str], out_dir: str | None = None) -> tu
     return recipe.report.write(bench, spec, results, meta, out_dir)
 
 
-def save_report(bench: Path, stem: str, report: dict[str, Any], results: dict[str, dict[str, Any]], out_dir: str | None,
-                curves: bench_report.Curves = bench_report.CURVES) -> tuple[list[str], dict[str, Any]]:
-    """The accuracy benchmarks' report stage: its files with the plots, and each method's average."""
-    (bench / "report").mkdir(parents=True, exist_ok=True)
-    plots = bench_report.plots(report, bench / "report", stem, curves)
-    files = saved_report_files(bench, stem, report, results, out_dir, bench_report.markdown(report, curves), plots)
-    return files, {"methods": {r["method"]: round(100 * r["average"], 2) for r in report["methods"]}}
-
-
-def save_loss_report(bench: Path, stem: str, report: dict[str, Any], results: dict[str, dict[str, Any]],
-                     out_dir: str | None, markdown: str) -> tuple[list[str], dict[str, Any]]:
-    """The language-model benchmarks' report stage: its files, and each method's average held-out loss."""
-    files = saved_report_files(bench, stem, report, results, out_dir, markdown)
-    return files, {"average_loss": {r["method"]: round(r["average_loss"], 4) for r in report["methods"]}}
-
-
-def saved_report_files(bench: Path, stem: str, report: dict[str, Any], results: dict[str, dict[str, Any]],
-                       out_dir: str | None, markdown: str, plots: Sequence[Path] = ()) -> list[str]:
-    """`report/{stem}.json`, `.md` and `plots`, also copied to `out_dir` where given: a report stage's outputs."""
-    # Each run's record without its per-example predictions (the paired comparisons summarise them).
-    report["runs"] = {r: {k: v for k, v in res.items() if k not in ("predictions", "labels")} for r, res in results.items()}
-    files = [f"report/{stem}.json", f"report/{stem}.md"]
-    write_json(bench / files[0], report)
-    write_bytes(bench / files[1], markdown.encode())
-    files += [str(p.relative_to(bench)) for p in plots]
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        for rel in files:
-            shutil.copy2(bench / rel, Path(out_dir) / Path(rel).name)
-    return files
-
-
 @flow(name="featcal-bench-run", flow_run_name="bench run · {bench_dir}")
 def run_flow(bench_dir: str, runs: list[str] | None = None, out_dir: str | None = None) -> dict[str, Record]:
     return run_stages(Path(bench_dir), runs, out_dir, prefect_call)
@@ -234,7 +175,7 @@ def run_stages(bench: Path, runs: list[str] | None, out_dir: str | None, stage: 
     unknown = sorted(set(names) - set(known))
     if unknown:
         raise ValueError(f"--runs: unknown {spec.name} runs {unknown}; known: {sorted(known)}")
-    names = method.ordered_runs(names, known)
+    names = run_defs.ordered_runs(names, known)
     records: dict[str, Record] = {}
     for r in names:
         after = [records[need]["outputs"][f"results/{need}.json"] for need in known[r].needs]

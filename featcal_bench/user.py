@@ -25,10 +25,9 @@ from featcal.config import DataSource, digest_of
 from featcal.data import load_split, pick_examples
 from featcal_bench.estimate import split_sizes
 from featcal_bench.layout import BASE, data_dir, expert_dir
-from featcal_bench.method import FULL, PAPER_FEATCAL, SAMPLE_SIZES, MethodRun, model_sections
 from featcal_bench.recipe import BuildOptions, Call, Recipe, Report, SavedSpec
-from featcal_bench.report import build_report
-from featcal_bench.stages import save_report
+from featcal_bench.report import build_report, save_report
+from featcal_bench.runs import FULL, PAPER_FEATCAL, SAMPLE_SIZES, MethodRun, model_sections
 from storage.atomic import atomic_path
 from storage.fingerprint import fingerprint
 from storage.rundir import Record

@@ -17,7 +17,6 @@ from transformers import AutoConfig, AutoTokenizer, BertForSequenceClassificatio
 
 from featcal.config import config_from_dict
 from featcal_bench.finetune import FineTune, Selection, _train, accuracy
-from featcal_bench.method import MethodRun, ordered_runs
 from featcal_bench.minilm import competence
 from featcal_bench.minilm.build import expert_seed
 from featcal_bench.minilm.competence import IncompetentExperts, failures, figures, mix_table
@@ -28,6 +27,7 @@ from featcal_bench.minilm.spec import BenchSpec, Competence
 from featcal_bench.minilm.task_data import RECIPES, SplitSizes, split_examples
 from featcal_bench.protect import RAISE, check_path, raised_weights, settled
 from featcal_bench.report import METHOD_ROWS
+from featcal_bench.runs import MethodRun, ordered_runs
 from featcal_bench.sources import (
     Pointer,
     SourceMissing,

@@ -15,9 +15,9 @@ import yaml
 
 from featcal.devices import one_thread
 from featcal_bench import stages
+from featcal_bench.builtin import recipes, registry
 from featcal_bench.cli import main
 from featcal_bench.method import run_method
-from featcal_bench.recipe import recipes, registry
 from featcal_bench.stages import build_stages, direct_call, run_stages
 from featcal_bench.user import UserRecipe
 from storage.rundir import Record, RunDir

@@ -15,8 +15,8 @@ from transformers import T5ForConditionalGeneration
 
 from featcal.config import load_config
 from featcal_bench.cli import main
-from featcal_bench.method import paper_method_runs
 from featcal_bench.mirror import preset_spec
+from featcal_bench.runs import paper_method_runs
 from featcal_bench.stages import build_stages, direct_call, run_stages
 from featcal_bench.t5.prompts import LABEL_WORDS, TEMPLATES
 from featcal_bench.t5.recipe import t5_estimate

@@ -23,7 +23,7 @@ from featcal_bench.estimate import (
     test_rows,
 )
 from featcal_bench.layout import BASE, data_dir
-from featcal_bench.method import SURGERY_METHODS, MethodRun
+from featcal_bench.runs import SURGERY_METHODS, MethodRun
 
 SURGERY_PASSES = 2  # the expert's and the merged model's features of each pool image, once (featcal_bench/clip/methods.py)
 TIMED_IMAGES = 16

@@ -12,11 +12,11 @@ from featcal_bench.clip.build import CLIP
 from featcal_bench.clip.prompts import CLASS_NAMES, TEMPLATES
 from featcal_bench.clip.spec import ClipBenchSpec
 from featcal_bench.layout import data_dir
-from featcal_bench.method import MethodRun, model_sections, paper_method_runs
+from featcal_bench.runs import MethodRun, model_sections, paper_method_runs
 
 
 def clip_method_runs() -> dict[str, MethodRun]:
-    """The paper's rows (featcal_bench.method.paper_method_runs), TA + Surgery and TA + ProbSurgery."""
+    """The paper's rows (featcal_bench.runs.paper_method_runs), TA + Surgery and TA + ProbSurgery."""
     return {**paper_method_runs(), "ta_surgery": MethodRun("task_arithmetic", "surgery"),
             "ta_probsurgery": MethodRun("task_arithmetic", "probsurgery")}
 

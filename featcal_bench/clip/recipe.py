@@ -15,8 +15,9 @@ from featcal_bench.clip import spec as spec_module
 from featcal_bench.clip.estimate import clip_cost_estimate
 from featcal_bench.clip.spec import BASE_MODEL, CLIP_PRESETS, ClipBenchSpec
 from featcal_bench.estimate import rows_about, split_sizes, write_estimate
+from featcal_bench.mirror import mirrored_task_stages
 from featcal_bench.recipe import Call, Preset, Recipe, Report
-from featcal_bench.stages import mirrored_task_stages, save_report
+from featcal_bench.report import save_report
 from storage.fingerprint import fingerprint
 from storage.rundir import Record
 

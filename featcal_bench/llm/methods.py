@@ -22,7 +22,7 @@ from featcal_bench.llm.spec import (
     TIES_TOP_K,
     LlmBenchSpec,
 )
-from featcal_bench.method import PAPER_FEATCAL, MethodRun, model_sections
+from featcal_bench.runs import PAPER_FEATCAL, MethodRun, model_sections
 
 
 def llm_method_runs() -> dict[str, MethodRun]:

@@ -13,8 +13,9 @@ from featcal_bench.estimate import rows_about
 from featcal_bench.llm import build, methods, report
 from featcal_bench.llm import spec as spec_module
 from featcal_bench.llm.spec import BASE_MODEL, LLM_PRESETS, LlmBenchSpec
+from featcal_bench.mirror import mirrored_build
 from featcal_bench.recipe import Preset, Recipe, Report
-from featcal_bench.stages import mirrored_build, save_loss_report
+from featcal_bench.report import save_loss_report
 
 
 def write_report(bench: Path, spec: LlmBenchSpec, results: dict[str, dict[str, Any]], meta: dict[str, Any],

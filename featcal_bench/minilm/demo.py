@@ -8,9 +8,9 @@ from typing import Any
 import yaml
 from prefect import flow
 
-from featcal_bench.method import MethodRun
 from featcal_bench.minilm.recipe import FEATCAL, located_spec, pipeline_config
 from featcal_bench.minilm.spec import BenchSpec
+from featcal_bench.runs import MethodRun
 from featcal_bench.stages import build_flow
 from flows.prefect_flow import featcal_flow
 from storage.atomic import write_bytes

@@ -16,16 +16,15 @@ from featcal.config import digest_of
 from featcal_bench import finetune
 from featcal_bench import sources as sources_module
 from featcal_bench.layout import BASE, data_dir
-from featcal_bench.method import AUTO, FEW, PAPER_FEATCAL, SAMPLE_SIZES, MethodRun, model_sections
 from featcal_bench.minilm import build, competence, probe, task_data
 from featcal_bench.minilm import spec as spec_module
 from featcal_bench.minilm.presets import PRESETS
 from featcal_bench.minilm.spec import BenchSpec
 from featcal_bench.minilm.task_data import RECIPES
 from featcal_bench.recipe import BuildOptions, Call, Preset, Recipe, Report
-from featcal_bench.report import build_report
+from featcal_bench.report import build_report, save_report
+from featcal_bench.runs import AUTO, FEW, PAPER_FEATCAL, SAMPLE_SIZES, MethodRun, model_sections
 from featcal_bench.sources import locate
-from featcal_bench.stages import save_report
 from flows.pipeline import code_digest
 from storage.fingerprint import fingerprint
 from storage.rundir import Record

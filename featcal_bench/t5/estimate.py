@@ -26,7 +26,7 @@ from featcal_bench.estimate import (
     test_rows,
 )
 from featcal_bench.layout import BASE, data_dir
-from featcal_bench.method import MethodRun, paper_method_runs
+from featcal_bench.runs import MethodRun, paper_method_runs
 from featcal_bench.t5.build import TARGET, TEXT
 from featcal_bench.t5.methods import MAX_LENGTH, MAX_NEW_TOKENS, MAX_TARGET_LENGTH
 

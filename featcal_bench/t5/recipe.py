@@ -10,9 +10,10 @@ from typing import Any
 
 from featcal_bench import mirror
 from featcal_bench.estimate import rows_about, split_sizes, write_estimate
-from featcal_bench.method import paper_method_runs
+from featcal_bench.mirror import mirrored_build
 from featcal_bench.recipe import Preset, Recipe, Report
-from featcal_bench.stages import mirrored_build, save_report
+from featcal_bench.report import save_report
+from featcal_bench.runs import paper_method_runs
 from featcal_bench.t5 import build, methods, prompts, report
 from featcal_bench.t5 import spec as spec_module
 from featcal_bench.t5.estimate import t5_cost_estimate

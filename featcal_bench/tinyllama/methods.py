@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal_bench.layout import data_dir
-from featcal_bench.method import AUTO, FEW, PAPER_FEATCAL, MethodRun, model_sections
+from featcal_bench.runs import AUTO, FEW, PAPER_FEATCAL, MethodRun, model_sections
 from featcal_bench.tinyllama.build import TinyLlamaSpec
 
 EXAMPLES = 128  # calibration rows per domain (of seq_len tokens each); a smaller pool gives all it has

@@ -17,7 +17,7 @@ from featcal.config import digest_of
 from featcal_bench import sources
 from featcal_bench.layout import BASE, data_dir
 from featcal_bench.recipe import BuildOptions, Call, Preset, Recipe, Report
-from featcal_bench.stages import save_loss_report
+from featcal_bench.report import save_loss_report
 from featcal_bench.tinyllama import build, methods, report
 from featcal_bench.tinyllama.build import TOKENIZER, TinyLlamaSpec, located_sources, texts_file
 from storage.fingerprint import fingerprint
