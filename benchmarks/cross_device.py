@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.large_model import records  # noqa: E402
-from featcal.example import build_tiny_example  # noqa: E402
+from featcal_bench.example import build_tiny_example  # noqa: E402
 from flows.pipeline import machine  # noqa: E402
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}

@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from featcal.config import config_from_dict
-from featcal.example import build_tiny_example
+from featcal_bench.example import build_tiny_example
 from flows.console import setup_logging
 from flows.pipeline import machine, run_pipeline
 

@@ -27,7 +27,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from featcal.example import build_tiny_example  # noqa: E402
+from featcal_bench.example import build_tiny_example  # noqa: E402
 from flows.pipeline import machine  # noqa: E402
 
 CASES = {  # name: (signal, to the whole process group?, extra options)

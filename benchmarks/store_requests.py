@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.pipeline_cost import run_once  # noqa: E402
-from featcal.example import build_tiny_example  # noqa: E402
+from featcal_bench.example import build_tiny_example  # noqa: E402
 from flows.pipeline import machine  # noqa: E402
 
 KINDS = ("HEAD", "GET", "LIST", "PUT", "DELETE")

@@ -1,6 +1,7 @@
 """The `featcal` command line with the benchmark commands: flows.cli's commands, plus `bench` (list, build, run) and
-`demo`, which dispatch through the recipe registry (featcal_bench/builtin.py). They live here because recipes sit above
-flows: flows.cli never imports a recipe."""
+`demo`, which dispatch through the recipe registry (featcal_bench/builtin.py), and `example`, which writes the tiny
+offline example (featcal_bench/example.py). They live here because recipes and the fixture factory sit above flows:
+flows.cli never imports them."""
 
 from __future__ import annotations
 
@@ -49,6 +50,19 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--report-dir", help="also copy the report files here (e.g. benchmarks/results)")
 
 
+def _add_example(sub: argparse._SubParsersAction) -> None:
+    e = sub.add_parser("example", help="the tiny offline example (models + data) used by the demo and tests")
+    e.add_argument("action", choices=["build"], help="build: write the models and data")
+    e.add_argument("out", help="directory to write the example into (e.g. examples/tiny)")
+
+
+def _cmd_example(args: argparse.Namespace) -> int:
+    from featcal_bench.example import build_tiny_example
+
+    print(build_tiny_example(Path(args.out)))
+    return 0
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser("demo", help="the embedded demo: 3 real tasks (PyPI data), MiniLM experts, TA vs TA + FeatCal")
     d.add_argument("--out", default="demo", help="where the demo's benchmark and run go (default ./demo)")
@@ -87,8 +101,8 @@ def _build(args: argparse.Namespace) -> int:
     """A preset's or a recipe file's spec, its sources checked before Prefect starts (a missing mirror path, source or
     recipe field named in one line), then the build flow, then what running it will cost here where the recipe
     says."""
-    from featcal_bench.recipe import BuildOptions
     from featcal_bench.builtin import recipe_for
+    from featcal_bench.recipe import BuildOptions
     from featcal_bench.stages import build_bench
 
     options = BuildOptions(**{k: getattr(args, k) for k in FLAGS})
@@ -134,7 +148,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = (cli.Command("bench", _add_bench, _cmd_bench), cli.Command("demo", _add_demo, _cmd_demo))
+COMMANDS = (cli.Command("bench", _add_bench, _cmd_bench), cli.Command("demo", _add_demo, _cmd_demo),
+            cli.Command("example", _add_example, _cmd_example))
 
 
 def main(argv: list[str] | None = None) -> int:
