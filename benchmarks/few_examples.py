@@ -20,8 +20,8 @@ from typing import Any
 from variant_rows import appended, requested
 
 from featcal.config import config_from_dict
-from featcal_bench.runs import AUTO, MethodRun
-from featcal_bench.minilm.recipe import FEATCAL, located_spec, pipeline_config
+from featcal_bench.minilm.recipe import AUTO, FEATCAL, located_spec, pipeline_config
+from featcal_bench.runs import MethodRun
 from flows.console import setup_logging
 from flows.pipeline import machine, run_pipeline
 from storage.atomic import read_json

@@ -21,11 +21,15 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_summary import summarise  # noqa: E402
 from featcal.config import config_from_dict  # noqa: E402
-from featcal_bench.runs import AUTO, MethodRun  # noqa: E402
-from featcal_bench.minilm.recipe import FEATCAL, pipeline_config  # noqa: E402
+from featcal_bench.minilm.recipe import (  # noqa: E402
+    AUTO,  # noqa: E402
+    FEATCAL,
+    pipeline_config,
+)
 from featcal_bench.minilm.spec import BenchSpec  # noqa: E402
 from featcal_bench.paired import RESAMPLES, SEED, compared, p_text  # noqa: E402
 from featcal_bench.report import correct_rows  # noqa: E402
+from featcal_bench.runs import MethodRun  # noqa: E402
 from flows.pipeline import machine, run_pipeline  # noqa: E402
 from storage.atomic import read_json  # noqa: E402
 

@@ -24,9 +24,12 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_summary import summarise  # noqa: E402
 from featcal.config import config_from_dict  # noqa: E402
-from featcal_bench.runs import AUTO, MethodRun  # noqa: E402
-from featcal_bench.minilm.recipe import pipeline_config  # noqa: E402
+from featcal_bench.minilm.recipe import (
+    AUTO,  # noqa: E402
+    pipeline_config,  # noqa: E402
+)
 from featcal_bench.minilm.spec import BenchSpec  # noqa: E402
+from featcal_bench.runs import MethodRun  # noqa: E402
 from flows.pipeline import machine, run_pipeline  # noqa: E402
 from storage.atomic import read_json  # noqa: E402
 

@@ -48,6 +48,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--runs", nargs="+", help="method runs to do (default: all; each recipe's run matrix, "
                                                 "featcal_bench/NAME/; a wrong name lists the known ones)")
     run.add_argument("--report-dir", help="also copy the report files here (e.g. benchmarks/results)")
+    run.add_argument("--study", metavar="FILE", help="a study YAML (featcal_bench/study.py): its runs and the table its "
+                     "report writes, instead of the recipe's own (featcal_bench/NAME/study.yaml)")
 
 
 def _add_example(sub: argparse._SubParsersAction) -> None:
@@ -71,6 +73,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from featcal_bench import stages
     from featcal_bench.builtin import recipe_of
+    from featcal_bench.study import load_study
 
     if args.bench_command == "list":
         print(bench_list())
@@ -79,7 +82,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _build(args)
     bench = Path(args.bench_dir).resolve()
     recipe_of(bench)  # a directory no recipe built is named before Prefect starts
-    records = stages.run_flow(str(bench), args.runs, args.report_dir)
+    study = None
+    if args.study:
+        study = str(Path(args.study).resolve())
+        load_study(study)  # a bad study is named in one line before Prefect starts
+    records = stages.run_flow(str(bench), args.runs, args.report_dir, study)
     print((bench / next(r for r in records["report"]["outputs"] if r.endswith(".md"))).read_text())
     return 0
 

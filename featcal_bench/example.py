@@ -635,11 +635,11 @@ def _build_arch(root: Path, arch: str, seed: int) -> None:
     recipe, tasks = RECIPES[arch], tuple(TASK_LABELS[arch])
     _ensure_dir(root / "base", lambda out: recipe.write_base(out, _piece_seed(seed, f"{arch}/base")))
     for task in tasks:
-        _ensure_dir(root / "data" / task, lambda out: _write_data(out, arch, root, task, seed))
+        _ensure_dir(root / "data" / task, lambda out, task=task: _write_data(out, arch, root, task, seed))
     for task in tasks:
         _ensure_dir(
             root / "experts" / task,
-            lambda out: _write_expert(out, arch, root, task, _piece_seed(seed, f"{arch}/experts/{task}")),
+            lambda out, task=task: _write_expert(out, arch, root, task, _piece_seed(seed, f"{arch}/experts/{task}")),
         )
     _ensure_file(root / "example.yaml", yaml.safe_dump(_example_config(tasks, 2 * MAX_WORDS if arch == "bert" else None),
                                                        sort_keys=False))

@@ -2,7 +2,7 @@
 is its own; each writes `results/{run}.json` with accuracies and the cost of its stages. One entry point serves every
 recipe (the built directory's spec file names the recipe, featcal_bench/builtin.py):
 
-    python -m featcal_bench.method BENCH_DIR RUN
+    python -m featcal_bench.method BENCH_DIR RUN [STUDY_FILE]
 
 What a run is (MethodRun) and the helpers recipes share live in featcal_bench/runs.py; this module is the process.
 """
@@ -25,6 +25,7 @@ from featcal.config import config_from_dict
 from featcal_bench.builtin import recipe_of
 from featcal_bench.protect import head_check, raised_weights
 from featcal_bench.runs import SURGERY_METHODS, MethodRun, run_dir
+from featcal_bench.study import load_study
 from featcal_bench.surgery_run import surgery_result
 from storage.atomic import read_json, write_json
 
@@ -81,12 +82,13 @@ def pipeline_result(bench: Path, name: str, raw: dict[str, Any]) -> dict[str, An
     return result
 
 
-def run_method(bench: Path, name: str) -> dict[str, Any]:
-    """Method run `name` of the benchmark built in `bench`, by the recipe that built it: a pipeline run (or its Surgery
-    or ProbSurgery row), its result written to `bench/results/{name}.json`."""
+def run_method(bench: Path, name: str, study: str | None = None) -> dict[str, Any]:
+    """Method run `name` of the benchmark built in `bench`, by the recipe that built it, as study file `study` (default:
+    the recipe's) defines it: a pipeline run (or its Surgery or ProbSurgery row), its result written to
+    `bench/results/{name}.json`."""
     recipe = recipe_of(bench)
     spec = recipe.spec.load(bench)
-    runs = recipe.runs(spec)
+    runs = recipe.runs(spec, load_study(study or recipe.study))
     if name not in runs:
         raise ValueError(f"unknown {spec.name} run {name!r}; known: {sorted(runs)}")
     run = runs[name]
@@ -99,10 +101,11 @@ def run_method(bench: Path, name: str) -> dict[str, Any]:
     raw = recipe.run_config(bench, spec, run)
     if run.protect is not None:
         raw["featcal"]["task_weights"] = raised_weights(head_check(bench, run.protect))
-    if run.method in SURGERY_METHODS:
+    method = run.method
+    if method is not None and method in SURGERY_METHODS:
         cfg = config_from_dict(raw, root=bench, source=f"bench run {name}")
         return timed_result(bench, name, run,
-                            lambda: surgery_result(bench, cfg, recipe.cache_surgery_features, run.method))
+                            lambda: surgery_result(bench, cfg, recipe.cache_surgery_features, method))
     return timed_result(bench, name, run, lambda: pipeline_result(bench, name, raw))
 
 
@@ -119,10 +122,10 @@ def timed_result(bench: Path, name: str, run: MethodRun, compute: Callable[[], d
 
 
 def main(argv: list[str]) -> int:
-    """`python -m featcal_bench.method BENCH_DIR RUN`: the process `bench run` starts per method run."""
+    """`python -m featcal_bench.method BENCH_DIR RUN [STUDY_FILE]`: the process `bench run` starts per method run."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    bench, name = Path(argv[0]).resolve(), argv[1]
-    print(json.dumps(run_method(bench, name)["cost"], indent=1))
+    bench, name, study = Path(argv[0]).resolve(), argv[1], (argv[2] if len(argv) > 2 else None)
+    print(json.dumps(run_method(bench, name, study)["cost"], indent=1))
     return 0
 
 

@@ -3,7 +3,7 @@
 Gap closed = (method − TA) / (experts − TA), on the task-averaged accuracy. Where the runs kept their per-example
 predictions, TA + FeatCal is compared with every other method on the same test rows (featcal_bench.paired), and each
 calibrated row with the row it started from (its merge, or the run whose calibrated model it calibrated).
-The rows and curves are the MiniLM benchmark's unless a caller (featcal_bench/clip/report.py) names its own; rows
+The rows, curves and reference run come from the study (featcal_bench/study.py: each recipe's study.yaml); rows
 carrying a published figure (`paper`) get a column of their own.
 """
 
@@ -21,61 +21,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from featcal_bench.paired import RESAMPLES, SEED, compared, p_text  # noqa: E402
 from featcal_bench.runs import FULL, SAMPLE_SIZES  # noqa: E402
+from featcal_bench.study import Curve, Study  # noqa: E402
 from storage.atomic import write_bytes, write_json  # noqa: E402
-
-
-def paper_rows(base_label: str, *, surgery: bool = False) -> tuple[tuple[str, str, str, str | None], ...]:
-    """The rows of the paper's hub benchmarks (its Table 1 methods), in METHOD_ROWS' form; `base_label` names the
-    unmerged base, and TA + Surgery and TA + ProbSurgery are rows only where the recipe runs them."""
-    return (
-        ("experts (individual)", "ta_featcal", "expert", None),
-        (base_label, "ta_featcal", "base", None),
-        ("task arithmetic", "ta_featcal", "merged", "merge"),
-        ("TIES", "ties_featcal", "merged", "merge"),
-        ("RegMean", "regmean", "calibrated", "total"),
-        ("RegMean++", "regmean_pp", "calibrated", "total"),
-        *((("TA + Surgery", "ta_surgery", "calibrated", "total"),
-            ("TA + ProbSurgery", "ta_probsurgery", "calibrated", "total")) if surgery else ()),
-        ("TA + FeatCal", "ta_featcal", "calibrated", "total"),
-        ("TIES + FeatCal", "ties_featcal", "calibrated", "total"),
-    )
-
-
-# (row label, run, evaluated model, what its cost is)
-METHOD_ROWS = (
-    ("experts (individual)", "ta_featcal", "expert", None),
-    ("base + task head", "ta_featcal", "base", None),
-    ("task arithmetic", "ta_featcal", "merged", "merge"),
-    ("TIES", "ties_featcal", "merged", "merge"),
-    ("average", "regmean", "merged", "merge"),
-    ("RegMean", "regmean", "calibrated", "total"),
-    ("RegMean++", "regmean_pp", "calibrated", "total"),
-    ("TA + Surgery", "ta_surgery", "calibrated", "total"),
-    ("TA + ProbSurgery", "ta_probsurgery", "calibrated", "total"),
-    ("TA + FeatCal", "ta_featcal", "calibrated", "total"),
-    ("TIES + FeatCal", "ties_featcal", "calibrated", "total"),
-    ("RegMean + FeatCal", "regmean_featcal", "calibrated", "total"),
-    ("RegMean + FeatCal (λ, ρ auto)", "regmean_featcal_auto", "calibrated", "total"),
-    ("RegMean++ + FeatCal", "regmean_pp_featcal", "calibrated", "total"),
-    ("DARE-TIES", "dare_ties_featcal", "merged", "merge"),
-    ("DARE-TIES + FeatCal", "dare_ties_featcal", "calibrated", "total"),
-    ("TA + FeatCal (λ 0.05, ρ 2.2: the paper's)", "ta_featcal_paper", "calibrated", "total"),
-    ("TA + FeatCal (λ auto, ρ 2.2: no labels)", "ta_featcal_auto", "calibrated", "total"),
-    ("TA + FeatCal (λ auto from 0.001 + shrinkage auto)", "ta_featcal_auto_shrink", "calibrated", "total"),
-    ("TA + FeatCal (λ auto) + protect, round 1", "ta_featcal_auto_protect1", "calibrated", "total"),
-    ("TA + FeatCal (λ auto) + protect, round 2", "ta_featcal_auto_protect2", "calibrated", "total"),
-    ("TA + FeatCal (λ auto) + protect, round 3", "ta_featcal_auto_protect3", "calibrated", "total"),
-    ("TA + FeatCal (λ auto) + protect, round 4", "ta_featcal_auto_protect4", "calibrated", "total"),
-    ("TA + FeatCal (λ auto) + head metric η 0.5", "ta_featcal_auto_head05", "calibrated", "total"),
-    ("TA + FeatCal (λ auto) + head metric η 1", "ta_featcal_auto_head1", "calibrated", "total"),
-    ("TA + FeatCal + head metric η 1", "ta_featcal_head1", "calibrated", "total"),
-    ("RegMean + FeatCal (λ, ρ auto) + head metric η 1", "regmean_featcal_auto_head1", "calibrated", "total"),
-    ("TA + FeatCal + head side", "ta_featcal_head", "calibrated", "total"),
-    ("TA + FeatCal + trust 0.5", "ta_featcal_trust", "calibrated", "total"),
-    ("task arithmetic 0.9", "ta09_featcal", "merged", "merge"),
-    ("TA 0.9 + FeatCal (λ 0.05, ρ 2.2)", "ta09_featcal", "calibrated", "total"),
-)
-PAIRED_REFERENCE = "TA + FeatCal"  # the method row every other row is compared with, row by row
 
 
 def _mean(values: list[float]) -> float:
@@ -99,20 +46,20 @@ def correct_rows(result: dict[str, Any], model: str, tasks: list[str]) -> dict[s
 
 
 def _paired(correct: dict[str, dict[str, list[bool]] | None], tasks: list[str],
-            rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """TA + FeatCal against every other method row on the same test rows (`paired.compared`). Rows without per-example
-    predictions (TA + FeatCal's own included) are listed under `without_predictions`."""
-    reference = correct.get(PAIRED_REFERENCE)
+            rows: list[dict[str, Any]], label: str) -> dict[str, Any]:
+    """Row `label` (TA + FeatCal) against every other method row on the same test rows (`paired.compared`). Rows
+    without per-example predictions (its own included) are listed under `without_predictions`."""
+    reference = correct.get(label)
     comparisons = []
     for row in rows:
         other = correct[row["method"]]
-        if row["method"] == PAIRED_REFERENCE or reference is None or other is None:
+        if row["method"] == label or reference is None or other is None:
             continue
         c = compared(reference, other, tasks)
         comparisons.append({"method": row["method"], "run": row["run"], "model": row["model"],
                             "difference": c["difference"], "ci": c["ci"], "p_value": c["p_value"],
                             "featcal_only_right": c["only_a_right"], "other_only_right": c["only_b_right"]})
-    return {"reference": PAIRED_REFERENCE, "resamples": RESAMPLES, "seed": SEED, "comparisons": comparisons,
+    return {"reference": label, "resamples": RESAMPLES, "seed": SEED, "comparisons": comparisons,
             "without_predictions": [m for m, c in correct.items() if c is None]}
 
 
@@ -141,22 +88,15 @@ def _paired_with_start(correct: dict[str, dict[str, list[bool]] | None], tasks: 
     calibration itself changed (`paired.compared`); pairs missing per-example predictions under `without_predictions`."""
     comparisons, missing = [], []
     for method, start in starts.items():
-        if correct[method] is None or correct[start["method"]] is None:
+        own, started = correct[method], correct[start["method"]]
+        if own is None or started is None:
             missing.append(method)
             continue
-        c = compared(correct[method], correct[start["method"]], tasks)
+        c = compared(own, started, tasks)
         comparisons.append({"method": method, "start": start["method"], "difference": c["difference"], "ci": c["ci"],
                             "p_value": c["p_value"], "calibrated_only_right": c["only_a_right"],
                             "start_only_right": c["only_b_right"]})
     return {"resamples": RESAMPLES, "seed": SEED, "comparisons": comparisons, "without_predictions": missing}
-
-
-# sample-efficiency curve → (its 256-example run, its label); run `{run}_n{n:03d}` has n examples per task
-Curves = Mapping[str, tuple[str, str]]
-CURVES: Curves = {"featcal": ("ta_featcal", "TA + FeatCal"), "regmean_pp": ("regmean_pp", "RegMean++"),
-                  "featcal_ta09": ("ta09_featcal", "TA 0.9 + FeatCal"),
-                  "featcal_auto": ("ta_featcal_auto", "TA + FeatCal (λ auto)"),
-                  "featcal_auto_shrink": ("ta_featcal_auto_shrink", "TA + FeatCal (λ auto + shrinkage)")}
 
 
 def _add_changes_against_start(methods: list[dict[str, Any]], starts: dict[str, dict[str, Any]]) -> None:
@@ -167,16 +107,17 @@ def _add_changes_against_start(methods: list[dict[str, Any]], starts: dict[str, 
         if start is None:
             continue
         change = {t: row["accuracy"][t] - start["accuracy"][t] for t in row["accuracy"]}
-        worst = min(change, key=change.get)
+        worst = min(change, key=lambda t: change[t])
         row.update(change_vs_merge=change, merge_row=start["method"],
                    worst_task={"task": worst, "change": change[worst]})
 
 
-def _agreement_with_experts(results: dict[str, dict[str, Any]], methods: list[dict[str, Any]], tasks: list[str]) -> None:
+def _agreement_with_experts(results: dict[str, dict[str, Any]], methods: list[dict[str, Any]], tasks: list[str],
+                            reference: str) -> None:
     """Each row's share of test rows where it predicts what the task's own expert predicts, per task: a signal read
     through each task's head that needs no labels (issue 33 §1), next to accuracy. Rows whose run kept no
-    per-example predictions, or a report without the experts' (`ta_featcal`), get none."""
-    experts = results.get("ta_featcal", {}).get("predictions", {})
+    per-example predictions, or a report without the experts' (the study's reference run), get none."""
+    experts = results.get(reference, {}).get("predictions", {})
     if any("expert" not in experts.get(t, {}) for t in tasks):
         return
     for row in methods:
@@ -199,9 +140,9 @@ def _sample_run(run: str, n: int) -> str:
 
 
 def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dict[str, Any],
-                 rows: Sequence[tuple[str, str, str, str | None]] = METHOD_ROWS, curves: Curves = CURVES) -> dict[str, Any]:
-    """`results`: run name → the JSON a method run wrote. `meta` is copied into the report; its `test_rows` (per
-    task) or `spec.test` (one count for every task) sizes the standard errors."""
+                 study: Study) -> dict[str, Any]:
+    """`results`: run name → the JSON a method run wrote; the study's rows and curves read them. `meta` is copied into
+    the report; its `test_rows` (per task) or `spec.test` (one count for every task) sizes the standard errors."""
 
     def acc(run: str, model: str) -> dict[str, float] | None:
         if run not in results:
@@ -210,11 +151,11 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
         return None if any(v is None for v in per_task.values()) else per_task
 
     test_rows = meta.get("test_rows") or meta.get("spec", {}).get("test")
-    experts, ta = acc("ta_featcal", "expert"), acc("ta_featcal", "merged")
+    experts, ta = acc(study.reference, "expert"), acc(study.reference, "merged")
     expert_avg = _mean(list(experts.values())) if experts else None
     ta_avg = _mean(list(ta.values())) if ta else None
     methods = []
-    for label, run, model, cost_kind in rows:
+    for label, run, model, cost_kind in ((r.label, r.run, r.model, r.cost) for r in study.rows):
         per_task = acc(run, model)
         if per_task is None:
             continue
@@ -234,12 +175,12 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
         methods.append(row)
     starts = _starting_rows(methods, results)
     _add_changes_against_start(methods, starts)
-    _agreement_with_experts(results, methods, tasks)
+    _agreement_with_experts(results, methods, tasks, study.reference)
     curve = {}
-    for name, (run, _) in curves.items():
+    for name, line in study.curves.items():
         points = {}
         for n in SAMPLE_SIZES:
-            per_task = acc(_sample_run(run, n), "calibrated")
+            per_task = acc(_sample_run(line.run, n), "calibrated")
             if per_task is not None:
                 points[n] = _mean(list(per_task.values()))
         if points:
@@ -248,24 +189,18 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
     if experts and ta:
         out["gaps"] = {t: experts[t] - ta[t] for t in tasks}
     correct = {r["method"]: correct_rows(results[r["run"]], r["model"], tasks) for r in methods}
-    if any(row["method"] == PAIRED_REFERENCE for row in methods):
-        out["paired"] = _paired(correct, tasks, methods)
+    if any(row["method"] == study.paired_reference for row in methods):
+        out["paired"] = _paired(correct, tasks, methods, study.paired_reference)
     if starts:
         out["paired_with_start"] = _paired_with_start(correct, tasks, starts)
-    kept = {name: (points[8] - ta_avg) / (points[FULL] - ta_avg) for name, points in curve.items()
-            if name != "regmean_pp" and ta_avg is not None and 8 in points and FULL in points and points[FULL] != ta_avg}
-    if "featcal" in kept:
-        out["featcal_8_of_256_gain"] = kept["featcal"]
-    if "featcal_ta09" in kept:
-        out["featcal_ta09_8_of_256_gain"] = kept["featcal_ta09"]
-    if "featcal_auto" in kept:
-        out["featcal_auto_8_of_256_gain"] = kept["featcal_auto"]
-    if "featcal_auto_shrink" in kept:
-        out["featcal_auto_shrink_8_of_256_gain"] = kept["featcal_auto_shrink"]
-    if "ta_featcal" in results:
-        out["drift"] = results["ta_featcal"].get("drift", {})
-    if results.get("ta_featcal_auto", {}).get("chosen"):
-        out["auto_choices"] = results["ta_featcal_auto"]["chosen"]
+    for name in study.gains:  # the share of the 256-example gain over TA that 8 examples keep
+        points = curve.get(name, {})
+        if ta_avg is not None and 8 in points and FULL in points and points[FULL] != ta_avg:
+            out[f"{name}_8_of_256_gain"] = (points[8] - ta_avg) / (points[FULL] - ta_avg)
+    if study.reference in results:
+        out["drift"] = results[study.reference].get("drift", {})
+    if study.choices is not None and results.get(study.choices.run, {}).get("chosen"):
+        out["auto_choices"] = results[study.choices.run]["chosen"]
     return out
 
 
@@ -278,11 +213,11 @@ def add_paper_column(report: dict[str, Any], paper: Mapping[str, float]) -> None
 
 
 def language_model_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dict[str, Any],
-                          rows: Sequence[tuple[str, str, str, str | None]]) -> dict[str, Any]:
+                          study: Study) -> dict[str, Any]:
     """`build_report` of causal-LM runs, whose "accuracy" is next-token accuracy: each row also gets its per-task
     next-token `loss`, `average_loss` and `gap_closed_loss`, (TA − row) / (TA − experts) on the average loss. A loss
     has no right or wrong rows to pair, and these benchmarks have no sample curves."""
-    report = build_report(results, tasks, meta, rows=rows, curves={})
+    report = build_report(results, tasks, meta, study)
     report.pop("paired", None)
     report.pop("paired_with_start", None)
     report.pop("sample_efficiency")
@@ -291,14 +226,14 @@ def language_model_report(results: dict[str, dict[str, Any]], tasks: list[str], 
         row["loss"] = {t: lm[t][row["model"]]["loss"] for t in tasks}
         row["average_loss"] = _mean(list(row["loss"].values()))
     average = {(r["run"], r["model"]): r["average_loss"] for r in report["methods"]}
-    ta, experts = average.get(("ta_featcal", "merged")), average.get(("ta_featcal", "expert"))
+    ta, experts = average.get((study.reference, "merged")), average.get((study.reference, "expert"))
     if ta is not None and experts is not None and ta != experts:
         for row in report["methods"]:
             row["gap_closed_loss"] = (ta - row["average_loss"]) / (ta - experts)
     return report
 
 
-def markdown(report: dict[str, Any], curves: Curves = CURVES) -> str:
+def markdown(report: dict[str, Any], study: Study) -> str:
     tasks = report["tasks"]
     paper = any("paper" in row for row in report["methods"])  # a column of published figures, after ours
     lines = [f"# {report.get('title', 'Benchmark')}", ""]
@@ -333,24 +268,19 @@ def markdown(report: dict[str, Any], curves: Curves = CURVES) -> str:
     lines += start_markdown(report)
     lines += ["", "## Sample efficiency (average accuracy, %)", "", "| examples/task | " + " | ".join(str(n) for n in SAMPLE_SIZES) + " |",
               "|---|" + "---:|" * len(SAMPLE_SIZES)]
-    curve_rows = [(curves[name][1], points) for name, points in report["sample_efficiency"].items()]
+    curves = study.curves
+    curve_rows = [(curves[name].label, points) for name, points in report["sample_efficiency"].items()]
     published = report.get("paper_sample_efficiency")  # {"curve": name, "points": {n: accuracy}}
     if published:
-        curve_rows.append((f"paper ({curves[published['curve']][1]})", published["points"]))
+        curve_rows.append((f"paper ({curves[published['curve']].label})", published["points"]))
     for label, points in curve_rows:
         lines.append(f"| {label} | " + " | ".join(f"{100 * points[n]:.1f}" if n in points else "" for n in SAMPLE_SIZES) + " |")
-    if "featcal_8_of_256_gain" in report:
-        lines += ["", f"FeatCal with 8 examples/task keeps {100 * report['featcal_8_of_256_gain']:.1f} % of its 256-example gain over TA."]
-    if "featcal_auto_8_of_256_gain" in report:
-        lines += ["", f"With λ auto, 8 examples/task keep {100 * report['featcal_auto_8_of_256_gain']:.1f} % of "
-                      "the 256-example gain over TA."]
-    if "featcal_auto_shrink_8_of_256_gain" in report:
-        lines += ["", f"With λ auto on a grid from 0.001 and shrinkage auto, 8 examples/task keep "
-                      f"{100 * report['featcal_auto_shrink_8_of_256_gain']:.1f} % of that setting's 256-example gain."]
-    if "featcal_ta09_8_of_256_gain" in report:
-        lines += ["", f"From TA at 0.9 it keeps {100 * report['featcal_ta09_8_of_256_gain']:.1f} % (gains over TA at 0.3)."]
-    if "auto_choices" in report:
-        lines += ["", "## λ (and ρ) chosen without labels (TA + FeatCal, auto, 256 examples/task)", "",
+    for name in study.gains:
+        if f"{name}_8_of_256_gain" in report:
+            gain = curves[name].gain or ""
+            lines += ["", gain.format(percent=100 * report[f"{name}_8_of_256_gain"])]
+    if "auto_choices" in report and study.choices is not None:
+        lines += ["", f"## {study.choices.heading}", "",
                   "Median over each block's modules of the values chosen on held-out calibration rows.", "",
                   "| solve | λ | ρ |", "|---|---:|---:|"]
         lines += [f"| {stage} | {v['lambda']:g} | {v['rho']:g} |" for stage, v in report["auto_choices"].items()]
@@ -448,7 +378,7 @@ def _saved(fig: plt.Figure, path: Path) -> Path:
     return path
 
 
-def plots(report: dict[str, Any], out_dir: Path, stem: str, curves: Curves = CURVES) -> list[Path]:
+def plots(report: dict[str, Any], out_dir: Path, stem: str, curves: Mapping[str, Curve]) -> list[Path]:
     paths = []
     rows = report["methods"]
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -464,7 +394,7 @@ def plots(report: dict[str, Any], out_dir: Path, stem: str, curves: Curves = CUR
     for name, points in report["sample_efficiency"].items():
         ns = sorted(points)
         dotted = len(ns) < len(SAMPLE_SIZES)  # sizes between its points were not run: no line through them
-        ax.plot(ns, [100 * points[n] for n in ns], ":" if dotted else "-", marker="o", label=curves[name][1])
+        ax.plot(ns, [100 * points[n] for n in ns], ":" if dotted else "-", marker="o", label=curves[name].label)
     for r in rows:
         if r["method"] in ("task arithmetic", "experts (individual)"):
             ax.axhline(100 * r["average"], ls="--", color="grey")
@@ -490,11 +420,11 @@ def plots(report: dict[str, Any], out_dir: Path, stem: str, curves: Curves = CUR
 
 
 def save_report(bench: Path, stem: str, report: dict[str, Any], results: dict[str, dict[str, Any]], out_dir: str | None,
-                curves: Curves = CURVES) -> tuple[list[str], dict[str, Any]]:
+                study: Study) -> tuple[list[str], dict[str, Any]]:
     """The accuracy benchmarks' report stage: its files with the plots, and each method's average."""
     (bench / "report").mkdir(parents=True, exist_ok=True)
-    drawn = plots(report, bench / "report", stem, curves)
-    files = saved_report_files(bench, stem, report, results, out_dir, markdown(report, curves), drawn)
+    drawn = plots(report, bench / "report", stem, study.curves)
+    files = saved_report_files(bench, stem, report, results, out_dir, markdown(report, study), drawn)
     return files, {"methods": {r["method"]: round(100 * r["average"], 2) for r in report["methods"]}}
 
 

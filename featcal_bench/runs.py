@@ -1,6 +1,7 @@
 """What a method run is: a merge, optionally a calibration method and its settings, and which models to evaluate;
 where its run directory is, in which order runs that need each other run, and the pipeline config sections every
-recipe's runs share. The recipes import this; the process that runs one is featcal_bench/method.py."""
+recipe's runs share. Which runs a benchmark has is data (each recipe's study.yaml, featcal_bench/study.py); the
+process that runs one is featcal_bench/method.py."""
 
 from __future__ import annotations
 
@@ -46,37 +47,6 @@ class MethodRun:
     def needs(self) -> tuple[str, ...]:
         """The runs whose results this run reads: its start and the run it protects against."""
         return tuple(r for r in (self.start, self.protect) if r is not None)
-
-
-# The paper's setting for its CLIP ViT-B/32 and FLAN-T5 benchmarks (the pipeline's defaults, docs/design.md §2.8).
-PAPER_FEATCAL = {"lambda": 0.05, "rho": 2.2, "alpha": 0.25}
-# What a user without labelled validation data runs: λ chosen per module on held-out calibration rows
-# (featcal.lambda: auto) at the published ρ; it beat λ and ρ both auto on the validation split
-# (benchmarks/results/minilm8_quality.md).
-AUTO = {"lambda": "auto", "rho": 2.2, "alpha": 0.25}
-# Few examples (issue 33 §2): λ auto on a grid that reaches below 0.01 (λ auto chose its floor, 0.01, in every block
-# at 256 examples on MiniLM-8), and each task's Grams shrunk towards a scaled identity by a γ chosen on the held-out
-# rows with λ.
-FEW = {**AUTO, "shrinkage": "auto",
-       "lambda_grid": [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]}
-
-
-def paper_method_runs() -> dict[str, MethodRun]:
-    """The rows the paper reports on its hub benchmarks, as FusionBench runs them: TA and TIES at 0.3 (TIES keeps the
-    top 20 % of each task vector and sums the agreeing entries: the pipeline's defaults), each with FeatCal at 256
-    examples per task; RegMean and RegMean++ from the average (non-linear parameters averaged), the Grams'
-    off-diagonal scaled by 0.95; TA + FeatCal at 8–128 examples per task."""
-    runs = {
-        # One run yields experts, base, TA and TA + FeatCal, and the per-block drift plot.
-        "ta_featcal": MethodRun("task_arithmetic", "featcal", models=("base", "merged", "calibrated", "expert"),
-                                featcal=PAPER_FEATCAL),
-        "ties_featcal": MethodRun("ties", "featcal", models=("merged", "calibrated"), featcal=PAPER_FEATCAL),
-        "regmean": MethodRun("average", "regmean"),
-        "regmean_pp": MethodRun("average", "regmean_plus_plus"),
-    }
-    for n in SAMPLE_SIZES[:-1]:
-        runs[f"ta_featcal_n{n:03d}"] = MethodRun("task_arithmetic", "featcal", examples=n, featcal=PAPER_FEATCAL)
-    return runs
 
 
 def run_dir(bench: Path, name: str) -> Path:

@@ -8,6 +8,8 @@ the first stage not done, and a changed input reruns only the stages it reaches.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import subprocess
 import sys
 import time
@@ -26,6 +28,7 @@ from featcal_bench import runs as run_defs
 from featcal_bench.builtin import recipe_of, recipes
 from featcal_bench.layout import CONFIGS
 from featcal_bench.recipe import Call, Recipe, SavedSpec, Stage
+from featcal_bench.study import load_study
 from flows import signals
 from flows.pipeline import code_digest, code_version, machine
 from flows.prefect_flow import key_parameter
@@ -85,11 +88,11 @@ def build_stages(bench: Path, spec: SavedSpec, stage: Call) -> dict[str, Record]
     (edits elsewhere keep the experts); then, where the recipe asks, every method run's config under configs/."""
     recipe = recipe_of_spec(spec)
     bench = prepared_bench(bench, spec)
-    code = code_digest(Path(m.__file__) for m in recipe.build_modules)
+    code = code_digest(Path(inspect.getfile(m)) for m in recipe.build_modules)
     records = recipe.build(bench, spec, stage, code, bench / "records" / "fingerprints.json")
     if recipe.write_configs:
-        write_run_configs(bench / CONFIGS, {name: recipe.run_config(bench, spec, run)
-                                            for name, run in recipe.runs(spec).items()})
+        runs = recipe.runs(spec, load_study(recipe.study))
+        write_run_configs(bench / CONFIGS, {name: recipe.run_config(bench, spec, run) for name, run in runs.items()})
     return records
 
 
@@ -123,31 +126,34 @@ def write_run_configs(directory: Path, configs: dict[str, dict[str, Any]]) -> No
 
 
 # ---- bench run -----------------------------------------------------------------------------------
-def run_method_process(bench: Path, run: str) -> tuple[list[str], dict[str, Any]]:
-    """A method in a fresh process (`python -m featcal_bench.method BENCH RUN`): its peak RSS is its own, not the
-    flow's or another method's."""
+def run_method_process(bench: Path, run: str, study: str | None = None) -> tuple[list[str], dict[str, Any]]:
+    """A method in a fresh process (`python -m featcal_bench.method BENCH RUN [STUDY]`): its peak RSS is its own, not
+    the flow's or another method's."""
     result = bench / "results" / f"{run}.json"
-    proc = subprocess.run([sys.executable, "-m", method.__name__, str(bench), run], text=True)
+    proc = subprocess.run([sys.executable, "-m", method.__name__, str(bench), run, *([study] if study else [])],
+                          text=True)
     if proc.returncode != 0 or not result.is_file():
         raise RuntimeError(f"benchmark run {run!r} failed (exit {proc.returncode}); its log is above, its run "
                            f"directory is {bench / 'runs' / run}")
     return [f"results/{run}.json"], read_json(result)["cost"]
 
 
-def write_report(bench: Path, runs: list[str], out_dir: str | None = None) -> tuple[list[str], dict[str, Any]]:
-    """The report stage: the recipe's report of runs `runs`, with what every report carries (title, what was built,
-    the machine, the spec)."""
+def write_report(bench: Path, runs: list[str], out_dir: str | None = None,
+                 study: str | None = None) -> tuple[list[str], dict[str, Any]]:
+    """The report stage: the recipe's report of runs `runs` as study file `study` (default: the recipe's) tabulates
+    them, with what every report carries (title, what was built, the machine, the spec)."""
     recipe = recipe_of(bench)
     spec = recipe.spec.load(bench)
     results = {r: read_json(bench / "results" / f"{r}.json") for r in runs}
     meta = {"title": recipe.report.title(spec), "about": recipe.report.about(bench, spec),
             "machine": f"{machine()}, {time.strftime('%Y-%m-%d')}", "spec": spec.model_dump(mode="json")}
-    return recipe.report.write(bench, spec, results, meta, out_dir)
+    return recipe.report.write(bench, spec, results, meta, out_dir, load_study(study or recipe.study))
 
 
 @flow(name="featcal-bench-run", flow_run_name="bench run · {bench_dir}")
-def run_flow(bench_dir: str, runs: list[str] | None = None, out_dir: str | None = None) -> dict[str, Record]:
-    return run_stages(Path(bench_dir), runs, out_dir, prefect_call)
+def run_flow(bench_dir: str, runs: list[str] | None = None, out_dir: str | None = None,
+             study: str | None = None) -> dict[str, Record]:
+    return run_stages(Path(bench_dir), runs, out_dir, prefect_call, study)
 
 
 def built_outputs(bench: Path, stages: list[str]) -> list[dict[str, str]]:
@@ -161,16 +167,19 @@ def built_outputs(bench: Path, stages: list[str]) -> list[dict[str, str]]:
     return outputs
 
 
-def run_stages(bench: Path, runs: list[str] | None, out_dir: str | None, stage: Call) -> dict[str, Record]:
-    """Every method run `runs` (default: all the recipe's), each in its own process and cached on the built inputs
-    and the code, then the report from their results. A run that needs another (its `start`, the run it `protect`s
-    against) comes after it (added where not asked for) and is cached on its result too: one that changes reruns it."""
+def run_stages(bench: Path, runs: list[str] | None, out_dir: str | None, stage: Call,
+               study: str | None = None) -> dict[str, Record]:
+    """Every method run `runs` (default: all the study's) of study file `study` (default: the recipe's), each in its
+    own process and cached on the built inputs, the code and its definition, then the report from their results. A run
+    that needs another (its `start`, the run it `protect`s against) comes after it (added where not asked for) and is
+    cached on its result too: one that changes reruns it."""
     bench = bench.resolve()
     recipe = recipe_of(bench)
     spec = recipe.spec.load(bench)
     inputs = built_outputs(bench, recipe.run_inputs(spec))
-    code = [code_version(), code_digest(Path(m.__file__) for m in (*METHOD_MODULES, *recipe.method_modules))]
-    known = recipe.runs(spec)
+    code = [code_version(), code_digest(Path(inspect.getfile(m)) for m in (*METHOD_MODULES, *recipe.method_modules))]
+    chosen = load_study(study or recipe.study)
+    known = recipe.runs(spec, chosen)
     names = runs or list(known)
     unknown = sorted(set(names) - set(known))
     if unknown:
@@ -179,9 +188,13 @@ def run_stages(bench: Path, runs: list[str] | None, out_dir: str | None, stage: 
     records: dict[str, Record] = {}
     for r in names:
         after = [records[need]["outputs"][f"results/{need}.json"] for need in known[r].needs]
-        records[r] = stage(bench, "method", f"method/{r}", digest_of([code, r, inputs, *after]), run=r)
+        defined = dataclasses.asdict(known[r])
+        records[r] = stage(bench, "method", f"method/{r}", digest_of([code, r, defined, inputs, *after]), run=r,
+                           study=study)
     digests = [records[r]["outputs"][f"results/{r}.json"] for r in names]
-    report_code = code_digest(Path(m.__file__) for m in {bench_report, sys.modules[__name__], *recipe.report.modules})
-    records["report"] = stage(bench, "report", "report", digest_of([report_code, names, digests, out_dir]),
-                              runs=names, out_dir=out_dir)
+    report_modules = {bench_report, sys.modules[__name__], *recipe.report.modules}
+    report_code = code_digest(Path(inspect.getfile(m)) for m in report_modules)
+    records["report"] = stage(bench, "report", "report",
+                              digest_of([report_code, chosen.report_part(), names, digests, out_dir]),
+                              runs=names, out_dir=out_dir, study=study)
     return records

@@ -122,7 +122,7 @@ def test_build_is_cached_and_deterministic(built, tmp_path: Path) -> None:
         loss = records[f"expert/{d}"]["info"]["test_loss"]
         assert set(loss) == {"base", "expert"}
     assert build_stages(bench, spec, direct_call) == records  # a finished build does nothing
-    again = build_stages(tmp_path / "again", spec, direct_call)
+    build_stages(tmp_path / "again", spec, direct_call)
     for name in ("base", *(f"expert/{d}" for d in spec.tasks)):
         rel = next(iter(records[name]["outputs"]))
         a, b = load_file(bench / rel / "model.safetensors"), load_file(tmp_path / "again" / rel / "model.safetensors")

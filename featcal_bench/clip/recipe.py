@@ -18,6 +18,7 @@ from featcal_bench.estimate import rows_about, split_sizes, write_estimate
 from featcal_bench.mirror import mirrored_task_stages
 from featcal_bench.recipe import Call, Preset, Recipe, Report
 from featcal_bench.report import save_report
+from featcal_bench.study import Study
 from storage.fingerprint import fingerprint
 from storage.rundir import Record
 
@@ -33,10 +34,10 @@ def build_graph(bench: Path, spec: ClipBenchSpec, stage: Call, code: str, memo: 
 
 
 def write_report(bench: Path, spec: ClipBenchSpec, results: dict[str, dict[str, Any]], meta: dict[str, Any],
-                 out_dir: str | None) -> tuple[list[str], dict[str, Any]]:
+                 out_dir: str | None, study: Study) -> tuple[list[str], dict[str, Any]]:
     test_rows = {t: r["test"] for t, r in split_sizes(bench, spec.tasks).items()}
-    return save_report(bench, spec.name, report.clip_report(results, spec, meta, test_rows), results, out_dir,
-                       report.CURVES)
+    return save_report(bench, spec.name, report.clip_report(results, spec, meta, test_rows, study), results, out_dir,
+                       study)
 
 
 RECIPE = Recipe(
@@ -51,7 +52,7 @@ RECIPE = Recipe(
     # Not the MiniLM build: edits to its fine-tuning must not copy every model and dataset again.
     build_modules=(build, prompts, spec_module, mirror),
     stages=build.CLIP_BUILD_STAGES,
-    runs=lambda spec: methods.clip_method_runs(),
+    study=Path(__file__).with_name("study.yaml"),
     run_config=methods.pipeline_config,
     method_modules=(methods, prompts, spec_module),
     report=Report(

@@ -7,10 +7,8 @@ from typing import Any
 
 from featcal_bench.clip.prompts import CLASS_NAMES, TEMPLATES
 from featcal_bench.clip.spec import BASE_MODEL, CLIP_TASKS, ClipBenchSpec
-from featcal_bench.report import add_paper_column, build_report, paper_rows
-
-ROWS = paper_rows("zero-shot", surgery=True)
-CURVES = {"featcal": ("ta_featcal", "TA + FeatCal")}
+from featcal_bench.report import add_paper_column, build_report
+from featcal_bench.study import Study
 
 # The paper's averages over the eight tasks (FeatCal, arXiv 2605.13030; CLIP ViT-B/32, 256 examples per task unless
 # the sample-efficiency row says otherwise), in %. docs/design.md §5 keeps the same figures.
@@ -35,10 +33,10 @@ def about(spec: ClipBenchSpec, test_rows: dict[str, int], calibration_rows: dict
 
 
 def clip_report(results: dict[str, dict[str, Any]], spec: ClipBenchSpec, meta: dict[str, Any],
-                test_rows: dict[str, int]) -> dict[str, Any]:
+                test_rows: dict[str, int], study: Study) -> dict[str, Any]:
     """The report of the runs in `results` (run name → its results JSON), with the paper's figures: `paper` on every
     row the paper reports, and its sample-efficiency points."""
-    report = build_report(results, spec.tasks, {**meta, "test_rows": test_rows}, rows=ROWS, curves=CURVES)
+    report = build_report(results, spec.tasks, {**meta, "test_rows": test_rows}, study)
     add_paper_column(report, PAPER)
     report["paper_sample_efficiency"] = {"curve": "featcal", "points": {n: v / 100 for n, v in PAPER_SAMPLE_EFFICIENCY.items()}}
     subset = sorted(set(CLIP_TASKS) - set(spec.tasks))

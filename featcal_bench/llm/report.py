@@ -21,9 +21,9 @@ from featcal_bench.llm.spec import (
     TIES_TOP_K,
     LlmBenchSpec,
 )
-from featcal_bench.report import add_paper_column, language_model_report, paper_rows
+from featcal_bench.report import add_paper_column, language_model_report
+from featcal_bench.study import Study
 
-ROWS = paper_rows("Llama-3.2-3B (base)")
 PAPER_COLUMN = "paper: harness average, theirs (%)"
 
 
@@ -43,10 +43,10 @@ def about(spec: LlmBenchSpec, test_rows: dict[str, int], calibration_rows: dict[
             f"{REGMEAN_PP_OFF_DIAGONAL}; FeatCal λ 0.05, ρ 2.2, α 0.25 (the paper's).\n\n" + "\n".join(lines))
 
 
-def llm_report(results: dict[str, dict[str, Any]], spec: LlmBenchSpec, meta: dict[str, Any]) -> dict[str, Any]:
+def llm_report(results: dict[str, dict[str, Any]], spec: LlmBenchSpec, meta: dict[str, Any], study: Study) -> dict[str, Any]:
     """`language_model_report` of the runs in `results` (run name → its results JSON), with, where the paper reports
     the row, `paper` (their harness average, a different metric)."""
-    report = language_model_report(results, spec.tasks, meta, ROWS)
+    report = language_model_report(results, spec.tasks, meta, study)
     add_paper_column(report, PAPER)
     report["harness_tasks"] = {d: {"lm_eval": list(DOMAINS[d].harness_tasks), "other": DOMAINS[d].other_harness}
                                for d in spec.tasks}

@@ -26,11 +26,13 @@ from featcal_bench.estimate import (
     test_rows,
 )
 from featcal_bench.layout import BASE, data_dir
-from featcal_bench.runs import MethodRun, paper_method_runs
+from featcal_bench.runs import MethodRun
+from featcal_bench.study import load_study
 from featcal_bench.t5.build import TARGET, TEXT
 from featcal_bench.t5.methods import MAX_LENGTH, MAX_NEW_TOKENS, MAX_TARGET_LENGTH
 
 TIMED_PROMPTS = 16
+STUDY = Path(__file__).with_name("study.yaml")  # the runs the estimate counts
 
 
 def prompt_passes(run: MethodRun, rows: dict[str, dict[str, int]]) -> Passes:
@@ -63,7 +65,7 @@ def prompt_speeds(bench: Path, task: str) -> dict[str, Speed]:
 
 def t5_cost_estimate(bench: Path, rows: dict[str, dict[str, int]]) -> str:
     """The FLAN-T5 benchmark's estimate (markdown); `rows`: per task, its calibration pool and test split size."""
-    passes = {name: prompt_passes(run, rows) for name, run in paper_method_runs().items()}
+    passes = {name: prompt_passes(run, rows) for name, run in load_study(STUDY).runs.items()}
     about = (f"Time, from encoder–decoder passes through the base timed here (batches of {TIMED_PROMPTS} prompts): "
              "forwards teacher-forced on the answer, and greedy generate calls of up to "
              f"{MAX_NEW_TOKENS} tokens as evaluation makes them. FeatCal's and RegMean's calibration counts "

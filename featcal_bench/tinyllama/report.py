@@ -11,30 +11,8 @@ import math
 from typing import Any
 
 from featcal_bench.report import language_model_report
+from featcal_bench.study import Study
 from featcal_bench.tinyllama.build import DOMAINS, SPLITS, TinyLlamaSpec
-
-# (row label, run, evaluated model, what its cost is), as featcal_bench.report.METHOD_ROWS
-ROWS = (
-    ("experts (each on its own domain)", "ta_featcal", "expert", None),
-    ("base (pretrained on the mix)", "ta_featcal", "base", None),
-    ("task arithmetic", "ta_featcal", "merged", "merge"),
-    ("TIES", "ties_featcal", "merged", "merge"),
-    ("average", "regmean", "merged", "merge"),
-    ("RegMean", "regmean", "calibrated", "total"),
-    ("RegMean++", "regmean_pp", "calibrated", "total"),
-    ("TA + FeatCal", "ta_featcal", "calibrated", "total"),
-    ("TIES + FeatCal", "ties_featcal", "calibrated", "total"),
-    ("RegMean + FeatCal", "regmean_featcal", "calibrated", "total"),
-    ("RegMean++ + FeatCal", "regmean_pp_featcal", "calibrated", "total"),
-    ("TA + FeatCal (λ auto)", "ta_featcal_auto", "calibrated", "total"),
-    ("TA + FeatCal (λ, ρ auto)", "ta_featcal_auto_rho", "calibrated", "total"),
-    ("TA + FeatCal (λ auto from 0.001 + shrinkage auto)", "ta_featcal_auto_shrink", "calibrated", "total"),
-    ("RegMean + FeatCal (λ, ρ auto)", "regmean_featcal_auto", "calibrated", "total"),
-    ("TA + FeatCal (λ auto) + head metric η 1", "ta_featcal_auto_head1", "calibrated", "total"),
-    ("RegMean + FeatCal (λ, ρ auto) + head metric η 1", "regmean_featcal_auto_head1", "calibrated", "total"),
-    ("task arithmetic 1.0 (sum)", "ta10_featcal", "merged", "merge"),
-    ("TA 1.0 + FeatCal", "ta10_featcal", "calibrated", "total"),
-)
 
 
 def about(spec: TinyLlamaSpec) -> str:
@@ -54,13 +32,14 @@ def about(spec: TinyLlamaSpec) -> str:
             "0.95. One CPU thread everywhere.\n\n" + "\n".join(lines))
 
 
-def tinyllama_report(results: dict[str, dict[str, Any]], spec: TinyLlamaSpec, meta: dict[str, Any]) -> dict[str, Any]:
+def tinyllama_report(results: dict[str, dict[str, Any]], spec: TinyLlamaSpec, meta: dict[str, Any],
+                     study: Study) -> dict[str, Any]:
     """`language_model_report` of the runs, with `run_gap_closed`: for each run that scored its merge (or whose
     `start` run scored the calibrated model it calibrates) and its calibrated model, (start − calibrated) / (start −
     experts), what calibration added to the model it started from."""
-    report = language_model_report(results, spec.tasks, meta, ROWS)
+    report = language_model_report(results, spec.tasks, meta, study)
     by_run = {(r["run"], r["model"]): r["average_loss"] for r in report["methods"]}
-    experts = by_run.get(("ta_featcal", "expert"))
+    experts = by_run.get((study.reference, "expert"))
     starts = {run: (res["start"], "calibrated") if res.get("start") else (run, "merged")
               for run, res in results.items()}
     report["run_gap_closed"] = {
@@ -72,7 +51,7 @@ def tinyllama_report(results: dict[str, dict[str, Any]], spec: TinyLlamaSpec, me
 
 def _build_lines(build: dict[str, Any], spec: TinyLlamaSpec) -> list[str]:
     head = [*SPLITS, "chars/token", "base loss", "expert loss"]
-    lines = ["## What the build made (rows of %d tokens per split)" % spec.seq_len, "",
+    lines = [f"## What the build made (rows of {spec.seq_len} tokens per split)", "",
              "| domain | " + " | ".join(head) + " |", "|---|" + "---:|" * len(head)]
     for d in spec.tasks:
         data, loss = build[f"data/{d}"]["info"], build[f"expert/{d}"]["info"]["test_loss"]
