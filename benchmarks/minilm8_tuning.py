@@ -20,9 +20,9 @@ import torch
 from featcal.config import config_from_dict
 from featcal.data import InputBuilder, load_split, pick_examples, row_batches
 from featcal.modeling import task_model
-from featcal_bench.runs import MethodRun
 from featcal_bench.minilm.recipe import pipeline_config
 from featcal_bench.minilm.spec import BenchSpec
+from featcal_bench.runs import MethodRun
 from flows.pipeline import run_pipeline
 from storage.checkpoint import CanonicalCheckpoint
 

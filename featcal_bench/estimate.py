@@ -113,7 +113,13 @@ def seconds_per_row(call: Callable[[], object], rows: int, device: torch.device)
 
 
 def duration(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+    return (
+        f"{seconds / 3600:.1f} h"
+        if seconds >= 3600
+        else f"{seconds / 60:.1f} min"
+        if seconds >= 60
+        else f"{seconds:.0f} s"
+    )
 
 
 def _table(passes: dict[str, Passes], speeds: dict[str, Speed]) -> list[str]:
@@ -147,13 +153,27 @@ def cost_estimate(bench: Path, passes: dict[str, Passes], speeds: dict[str, Spee
     from flows.plan import plan, render
 
     config = bench / CONFIGS / "ta_featcal.yaml"
-    speed = "; ".join(f"{d}: {s.forward * 1000:.3g} ms per forward" + (f", {s.generate * 1000:.3g} ms per generate"
-                                                                        if s.generate else "") for d, s in speeds.items())
-    lines = [f"`featcal plan {config}` (one method run; plan estimates disk and RAM, not time):", "", "```",
-             render(plan(load_config(config))), "```", "", f"{about} Per row, {speed}.", "", _machine(speeds), "",
-             *_table(passes, speeds), "",
-             "Where evaluation dominates, `featcal bench build ... --test-rows N` scores every method on a seeded subset "
-             "of N test rows per task instead."]
+    speed = "; ".join(
+        f"{d}: {s.forward * 1000:.3g} ms per forward"
+        + (f", {s.generate * 1000:.3g} ms per generate" if s.generate else "")
+        for d, s in speeds.items()
+    )
+    lines = [
+        f"`featcal plan {config}` (one method run; plan estimates disk and RAM, not time):",
+        "",
+        "```",
+        render(plan(load_config(config))),
+        "```",
+        "",
+        f"{about} Per row, {speed}.",
+        "",
+        _machine(speeds),
+        "",
+        *_table(passes, speeds),
+        "",
+        "Where evaluation dominates, `featcal bench build ... --test-rows N` scores every method on a seeded subset "
+        "of N test rows per task instead.",
+    ]
     return "\n".join(lines) + "\n"
 
 

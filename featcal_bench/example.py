@@ -641,8 +641,10 @@ def _build_arch(root: Path, arch: str, seed: int) -> None:
             root / "experts" / task,
             lambda out, task=task: _write_expert(out, arch, root, task, _piece_seed(seed, f"{arch}/experts/{task}")),
         )
-    _ensure_file(root / "example.yaml", yaml.safe_dump(_example_config(tasks, 2 * MAX_WORDS if arch == "bert" else None),
-                                                       sort_keys=False))
+    _ensure_file(
+        root / "example.yaml",
+        yaml.safe_dump(_example_config(tasks, 2 * MAX_WORDS if arch == "bert" else None), sort_keys=False),
+    )
 
 
 def build_tiny_example(out: Path, archs: tuple[str, ...] = ("bert", "clip"), seed: int = 0) -> Path:

@@ -47,8 +47,13 @@ def _stage_cost(run_dir: Path) -> dict[str, Any]:
         if kind == "merge":
             merge_peak = rec["peak_rss_mib"]
     calibration = sum(v for k, v in seconds.items() if k not in ("merge", "evaluate"))
-    return {"stage_seconds": {k: round(v, 2) for k, v in sorted(seconds.items())}, "merge_seconds": round(seconds.get("merge", 0.0), 2),
-            "calibration_seconds": round(calibration, 2), "peak_rss_mib": peak, "merge_peak_rss_mib": merge_peak}
+    return {
+        "stage_seconds": {k: round(v, 2) for k, v in sorted(seconds.items())},
+        "merge_seconds": round(seconds.get("merge", 0.0), 2),
+        "calibration_seconds": round(calibration, 2),
+        "peak_rss_mib": peak,
+        "merge_peak_rss_mib": merge_peak,
+    }
 
 
 def chosen_hyper(run_dir: Path) -> dict[str, dict[str, float]]:

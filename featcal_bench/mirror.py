@@ -95,8 +95,10 @@ class MirroredSpec(SavedSpec):
     def check_mirror(self) -> None:
         """Every path the build will read from a mirror exists: checked before any work, the first missing one named
         with its flag and how to fill it."""
-        wanted = [(self.models_from, MODELS_FLAG, self.model_source(h), f"`huggingface-cli download {h} --local-dir DIR`")
-                  for h in [self.BASE_MODEL, *(self.expert_id(t) for t in self.tasks)]]
+        wanted = [
+            (self.models_from, MODELS_FLAG, self.model_source(h), f"`huggingface-cli download {h} --local-dir DIR`")
+            for h in [self.BASE_MODEL, *(self.expert_id(t) for t in self.tasks)]
+        ]
         wanted += [(self.data_from, DATA_FLAG, self.data_source(t), self.data_fill(t)) for t in self.tasks]
         check_paths(wanted)
         # Hub sources: fetched now (or found in the cache offline), each checked to hold what the build reads. The
@@ -145,7 +147,9 @@ def from_source(load: Callable[[], T], source: str, mirrored: bool, flag: str) -
         return load()
     except Exception as exc:
         reach = f"a {flag} mirror path" if mirrored else "its snapshot in the Hugging Face cache"
-        raise ValueError(f"{source}: cannot load it from {reach}: {str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
+        raise ValueError(
+            f"{source}: cannot load it from {reach}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+        ) from exc
 
 
 def pretrained(cls: Any, spec: MirroredSpec, hub_id: str) -> Any:
@@ -167,7 +171,9 @@ def write_pretrained(bench: Path, name: str, spec: MirroredSpec, hub_id: str, mo
     return [name], {"source": spec.model_source(hub_id), "parameters": sum(p.numel() for p in model.parameters())}
 
 
-def dataset_split(source: str, config: str | None, split: str, mirrored: bool, splits: Sequence[str]) -> datasets.Dataset:
+def dataset_split(
+    source: str, config: str | None, split: str, mirrored: bool, splits: Sequence[str]
+) -> datasets.Dataset:
     """Split `split` of dataset directory `source`: a `save_to_disk` directory, or a hub dataset's snapshot (in a
     mirror or the cache) read by `load_dataset` with configuration `config`; `splits` are the ones the benchmark
     reads, named when the split is not there."""
@@ -218,8 +224,15 @@ def mirrored_task_stages(bench: Path, spec: Any, stage: Call, kind: str, code: s
     fingerprint (a mirror's content, or a hub id's name)."""
     records = {}
     for t in spec.tasks:
-        records[f"data/{t}"] = stage(bench, f"{kind}-data", f"data/{t}", digest_of(
-            [code, "data", t, spec.calibration, spec.test_rows, spec.seed, fingerprint(spec.data_source(t), memo)]), task=t)
+        records[f"data/{t}"] = stage(
+            bench,
+            f"{kind}-data",
+            f"data/{t}",
+            digest_of(
+                [code, "data", t, spec.calibration, spec.test_rows, spec.seed, fingerprint(spec.data_source(t), memo)]
+            ),
+            task=t,
+        )
     for t in spec.tasks:
         records[f"expert/{t}"] = stage(bench, f"{kind}-expert", f"expert/{t}", digest_of(
             [code, "expert", t, fingerprint(spec.model_source(spec.expert_id(t)), memo)]), task=t)

@@ -85,7 +85,8 @@ def _starting_rows(methods: list[dict[str, Any]], results: dict[str, dict[str, A
 def _paired_with_start(correct: dict[str, dict[str, list[bool]] | None], tasks: list[str],
                        starts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Each calibrated row against the row it started from (`_starting_rows`), on the same test rows: what the
-    calibration itself changed (`paired.compared`); pairs missing per-example predictions under `without_predictions`."""
+    calibration itself changed (`paired.compared`); pairs missing per-example predictions under
+    `without_predictions`."""
     comparisons, missing = [], []
     for method, start in starts.items():
         own, started = correct[method], correct[start["method"]]
@@ -123,8 +124,10 @@ def _agreement_with_experts(results: dict[str, dict[str, Any]], methods: list[di
     for row in methods:
         own = results[row["run"]].get("predictions", {})
         if all(row["model"] in own.get(t, {}) for t in tasks):
-            row["expert_agreement"] = {t: _mean([float(p == e) for p, e in zip(own[t][row["model"]], experts[t]["expert"],
-                                                                             strict=True)]) for t in tasks}
+            row["expert_agreement"] = {
+                t: _mean([float(p == e) for p, e in zip(own[t][row["model"]], experts[t]["expert"], strict=True)])
+                for t in tasks
+            }
 
 
 def _seconds_from_experts(results: dict[str, dict[str, Any]], run: str) -> float:
@@ -247,12 +250,16 @@ def markdown(report: dict[str, Any], study: Study) -> str:
                      + " |" * (6 + paper))
     for row in report["methods"]:
         cells = [f"{100 * row['accuracy'][t]:.1f}" for t in tasks]
-        extra = [f"{100 * row['average']:.1f}" + (f" ± {100 * row['standard_error']:.1f}" if "standard_error" in row else ""),
-                 *([f"{100 * row['paper']:.1f}" if "paper" in row else ""] if paper else []),
-                 f"{100 * row['normalized']:.1f}" if "normalized" in row else "",
-                 f"{100 * row['gap_closed']:.1f} %" if "gap_closed" in row else "",
-                 _worst(row),
-                 f"{row['seconds']:.1f}" if "seconds" in row else "", f"{row['peak_rss_mib']:.0f}" if "peak_rss_mib" in row else ""]
+        extra = [
+            f"{100 * row['average']:.1f}"
+            + (f" ± {100 * row['standard_error']:.1f}" if "standard_error" in row else ""),
+            *([f"{100 * row['paper']:.1f}" if "paper" in row else ""] if paper else []),
+            f"{100 * row['normalized']:.1f}" if "normalized" in row else "",
+            f"{100 * row['gap_closed']:.1f} %" if "gap_closed" in row else "",
+            _worst(row),
+            f"{row['seconds']:.1f}" if "seconds" in row else "",
+            f"{row['peak_rss_mib']:.0f}" if "peak_rss_mib" in row else "",
+        ]
         lines.append(f"| {row['method']} | " + " | ".join(cells + extra) + " |")
     if "gaps" in report:
         lines += ["", "*gap (expert − TA)*: the experts' accuracy minus task arithmetic's, in points, per task and "
@@ -266,15 +273,22 @@ def markdown(report: dict[str, Any], study: Study) -> str:
     lines += agreement_markdown(report)
     lines += paired_markdown(report)
     lines += start_markdown(report)
-    lines += ["", "## Sample efficiency (average accuracy, %)", "", "| examples/task | " + " | ".join(str(n) for n in SAMPLE_SIZES) + " |",
-              "|---|" + "---:|" * len(SAMPLE_SIZES)]
+    lines += [
+        "",
+        "## Sample efficiency (average accuracy, %)",
+        "",
+        "| examples/task | " + " | ".join(str(n) for n in SAMPLE_SIZES) + " |",
+        "|---|" + "---:|" * len(SAMPLE_SIZES),
+    ]
     curves = study.curves
     curve_rows = [(curves[name].label, points) for name, points in report["sample_efficiency"].items()]
     published = report.get("paper_sample_efficiency")  # {"curve": name, "points": {n: accuracy}}
     if published:
         curve_rows.append((f"paper ({curves[published['curve']].label})", published["points"]))
     for label, points in curve_rows:
-        lines.append(f"| {label} | " + " | ".join(f"{100 * points[n]:.1f}" if n in points else "" for n in SAMPLE_SIZES) + " |")
+        lines.append(
+            f"| {label} | " + " | ".join(f"{100 * points[n]:.1f}" if n in points else "" for n in SAMPLE_SIZES) + " |"
+        )
     for name in study.gains:
         if f"{name}_8_of_256_gain" in report:
             gain = curves[name].gain or ""
@@ -303,12 +317,20 @@ def changes_markdown(report: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     tasks = report["tasks"]
-    lines = ["", "## Change against the merge (or the run it calibrated), per task (points)", "",
-             "| method | from | " + " | ".join(tasks) + " | tasks below their merge |", "|---|---|" + "---:|" * (len(tasks) + 1)]
+    lines = [
+        "",
+        "## Change against the merge (or the run it calibrated), per task (points)",
+        "",
+        "| method | from | " + " | ".join(tasks) + " | tasks below their merge |",
+        "|---|---|" + "---:|" * (len(tasks) + 1),
+    ]
     for r in rows:
         below = [t for t in tasks if r["change_vs_merge"][t] < 0]
-        lines.append(f"| {r['method']} | {r['merge_row']} | " + " | ".join(f"{100 * r['change_vs_merge'][t]:+.1f}" for t in tasks)
-                     + f" | {', '.join(below) or '—'} |")
+        lines.append(
+            f"| {r['method']} | {r['merge_row']} | "
+            + " | ".join(f"{100 * r['change_vs_merge'][t]:+.1f}" for t in tasks)
+            + f" | {', '.join(below) or '—'} |"
+        )
     return lines
 
 
@@ -341,11 +363,14 @@ def paired_markdown(report: dict[str, Any]) -> list[str]:
             low, high = c["ci"]
             lines.append(f"| {c['method']} | {100 * c['difference']:+.1f} | [{100 * low:+.1f}, {100 * high:+.1f}] | "
                          f"{p_text(c['p_value'])} | {c['featcal_only_right']} | {c['other_only_right']} |")
-        lines += ["", f"Δ is {paired['reference']}'s task-averaged accuracy minus the method's. The CI is the 2.5–97.5 "
-                      "percentile range of a paired bootstrap: each task's test rows resampled with replacement within "
-                      f"that task, the same rows for both methods, {paired['resamples']:,} resamples, seed "
-                      f"{paired['seed']}. McNemar's test is exact (binomial on the rows where the two disagree), on the "
-                      "test rows of all tasks pooled."]
+        lines += [
+            "",
+            f"Δ is {paired['reference']}'s task-averaged accuracy minus the method's. The CI is the 2.5–97.5 "
+            "percentile range of a paired bootstrap: each task's test rows resampled with replacement within "
+            f"that task, the same rows for both methods, {paired['resamples']:,} resamples, seed "
+            f"{paired['seed']}. McNemar's test is exact (binomial on the rows where the two disagree), on the "
+            "test rows of all tasks pooled.",
+        ]
     if paired["without_predictions"]:
         lines += ["", "No per-example predictions for: " + ", ".join(paired["without_predictions"]) + "."]
     return lines
@@ -439,7 +464,9 @@ def saved_report_files(bench: Path, stem: str, report: dict[str, Any], results: 
                        out_dir: str | None, markdown: str, plots: Sequence[Path] = ()) -> list[str]:
     """`report/{stem}.json`, `.md` and `plots`, also copied to `out_dir` where given: a report stage's outputs."""
     # Each run's record without its per-example predictions (the paired comparisons summarise them).
-    report["runs"] = {r: {k: v for k, v in res.items() if k not in ("predictions", "labels")} for r, res in results.items()}
+    report["runs"] = {
+        r: {k: v for k, v in res.items() if k not in ("predictions", "labels")} for r, res in results.items()
+    }
     files = [f"report/{stem}.json", f"report/{stem}.md"]
     write_json(bench / files[0], report)
     write_bytes(bench / files[1], markdown.encode())

@@ -94,5 +94,8 @@ def model_sections(bench: Path, tasks: list[str], run: MethodRun) -> dict[str, A
         "base": str(bench / BASE),
         "experts": {t: str(bench / expert_dir(t)) for t in tasks},
         "merge": merge,
-        "featcal": {"method": run.method if run.method in ("regmean", "regmean_plus_plus") else "featcal", **run.featcal},
+        "featcal": {
+            "method": run.method if run.method in ("regmean", "regmean_plus_plus") else "featcal",
+            **run.featcal,
+        },
     }

@@ -37,7 +37,13 @@ from storage.rundir import Record, RunDir
 from tasks.record import recorded
 
 RESULTS_DIR = ".prefect-results"
-METHOD_MODULES = (method, run_defs, probsurgery, surgery, surgery_run)  # what every recipe's method runs execute besides the pipeline
+METHOD_MODULES = (
+    method,
+    run_defs,
+    probsurgery,
+    surgery,
+    surgery_run,
+)  # what every recipe's method runs execute besides the pipeline
 
 
 def stage_kinds() -> dict[str, Stage]:
@@ -162,7 +168,9 @@ def built_outputs(bench: Path, stages: list[str]) -> list[dict[str, str]]:
     for name in stages:
         rec = built.verified(name, (built.record(name) or {}).get("key", ""))
         if rec is None:
-            raise FileNotFoundError(f"{bench}: build stage {name} is missing or changed; run `featcal bench build` first")
+            raise FileNotFoundError(
+                f"{bench}: build stage {name} is missing or changed; run `featcal bench build` first"
+            )
         outputs.append(rec["outputs"])
     return outputs
 

@@ -113,9 +113,14 @@ class Study:
 
     def report_part(self) -> dict[str, Any]:
         """What the report reads from the study, as plain data: its stage's cache key holds it."""
-        return {"reference": self.reference, "paired_reference": self.paired_reference,
-                "rows": [r.model_dump() for r in self.rows], "curves": {k: c.model_dump() for k, c in self.curves.items()},
-                "gains": list(self.gains), "choices": self.choices.model_dump() if self.choices else None}
+        return {
+            "reference": self.reference,
+            "paired_reference": self.paired_reference,
+            "rows": [r.model_dump() for r in self.rows],
+            "curves": {k: c.model_dump() for k, c in self.curves.items()},
+            "gains": list(self.gains),
+            "choices": self.choices.model_dump() if self.choices else None,
+        }
 
 
 def _read(path: Path, seen: tuple[Path, ...]) -> StudyFile:
@@ -171,7 +176,9 @@ def load_study(path: str | Path) -> Study:
     runs = {}
     for name, entry in study.runs.items():
         fields = entry.model_dump()
-        fields.update(models=tuple(entry.models), featcal=_setting(study, entry.featcal, f"{path}: runs.{name}.featcal"))
+        fields.update(
+            models=tuple(entry.models), featcal=_setting(study, entry.featcal, f"{path}: runs.{name}.featcal")
+        )
         try:
             runs[name] = MethodRun(**fields)
         except ValueError as exc:

@@ -105,7 +105,9 @@ def one_thread_run(tiny_example, tmp_path_factory) -> Path:
     count may round differently)."""
     run_dir = tmp_path_factory.mktemp("one-thread")
     with torch_threads_restored():
-        run_pipeline(example_config(tiny_example, "bert", evaluation={"enabled": False}, runtime={"threads": 1}), run_dir)
+        run_pipeline(
+            example_config(tiny_example, "bert", evaluation={"enabled": False}, runtime={"threads": 1}), run_dir
+        )
     return run_dir
 
 

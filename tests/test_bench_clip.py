@@ -102,10 +102,17 @@ def test_run_reports_our_rows_beside_the_papers(built, ran):
     rows = {r["method"]: r for r in report["methods"]}
     assert set(rows) == {"experts (individual)", "zero-shot", "task arithmetic", "RegMean", "TA + Surgery",
                          "TA + ProbSurgery", "TA + FeatCal"}
-    ours = {run: json.loads((bench / "runs" / run / "report.json").read_text())["tasks"] for run in ("ta_featcal", "regmean")}
-    for method, run, model in (("experts (individual)", "ta_featcal", "expert"), ("zero-shot", "ta_featcal", "base"),
-                               ("task arithmetic", "ta_featcal", "merged"), ("TA + FeatCal", "ta_featcal", "calibrated"),
-                               ("RegMean", "regmean", "calibrated")):
+    ours = {
+        run: json.loads((bench / "runs" / run / "report.json").read_text())["tasks"]
+        for run in ("ta_featcal", "regmean")
+    }
+    for method, run, model in (
+        ("experts (individual)", "ta_featcal", "expert"),
+        ("zero-shot", "ta_featcal", "base"),
+        ("task arithmetic", "ta_featcal", "merged"),
+        ("TA + FeatCal", "ta_featcal", "calibrated"),
+        ("RegMean", "regmean", "calibrated"),
+    ):
         assert rows[method]["accuracy"] == {t: ours[run][t]["accuracy"][model] for t in TASKS}, method
         assert rows[method]["paper"] == pytest.approx(PAPER[method] / 100)
     for method, run, rank in (("TA + Surgery", "ta_surgery", 16), ("TA + ProbSurgery", "ta_probsurgery", 128)):

@@ -43,7 +43,9 @@ def in_process(bench, kind: str, name: str, key: str, **params) -> Record:
 def built(tmp_path_factory):
     with one_thread():  # tiny models: a second thread only adds contention
         models, data = llm_mirror(tmp_path_factory.mktemp("mirror"), DOMAINS_RUN, ROWS)
-    spec = preset_spec(LLM_PRESETS[PRESET], str(models), str(data), tasks=DOMAINS_RUN).model_copy(update={"calibration": CALIBRATION})
+    spec = preset_spec(LLM_PRESETS[PRESET], str(models), str(data), tasks=DOMAINS_RUN).model_copy(
+        update={"calibration": CALIBRATION}
+    )
     bench = tmp_path_factory.mktemp("bench")
     return bench, spec, build_stages(bench, spec, direct_call)
 
@@ -112,7 +114,9 @@ def test_run_reports_every_methods_losses_beside_the_papers_figures(built, ran):
     rows = {r["method"]: r for r in report["methods"]}
     assert set(rows) == {"experts (individual)", "Llama-3.2-3B (base)", "task arithmetic", "TIES", "RegMean",
                          "RegMean++", "TA + FeatCal", "TIES + FeatCal"}
-    ours = {run: json.loads((bench / "runs" / run / "report.json").read_text()) for run in load_study(RECIPE.study).runs}
+    ours = {
+        run: json.loads((bench / "runs" / run / "report.json").read_text()) for run in load_study(RECIPE.study).runs
+    }
     for row in rows.values():
         lm = {d: ours[row["run"]]["tasks"][d]["language_model"][row["model"]] for d in DOMAINS_RUN}
         assert row["loss"] == {d: lm[d]["loss"] for d in DOMAINS_RUN}, row["method"]
@@ -132,8 +136,10 @@ def test_run_reports_every_methods_losses_beside_the_papers_figures(built, ran):
     assert report["harness_tasks"] == {"instruction": {"lm_eval": ["ifeval"], "other": None},
                                        "math": {"lm_eval": ["gsm8k_cot"], "other": None}}
     md = (bench / "report" / f"{PRESET}.md").read_text()
-    header = ("| method | instruction | math | average loss (perplexity) | gap closed (loss) | next-token accuracy (%) | "
-              f"{PAPER_COLUMN} |")
+    header = (
+        "| method | instruction | math | average loss (perplexity) | gap closed (loss) | next-token accuracy (%) | "
+        f"{PAPER_COLUMN} |"
+    )
     assert header in md
     lines = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines() if line.startswith("| ")}
     assert "| 60.1 |" in lines["task arithmetic"] and "| 62.1 |" in lines["TA + FeatCal"]

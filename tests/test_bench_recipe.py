@@ -50,7 +50,11 @@ def user_files(example, root):
         else:
             ds["calibration"].to_json(str(root / pool))
         ds["test"].to_json(str(root / "data" / f"{t}_test.jsonl"))
-        tasks[t] = {"calibration": pool, "test": {"path": f"data/{t}_test.jsonl"}, **({"column": "text"} if text else {})}
+        tasks[t] = {
+            "calibration": pool,
+            "test": {"path": f"data/{t}_test.jsonl"},
+            **({"column": "text"} if text else {}),
+        }
     recipe = {"name": "my-bench", "base": str(example / "bert" / "base"),
               "experts": {t: str(example / "bert" / "experts" / t) for t in TASKS}, "tasks": tasks,
               "runs": ["ta_featcal", "ties_featcal", "regmean_pp"], "calibration": CALIBRATION,
@@ -99,12 +103,19 @@ def test_run_writes_the_same_report_paired_comparisons_and_plots(built, ran):
     bench, _, _ = built
     report = json.loads((bench / "report" / "my-bench.json").read_text())
     rows = {r["method"]: r for r in report["methods"]}
-    assert {"experts (individual)", "task arithmetic", "TIES", "RegMean++", "TA + FeatCal", "TIES + FeatCal"} <= set(rows)
+    assert {"experts (individual)", "task arithmetic", "TIES", "RegMean++", "TA + FeatCal", "TIES + FeatCal"} <= set(
+        rows
+    )
     ours = {run: json.loads((bench / "runs" / run / "report.json").read_text()) for run in ("ta_featcal", "regmean_pp")}
-    for method, run, model in (("task arithmetic", "ta_featcal", "merged"), ("TA + FeatCal", "ta_featcal", "calibrated"),
-                               ("RegMean++", "regmean_pp", "calibrated")):
+    for method, run, model in (
+        ("task arithmetic", "ta_featcal", "merged"),
+        ("TA + FeatCal", "ta_featcal", "calibrated"),
+        ("RegMean++", "regmean_pp", "calibrated"),
+    ):
         accuracy = {t: ours[run]["tasks"][t]["accuracy"][model] for t in TASKS}
-        assert rows[method]["accuracy"] == accuracy and rows[method]["average"] == pytest.approx(sum(accuracy.values()) / 3)
+        assert rows[method]["accuracy"] == accuracy and rows[method]["average"] == pytest.approx(
+            sum(accuracy.values()) / 3
+        )
     paired = {c["method"] for c in report["paired"]["comparisons"]}
     assert {"task arithmetic", "TIES", "RegMean++"} <= paired
     md = (bench / "report" / "my-bench.md").read_text()
@@ -122,10 +133,12 @@ def test_bench_run_takes_a_study_file(built, ran, tmp_path):
     copy = tmp_path / "bench"
     shutil.copytree(bench, copy)
     study = tmp_path / "study.yaml"
-    study.write_text(f"include: [{SHARED / 'settings.yaml'}]\nreference: mine\n"
-                     "runs:\n  mine: {merge: task_arithmetic, method: featcal, models: [merged, calibrated, expert], "
-                     "featcal: {use: paper, lambda: 0.1}}\n"
-                     "rows:\n  - [experts, mine, expert]\n  - [TA, mine, merged, merge]\n  - [mine, mine, calibrated, total]\n")
+    study.write_text(
+        f"include: [{SHARED / 'settings.yaml'}]\nreference: mine\n"
+        "runs:\n  mine: {merge: task_arithmetic, method: featcal, models: [merged, calibrated, expert], "
+        "featcal: {use: paper, lambda: 0.1}}\n"
+        "rows:\n  - [experts, mine, expert]\n  - [TA, mine, merged, merge]\n  - [mine, mine, calibrated, total]\n"
+    )
     with one_thread():
         records = run_stages(copy, None, None, in_process, str(study))
     assert sorted(records) == ["method/mine", "report"]
@@ -152,7 +165,9 @@ def test_a_changed_data_file_rebuilds_only_its_task(built, ran, tmp_path):
     raw["tasks"] = {t: {**v, **({} if t == "topic" else {"calibration": str(path.parent / v["calibration"])}),
                         "test": {"path": str(path.parent / v["test"]["path"])}} for t, v in raw["tasks"].items()}
     spec = UserRecipe.model_validate(raw)
-    before = {n: RunDir(copy).record(n)["key"] for n in ("base", *(f"{k}/{t}" for t in TASKS for k in ("data", "expert")))}
+    before = {
+        n: RunDir(copy).record(n)["key"] for n in ("base", *(f"{k}/{t}" for t in TASKS for k in ("data", "expert")))
+    }
     with one_thread():
         after = build_stages(copy, spec, direct_call)
     changed = sorted(n for n, key in before.items() if after[n]["key"] != key)

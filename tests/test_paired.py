@@ -71,7 +71,10 @@ def test_bootstrap_point_estimate_is_the_task_averaged_difference_and_inside_its
 
 def test_bootstrap_identical_methods_give_a_zero_width_ci_at_zero():
     a, _ = _tasks(2, [0.7, 0.5], [0.7, 0.5], [40, 40])
-    assert paired_bootstrap(a, {t: list(c) for t, c in a.items()}, resamples=500) == {"difference": 0.0, "ci": [0.0, 0.0]}
+    assert paired_bootstrap(a, {t: list(c) for t, c in a.items()}, resamples=500) == {
+        "difference": 0.0,
+        "ci": [0.0, 0.0],
+    }
 
 
 def test_bootstrap_large_difference_excludes_zero_and_is_reproducible():
@@ -166,7 +169,10 @@ def test_report_pairs_featcal_with_every_method_and_gives_the_gaps():
     results = {run: _result(p) for run, p in PREDICTIONS.items()}
     surgery = _result({"a": {"calibrated": [0, 1, 0, 0]}, "b": {"calibrated": [2, 0, 1, 1, 1]}})
     results["ta_surgery"] = {k: v for k, v in surgery.items() if k not in ("predictions", "labels")}  # an old result
-    predictions = {**PREDICTIONS, "ta_probsurgery": {"a": {"calibrated": [0, 1, 1, 0]}, "b": {"calibrated": [2, 0, 1, 1, 1]}}}
+    predictions = {
+        **PREDICTIONS,
+        "ta_probsurgery": {"a": {"calibrated": [0, 1, 1, 0]}, "b": {"calibrated": [2, 0, 1, 1, 1]}},
+    }
     results["ta_probsurgery"] = _result(predictions["ta_probsurgery"])
     report = build_report(results, TASKS, {}, MINILM)
     # experts: a 4/4, b 5/5; task arithmetic: a 2/4, b 3/5
@@ -187,7 +193,9 @@ def test_report_pairs_featcal_with_every_method_and_gives_the_gaps():
         assert row["difference"] == pytest.approx(difference, abs=1e-12)
         assert (row["featcal_only_right"], row["other_only_right"]) == (featcal_only, other_only)
         assert row["p_value"] == pytest.approx(p, rel=1e-9)
-        assert row["ci"] == paired_bootstrap(_correct("ta_featcal", "calibrated"), _correct(run, model, predictions))["ci"]
+        assert (
+            row["ci"] == paired_bootstrap(_correct("ta_featcal", "calibrated"), _correct(run, model, predictions))["ci"]
+        )
         assert row["ci"][0] <= difference <= row["ci"][1]
     md = markdown(report, MINILM)
     assert "| *gap (expert − TA)* | *+50.0* | *+40.0* | *+45.0* | | | | |" in md

@@ -25,7 +25,9 @@ from featcal_bench.layout import BASE, data_dir
 from featcal_bench.runs import SURGERY_METHODS, MethodRun
 from featcal_bench.study import load_study
 
-SURGERY_PASSES = 2  # the expert's and the merged model's features of each pool image, once (featcal_bench/clip/methods.py)
+SURGERY_PASSES = (
+    2  # the expert's and the merged model's features of each pool image, once (featcal_bench/clip/methods.py)
+)
 TIMED_IMAGES = 16
 STUDY = Path(__file__).with_name("study.yaml")  # the runs the estimate counts
 

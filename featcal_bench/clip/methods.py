@@ -1,6 +1,6 @@
-"""The CLIP benchmark's method runs (the runs themselves: study.yaml beside this file), each a pipeline run (or Surgery, ProbSurgery) in its own
-process, scored with zero-shot heads made from the benchmark's prompts; each writes `results/{run}.json` like the
-MiniLM runs.
+"""The CLIP benchmark's method runs (the runs themselves: study.yaml beside this file), each a pipeline run (or
+Surgery, ProbSurgery) in its own process, scored with zero-shot heads made from the benchmark's prompts; each writes
+`results/{run}.json` like the MiniLM runs.
 """
 
 from __future__ import annotations

@@ -28,7 +28,9 @@ def build_graph(bench: Path, spec: ClipBenchSpec, stage: Call, code: str, memo: 
     fingerprint (a mirror's content, or a hub id's name)."""
     records = {"clip": stage(bench, "clip-clip", "clip", digest_of(
         [code, "clip", fingerprint(spec.model_source(BASE_MODEL), memo)]))}
-    records["base"] = stage(bench, "clip-base", "base", digest_of([code, "base", records["clip"]["outputs"][build.CLIP]]))
+    records["base"] = stage(
+        bench, "clip-base", "base", digest_of([code, "base", records["clip"]["outputs"][build.CLIP]])
+    )
     records.update(mirrored_task_stages(bench, spec, stage, "clip", code, memo))
     return records
 
@@ -43,8 +45,12 @@ def write_report(bench: Path, spec: ClipBenchSpec, results: dict[str, dict[str, 
 RECIPE = Recipe(
     name="clip",
     spec=ClipBenchSpec,
-    presets={"clip-vit-b32-ta8": Preset("the paper's CLIP ViT-B/32 on 8 image tasks, zero-shot heads",
-                                        "`bench build` prints it: passes timed here on the base (estimate.md)")},
+    presets={
+        "clip-vit-b32-ta8": Preset(
+            "the paper's CLIP ViT-B/32 on 8 image tasks, zero-shot heads",
+            "`bench build` prints it: passes timed here on the base (estimate.md)",
+        )
+    },
     access="hub or mirror",
     options=frozenset({"models_from", "data_from", "tasks", "test_rows"}),
     located=mirror.located(CLIP_PRESETS),
@@ -57,7 +63,10 @@ RECIPE = Recipe(
     method_modules=(methods, prompts, spec_module),
     report=Report(
         title=lambda spec: f"FeatCal benchmark `{spec.name}`: CLIP ViT-B/32, {len(spec.tasks)} tasks, zero-shot heads",
-        about=rows_about(report.about), write=write_report, modules=(report, prompts, spec_module, sys.modules[__name__])),
+        about=rows_about(report.about),
+        write=write_report,
+        modules=(report, prompts, spec_module, sys.modules[__name__]),
+    ),
     run_inputs=lambda spec: ["clip", "base", *(f"{k}/{t}" for t in spec.tasks for k in ("data", "expert"))],
     estimate=lambda bench, spec: write_estimate(bench, clip_cost_estimate(bench, split_sizes(bench, spec.tasks))),
     cache_surgery_features=True,

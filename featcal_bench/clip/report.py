@@ -24,7 +24,11 @@ def about(spec: ClipBenchSpec, test_rows: dict[str, int], calibration_rows: dict
     lines = [f"- `{t}`: {CLIP_TASKS[t].about}; data `{CLIP_TASKS[t].dataset}`, expert `{CLIP_TASKS[t].expert}`; "
              f"test {test_rows[t]:,} rows, calibration pool {calibration_rows[t]}; {len(CLASS_NAMES[t])} class names × "
              f"{len(TEMPLATES[t])} prompt template(s)" for t in spec.tasks]
-    test = "all of each test split" if spec.test_rows is None else f"a seeded subset of {spec.test_rows} test rows per task"
+    test = (
+        "all of each test split"
+        if spec.test_rows is None
+        else f"a seeded subset of {spec.test_rows} test rows per task"
+    )
     return (f"Base `{BASE_MODEL}` (its vision tower; the text tower makes the zero-shot heads), head-less "
             f"`CLIPVisionModel` experts, models from {source(spec.models_from)}, data from {source(spec.data_from)}. "
             f"Calibration pool: a seeded subset of each train split (seed {spec.seed}); scored on {test}. Every model "
@@ -38,7 +42,10 @@ def clip_report(results: dict[str, dict[str, Any]], spec: ClipBenchSpec, meta: d
     row the paper reports, and its sample-efficiency points."""
     report = build_report(results, spec.tasks, {**meta, "test_rows": test_rows}, study)
     add_paper_column(report, PAPER)
-    report["paper_sample_efficiency"] = {"curve": "featcal", "points": {n: v / 100 for n, v in PAPER_SAMPLE_EFFICIENCY.items()}}
+    report["paper_sample_efficiency"] = {
+        "curve": "featcal",
+        "points": {n: v / 100 for n, v in PAPER_SAMPLE_EFFICIENCY.items()},
+    }
     subset = sorted(set(CLIP_TASKS) - set(spec.tasks))
     report["notes"] = [
         "*paper*: the averages the FeatCal paper publishes for CLIP ViT-B/32 over all eight tasks (256 calibration "

@@ -93,7 +93,8 @@ def held_out_splits(ds: datasets.Dataset, calibration: int, test_rows: int | Non
 
 
 def write_data(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
-    """The held-out set of domain `task` rendered into text, split into a calibration pool and disjoint held-out rows."""
+    """The held-out set of domain `task` rendered into text, split into a calibration pool and disjoint held-out
+    rows."""
     spec = LlmBenchSpec.load(bench)
     source = spec.data_name(task)
     rows = _checked(dataset_split(spec.data_source(task), None, SOURCE_SPLIT, bool(spec.data_from), (SOURCE_SPLIT,)),
@@ -106,4 +107,8 @@ def write_data(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
     return [data_dir(task)], {"source": source, "source_rows": len(rows), **{s: len(r) for s, r in out.items()}}
 
 
-LLM_BUILD_STAGES = {"llm-base": write_base, "llm-data": write_data, "llm-expert": expert_stage(LlmBenchSpec, _causal_lm)}
+LLM_BUILD_STAGES = {
+    "llm-base": write_base,
+    "llm-data": write_data,
+    "llm-expert": expert_stage(LlmBenchSpec, _causal_lm),
+}

@@ -68,9 +68,23 @@ def build_graph(bench: Path, spec: BenchSpec, stage: Call, code: str, memo: Path
              records["base"]["outputs"][BASE], records[f"data/{t}"]["outputs"][data_dir(t)]]), task=t)
     if spec.competence is not None:
         check_code = code_digest([Path(competence.__file__), Path(probe.__file__), Path(merging.__file__)])
-        records["check"] = stage(bench, "check", "check/competence", digest_of(
-            [code, check_code, "check", spec.competence.model_dump(), spec.finetune.max_length, spec.tasks,
-             records["base"]["outputs"], [records[f"{k}/{t}"]["outputs"] for t in spec.tasks for k in ("data", "expert")]]))
+        records["check"] = stage(
+            bench,
+            "check",
+            "check/competence",
+            digest_of(
+                [
+                    code,
+                    check_code,
+                    "check",
+                    spec.competence.model_dump(),
+                    spec.finetune.max_length,
+                    spec.tasks,
+                    records["base"]["outputs"],
+                    [records[f"{k}/{t}"]["outputs"] for t in spec.tasks for k in ("data", "expert")],
+                ]
+            ),
+        )
     return records
 
 
@@ -89,12 +103,17 @@ def about(bench: Path, spec: BenchSpec) -> str:
     if ft.select is None:
         recipe = f"{ft.epochs:g} epoch(s), lr {ft.lr:g}"
     else:
-        recipe = (f"lr {' or '.join(f'{lr:g}' for lr in ft.select.lrs)} and up to {ft.epochs:g} epochs, the best "
-                  f"checkpoint on the validation split (stopped after {ft.select.patience} epochs without a better one)")
+        recipe = (
+            f"lr {' or '.join(f'{lr:g}' for lr in ft.select.lrs)} and up to {ft.epochs:g} epochs, the best "
+            f"checkpoint on the validation split (stopped after {ft.select.patience} epochs without a better one)"
+        )
     validation = f", validation {spec.validation}" if spec.validation else ""
-    return (f"Splits per task: test {spec.test}, calibration pool {spec.calibration}{validation}, train ≤ {spec.train_max}; "
-            f"experts: full fine-tune, {recipe}, batch {ft.batch_size}, ≤ {ft.max_length} tokens, seed {spec.seed}.\n\n"
-            + "\n".join(lines))
+    return (
+        f"Splits per task: test {spec.test}, calibration pool {spec.calibration}{validation}, "
+        f"train ≤ {spec.train_max}; "
+        f"experts: full fine-tune, {recipe}, batch {ft.batch_size}, ≤ {ft.max_length} tokens, seed {spec.seed}.\n\n"
+        + "\n".join(lines)
+    )
 
 
 def write_report(bench: Path, spec: BenchSpec, results: dict[str, dict[str, Any]], meta: dict[str, Any],

@@ -46,7 +46,10 @@ def _checked(ds: datasets.Dataset, task: str, split: str, source: str) -> datase
     columns, label = GLUE_TASKS[task].columns, ds.features.get(LABEL)
     if task in LABEL_WORDS:
         classes = len(LABEL_WORDS[task])
-        fits, wanted = isinstance(label, ClassLabel) and label.num_classes == classes, f"a ClassLabel of {classes} classes"
+        fits, wanted = (
+            isinstance(label, ClassLabel) and label.num_classes == classes,
+            f"a ClassLabel of {classes} classes",
+        )
     else:
         fits, wanted = isinstance(label, Value) and label.dtype.startswith("float"), "a float score"
     if not fits or any(c not in ds.features for c in columns):

@@ -40,8 +40,10 @@ def prompt_passes(run: MethodRun, rows: dict[str, dict[str, int]]) -> Passes:
     generate call of every scored model (and of the expert as drift reference), and, where drift is measured,
     teacher-forced forwards of the expert and each drifting model on the expert's answer."""
     drifting = drifting_models(run.models)
-    return Passes(forward=CALIBRATION_PASSES * calibration_rows(run, rows) + (drifting + bool(drifting)) * test_rows(rows),
-                  generate=evaluation_passes(run.models) * test_rows(rows))
+    return Passes(
+        forward=CALIBRATION_PASSES * calibration_rows(run, rows) + (drifting + bool(drifting)) * test_rows(rows),
+        generate=evaluation_passes(run.models) * test_rows(rows),
+    )
 
 
 def prompt_speeds(bench: Path, task: str) -> dict[str, Speed]:

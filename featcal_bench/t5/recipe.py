@@ -33,8 +33,12 @@ def t5_estimate(bench: Path, spec: T5BenchSpec) -> str:
 RECIPE = Recipe(
     name="t5",
     spec=T5BenchSpec,
-    presets={"flan-t5-base-glue8": Preset("the paper's FLAN-T5-base on 8 GLUE tasks, text to text",
-                                          "`bench build` prints it: passes timed here on the base (estimate.md)")},
+    presets={
+        "flan-t5-base-glue8": Preset(
+            "the paper's FLAN-T5-base on 8 GLUE tasks, text to text",
+            "`bench build` prints it: passes timed here on the base (estimate.md)",
+        )
+    },
     access="hub or mirror",
     options=frozenset({"models_from", "data_from", "tasks", "test_rows"}),
     located=mirror.located(T5_PRESETS),
@@ -47,7 +51,10 @@ RECIPE = Recipe(
     method_modules=(build, methods, prompts, spec_module),
     report=Report(
         title=lambda spec: f"FeatCal benchmark `{spec.name}`: FLAN-T5-base, {len(spec.tasks)} GLUE tasks, text to text",
-        about=rows_about(report.about), write=write_report, modules=(report, prompts, spec_module, sys.modules[__name__])),
+        about=rows_about(report.about),
+        write=write_report,
+        modules=(report, prompts, spec_module, sys.modules[__name__]),
+    ),
     estimate=t5_estimate,
     write_configs=True,
 )

@@ -35,7 +35,9 @@ def about(spec: T5BenchSpec, test_rows: dict[str, int], calibration_rows: dict[s
             "figure is Spearman's ρ of the first number in the answer.\n\n" + "\n".join(lines))
 
 
-def t5_report(results: dict[str, dict[str, Any]], spec: T5BenchSpec, meta: dict[str, Any], study: Study) -> dict[str, Any]:
+def t5_report(
+    results: dict[str, dict[str, Any]], spec: T5BenchSpec, meta: dict[str, Any], study: Study
+) -> dict[str, Any]:
     """The report of the runs in `results` (run name → its results JSON), with the paper's figures on every row the
     paper reports. No standard errors or paired comparisons: stsb's figure is a correlation, not a proportion of
     rows answered right."""

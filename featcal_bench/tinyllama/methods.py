@@ -1,7 +1,7 @@
 """The tinyllama-domains benchmark's method runs (the runs themselves: study.yaml beside this file) on the built
-experts, each a pipeline run in its own process (single-threaded, on the CPU), every model scored by its next-token loss on
-each domain's held-out rows; each writes `results/{run}.json` like the other benchmarks' runs, with the per-domain
-losses beside the next-token accuracies.
+experts, each a pipeline run in its own process (single-threaded, on the CPU), every model scored by its next-token
+loss on each domain's held-out rows; each writes `results/{run}.json` like the other benchmarks' runs, with the
+per-domain losses beside the next-token accuracies.
 """
 
 from __future__ import annotations

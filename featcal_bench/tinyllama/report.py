@@ -18,18 +18,20 @@ from featcal_bench.tinyllama.build import DOMAINS, SPLITS, TinyLlamaSpec
 def about(spec: TinyLlamaSpec) -> str:
     s, pre, ft = spec.shape, spec.pretrain, spec.finetune
     lines = [f"- `{d}`: {DOMAINS[d][2]}" for d in spec.tasks]
-    return (f"A Llama made here ({s.num_hidden_layers} layers, hidden {s.hidden_size}, {s.num_attention_heads} heads, "
-            f"{s.num_key_value_heads} key/value heads, MLP {s.intermediate_size}, tied embeddings; byte-level BPE of "
-            f"{spec.vocab_size} tokens trained on the pretraining mix; rows of {spec.seq_len} tokens), pretrained from "
-            f"scratch for {pre.steps} steps of {pre.batch_size} rows (lr {pre.lr:g}) on a mix of the four domains, then "
-            f"one expert per domain: a full fine-tune from the base on that domain's own rows, ≤ {ft.steps} steps and "
-            f"≤ {ft.max_epochs:g} epochs of {ft.batch_size} rows (lr {ft.lr:g}). Each domain's text is split by whole "
-            f"groups (seed {spec.seed}): held-out test (≤ {spec.test_rows} rows), calibration pool (≤ "
-            f"{spec.calibration_rows} rows), then the rest halved between the expert's fine-tuning and the base's "
-            "pretraining; no group is in two splits. Every model is scored by its mean next-token loss in nats over "
-            "every token of the held-out rows. Merges at scale 0.3 (TIES: top 20 % of each task vector); FeatCal λ "
-            "0.05, ρ 2.2, α 0.25 (the paper's) and λ auto; RegMean and RegMean++ from the average, off-diagonal "
-            "0.95. One CPU thread everywhere.\n\n" + "\n".join(lines))
+    return (
+        f"A Llama made here ({s.num_hidden_layers} layers, hidden {s.hidden_size}, {s.num_attention_heads} heads, "
+        f"{s.num_key_value_heads} key/value heads, MLP {s.intermediate_size}, tied embeddings; byte-level BPE of "
+        f"{spec.vocab_size} tokens trained on the pretraining mix; rows of {spec.seq_len} tokens), pretrained from "
+        f"scratch for {pre.steps} steps of {pre.batch_size} rows (lr {pre.lr:g}) on a mix of the four domains, then "
+        f"one expert per domain: a full fine-tune from the base on that domain's own rows, ≤ {ft.steps} steps and "
+        f"≤ {ft.max_epochs:g} epochs of {ft.batch_size} rows (lr {ft.lr:g}). Each domain's text is split by whole "
+        f"groups (seed {spec.seed}): held-out test (≤ {spec.test_rows} rows), calibration pool (≤ "
+        f"{spec.calibration_rows} rows), then the rest halved between the expert's fine-tuning and the base's "
+        "pretraining; no group is in two splits. Every model is scored by its mean next-token loss in nats over "
+        "every token of the held-out rows. Merges at scale 0.3 (TIES: top 20 % of each task vector); FeatCal λ "
+        "0.05, ρ 2.2, α 0.25 (the paper's) and λ auto; RegMean and RegMean++ from the average, off-diagonal "
+        "0.95. One CPU thread everywhere.\n\n" + "\n".join(lines)
+    )
 
 
 def tinyllama_report(results: dict[str, dict[str, Any]], spec: TinyLlamaSpec, meta: dict[str, Any],
@@ -58,12 +60,18 @@ def _build_lines(build: dict[str, Any], spec: TinyLlamaSpec) -> list[str]:
         lines.append(f"| {d} | " + " | ".join(str(data[s]) for s in SPLITS)
                      + f" | {data['characters_per_token']:.2f} | {loss['base']:.4f} | {loss['expert']:.4f} |")
     base = build["base"]["info"]
-    lines += ["", f"Pretraining: {base['parameters']:,} parameters, {base['steps']} steps, {base['tokens']:,} tokens "
-                  f"({base['epochs']} epochs of the mix's {base['rows']} rows), {base['seconds']:.0f} s at "
-                  f"{base['tokens_per_second']} tokens/s, final training loss {base['final_loss']:.3f}. Experts: "
-              + "; ".join(f"{d} {build[f'expert/{d}']['info']['steps']} steps ({build[f'expert/{d}']['info']['epochs']} "
-                          f"epochs, {build[f'expert/{d}']['info']['seconds']:.0f} s)" for d in spec.tasks)
-              + ". *base loss* / *expert loss*: each domain's held-out loss before and after its fine-tune."]
+    lines += [
+        "",
+        f"Pretraining: {base['parameters']:,} parameters, {base['steps']} steps, {base['tokens']:,} tokens "
+        f"({base['epochs']} epochs of the mix's {base['rows']} rows), {base['seconds']:.0f} s at "
+        f"{base['tokens_per_second']} tokens/s, final training loss {base['final_loss']:.3f}. Experts: "
+        + "; ".join(
+            f"{d} {build[f'expert/{d}']['info']['steps']} steps ({build[f'expert/{d}']['info']['epochs']} "
+            f"epochs, {build[f'expert/{d}']['info']['seconds']:.0f} s)"
+            for d in spec.tasks
+        )
+        + ". *base loss* / *expert loss*: each domain's held-out loss before and after its fine-tune.",
+    ]
     stages = ", ".join(f"{k} {v:.0f} s" for k, v in build["seconds_by_kind"].items())
     lines += ["", f"Build wall time (sum of its stages): {build['seconds']:.0f} s ({stages})."]
     return lines
@@ -83,8 +91,12 @@ def markdown(report: dict[str, Any], spec: TinyLlamaSpec) -> str:
                   f"{100 * r['gap_closed_loss']:.1f} %" if "gap_closed_loss" in r else "",
                   f"{100 * r['average']:.2f}", f"{r['seconds']:.1f}" if "seconds" in r else ""]
         lines.append(f"| {r['method']} | " + " | ".join(cells) + " |")
-    lines += ["", "*gap closed (loss)*: (TA − row) / (TA − experts) on the average loss: 0 at task arithmetic, 100 % at "
-                  "the experts (each on its own domain). *time*: the merge, plus calibration where there is one.", ""]
+    lines += [
+        "",
+        "*gap closed (loss)*: (TA − row) / (TA − experts) on the average loss: 0 at task arithmetic, 100 % at "
+        "the experts (each on its own domain). *time*: the merge, plus calibration where there is one.",
+        "",
+    ]
     if report.get("run_gap_closed"):
         lines.append("Each calibrated run against its own merge (or, for RegMean + FeatCal and RegMean++ + FeatCal, "
                      "the RegMean model it calibrated), (start − calibrated) / (start − experts) on the average loss: "
