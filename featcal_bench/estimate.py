@@ -48,8 +48,13 @@ class Speed:
 
 def split_sizes(bench: Path, tasks: list[str]) -> dict[str, dict[str, int]]:
     """Per task, the sizes of its calibration pool and test split, as its data stage recorded them."""
-    return {t: {split: RunDir(bench).record(f"data/{t}")["info"][split] for split in ("calibration", "test")}
-            for t in tasks}
+    sizes = {}
+    for t in tasks:
+        record = RunDir(bench).record(f"data/{t}")
+        if record is None:
+            raise FileNotFoundError(f"{bench}: build stage data/{t} has no record; run `featcal bench build` first")
+        sizes[t] = {split: record["info"][split] for split in ("calibration", "test")}
+    return sizes
 
 
 def rows_about(about: Callable[[Any, dict[str, int], dict[str, int]], str]) -> Callable[[Path, Any], str]:

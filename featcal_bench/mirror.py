@@ -107,9 +107,10 @@ class MirroredSpec(SavedSpec):
             self.BASE_MODEL, *(self.expert_id(t) for t in self.tasks)]]
         fetched += [] if self.data_from else [resolve(self.dataset_id(t)[0], f"data of {t}", "dataset",
                                                       self.dataset_id(t)[1]) for t in self.tasks]
-        if fetched:
-            log.info("%d hub sources: %.3f GiB in the cache, %.3f GiB downloaded now", len(fetched),
-                     sum(r.size for r in fetched) / 1024**3, sum(r.downloaded for r in fetched) / 1024**3)
+        hub = [r for r in fetched if r is not None]  # resolve gives None only for a local path
+        if hub:
+            log.info("%d hub sources: %.3f GiB in the cache, %.3f GiB downloaded now", len(hub),
+                     sum(r.size for r in hub) / 1024**3, sum(r.downloaded for r in hub) / 1024**3)
 
 
 def check_paths(wanted: Sequence[tuple[str | None, str, str, str]]) -> None:

@@ -141,7 +141,7 @@ def test_bench_run_takes_a_study_file(built, ran, tmp_path):
     )
     with one_thread():
         records = run_stages(copy, None, None, in_process, str(study))
-    assert sorted(records) == ["method/mine", "report"]
+    assert sorted(records) == ["mine", "report"]
     ours = json.loads((copy / "runs" / "mine" / "report.json").read_text())
     resolved = yaml.safe_load((copy / "runs" / "mine" / CONFIG_NAME).read_text())
     assert resolved["featcal"]["lambda"] == 0.1 and resolved["featcal"]["rho"] == 2.2

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from featcal_bench.layout import BASE, data_dir
 from featcal_bench.llm.spec import BASE_MODEL, DOMAINS, PROMPT, PROMPT_WITH_INPUT, SOURCE_SPLIT, LlmBenchSpec
 from featcal_bench.mirror import MODELS_FLAG, dataset_split, expert_stage, from_source, pretrained
+from featcal_bench.recipe import Stage
 from storage.atomic import atomic_path
 
 log = logging.getLogger("featcal")
@@ -73,7 +74,8 @@ def _checked(ds: datasets.Dataset, domain: str, source: str) -> datasets.Dataset
     def is_text(field: str) -> bool:
         return getattr(ds.features.get(field), "dtype", None) == "string"
 
-    if not (is_text(d.prompt) and is_text(d.response)) or (d.input in ds.features and not is_text(d.input)):
+    if not (is_text(d.prompt) and is_text(d.response)) or (d.input is not None and d.input in ds.features
+                                                           and not is_text(d.input)):
         optional = f" (and optionally {d.input!r})" if d.input else ""
         raise ValueError(f"{source} ({SOURCE_SPLIT}): expected string columns {[d.prompt, d.response]}{optional}, "
                          f"MergeBench's {domain} fields; it has {dict(ds.features)}")
@@ -107,7 +109,7 @@ def write_data(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
     return [data_dir(task)], {"source": source, "source_rows": len(rows), **{s: len(r) for s, r in out.items()}}
 
 
-LLM_BUILD_STAGES = {
+LLM_BUILD_STAGES: dict[str, Stage] = {
     "llm-base": write_base,
     "llm-data": write_data,
     "llm-expert": expert_stage(LlmBenchSpec, _causal_lm),

@@ -70,7 +70,12 @@ def build_summary(bench: Path, spec: TinyLlamaSpec) -> dict[str, Any]:
     """The build stages' records (info and seconds) for the report, and the build's wall time by stage kind."""
     done = RunDir(bench)
     names = [*(f"{k}/{d}" for k in ("texts", "data", "expert") for d in spec.tasks), "tokenizer", "base"]
-    records = {n: done.record(n) for n in names}
+    records = {}
+    for n in names:
+        record = done.record(n)
+        if record is None:
+            raise FileNotFoundError(f"{bench}: build stage {n} has no record; run `featcal bench build` first")
+        records[n] = record
     kinds: dict[str, float] = {}
     for name, rec in records.items():
         kinds[name.split("/")[0]] = kinds.get(name.split("/")[0], 0.0) + rec["seconds"]
