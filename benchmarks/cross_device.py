@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 
 from benchmarks.common import ROOT
 from benchmarks.large_model import records
-from featcal.example import build_tiny_example
+from featcal_bench.example import build_tiny_example
 from flows.pipeline import machine
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}

@@ -92,7 +92,7 @@ def build_mid(work: Path) -> Path:
 
 def tiny_config(tiny: Path) -> Path:
     if not (tiny / "bert" / "example.yaml").is_file():
-        from featcal.example import build_tiny_example
+        from featcal_bench.example import build_tiny_example
 
         build_tiny_example(tiny)
     return tiny / "bert" / "example.yaml"

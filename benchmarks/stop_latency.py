@@ -25,7 +25,7 @@ import psutil
 import yaml
 
 from benchmarks.common import ROOT
-from featcal.example import build_tiny_example
+from featcal_bench.example import build_tiny_example
 from flows.pipeline import machine
 
 CASES = {  # name: (signal, to the whole process group?, extra options)

@@ -26,7 +26,7 @@ import yaml
 
 from benchmarks.common import ROOT
 from benchmarks.pipeline_cost import run_once
-from featcal.example import build_tiny_example
+from featcal_bench.example import build_tiny_example
 from flows.pipeline import machine
 
 KINDS = ("HEAD", "GET", "LIST", "PUT", "DELETE")

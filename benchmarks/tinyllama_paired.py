@@ -22,7 +22,7 @@ import torch
 from featcal.data import InputBuilder, load_split, row_batches
 from featcal.evaluation import next_token_sums
 from featcal.modeling import task_model
-from featcal_bench.method import run_dir
+from featcal_bench.runs import run_dir
 from flows.pipeline import machine
 from storage.atomic import read_json
 from tasks.context import context

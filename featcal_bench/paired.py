@@ -25,7 +25,9 @@ def mcnemar(a_correct: Sequence[bool], b_correct: Sequence[bool]) -> dict[str, f
     (1.0 when the two never disagree)."""
     a, b = np.asarray(a_correct, dtype=bool), np.asarray(b_correct, dtype=bool)
     if a.shape != b.shape or a.ndim != 1:
-        raise ValueError(f"paired correctness must be two flat sequences of one length, got shapes {a.shape} and {b.shape}")
+        raise ValueError(
+            f"paired correctness must be two flat sequences of one length, got shapes {a.shape} and {b.shape}"
+        )
     only_a, only_b = int((a & ~b).sum()), int((~a & b).sum())
     p = binomtest(only_a, only_a + only_b, 0.5).pvalue if only_a + only_b else 1.0
     return {"only_a_right": only_a, "only_b_right": only_b, "p_value": float(p)}

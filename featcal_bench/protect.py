@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from featcal_bench.method import run_dir
+from featcal_bench.runs import run_dir
 from storage.atomic import read_json, write_json
 from tasks.context import context
 from tasks.evaluate import head_errors

@@ -1,10 +1,11 @@
 """What a benchmark recipe is, and the registry that names every recipe once.
 
 A recipe says only what differs between benchmarks: where its base and experts come from and which stages build them
-(its build graph), its tasks' data, the matrix of method runs and each run's pipeline config, and its report. The
+(its build graph), its tasks' data, each run's pipeline config, and its report; its method runs, the report's rows and
+curves are data, its study file (featcal_bench/study.py). The
 generic machinery (featcal_bench/stages.py) builds, runs, caches, resumes and reports every recipe the same way;
-`featcal_bench.method` is the one process a method run runs in; the CLI (featcal_bench/cli.py) finds a recipe by the
-name `bench build` is given, or by the spec file a built directory holds.
+`featcal_bench.method` is the one process a method run runs in; the registry (featcal_bench/builtin.py) finds a recipe
+by the name `bench build` is given, or by the spec file a built directory holds.
 
 A frozen dataclass rather than a YAML file for the built-in recipes: their build graphs and data renderers are code
 (fine-tunes, tokenizer training, prompt templates), and a dataclass of typed fields and functions is checked by the
@@ -14,7 +15,6 @@ validated by pydantic (featcal_bench/user.py's UserRecipe), built and run by the
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +23,8 @@ from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel
 
-from featcal_bench.method import MethodRun
+from featcal_bench.runs import MethodRun
+from featcal_bench.study import Study
 from storage.atomic import read_json, write_json
 from storage.rundir import Record
 
@@ -74,6 +75,9 @@ class BuildOptions:
         return [k for k in BUILD_OPTIONS if getattr(self, k) is not None]
 
 
+NO_OPTIONS = BuildOptions()  # `bench build NAME --out DIR` and nothing else
+
+
 @dataclass(frozen=True)
 class Preset:
     """A name `bench build` takes, as `featcal bench list` shows it: what it is (its tasks) and what it costs here."""
@@ -86,18 +90,20 @@ class Preset:
 class Report:
     """A recipe's report: its title line, what was built (`about`), and the report stage that writes the files.
 
-    `write(bench, spec, results, meta, out_dir)` returns the report stage's (files, info); `meta` holds the title,
-    about, machine and spec, which every report carries."""
+    `write(bench, spec, results, meta, out_dir, study)` returns the report stage's (files, info); `meta` holds the
+    title, about, machine and spec, which every report carries; the study's rows and curves make its table."""
 
     title: Callable[[Any], str]
     about: Callable[[Path, Any], str]
-    write: Callable[[Path, Any, dict[str, dict[str, Any]], dict[str, Any], str | None], tuple[list[str], dict[str, Any]]]
+    write: Callable[[Path, Any, dict[str, dict[str, Any]], dict[str, Any], str | None, Study],
+                    tuple[list[str], dict[str, Any]]]
     modules: Sequence[ModuleType]  # the code its cache key covers
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """One benchmark family: its presets, how a preset becomes a spec, its build graph, its method runs, its report."""
+    """One benchmark family: its presets, how a preset becomes a spec, its build graph, its study (method runs, report
+    rows and curves) and its report."""
 
     name: str
     spec: type[SavedSpec]
@@ -108,10 +114,12 @@ class Recipe:
     build: Callable[[Path, Any, Call, str, Path], dict[str, Record]]  # (bench, spec, stage, code digest, memo)
     build_modules: Sequence[ModuleType]  # the code the build stages' keys cover
     stages: Mapping[str, Stage]  # the stage kinds its build runs
-    runs: Callable[[Any], dict[str, MethodRun]]  # spec → its method runs by name (the run matrix)
+    study: Path  # its study file: the run matrix, the report's rows and curves (`bench run --study` takes another)
     run_config: Callable[[Path, Any, MethodRun], dict[str, Any]]  # a run's pipeline config on a built benchmark
     method_modules: Sequence[ModuleType]  # the code the method runs' keys cover (besides the pipeline's own)
     report: Report
+    # (spec, study) → its method runs by name: the study's, unless the recipe derives them from its spec
+    runs: Callable[[Any, Study], dict[str, MethodRun]] = field(default=lambda spec, study: study.runs)
     run_inputs: Callable[[Any], list[str]] = field(default=lambda spec: [
         "base", *(f"{k}/{t}" for t in spec.tasks for k in ("data", "expert"))])  # build stages the runs are keyed on
     estimate: Callable[[Path, Any], str] | None = None  # what `bench run` will cost here, said after the build
@@ -120,44 +128,3 @@ class Recipe:
     cache_surgery_features: bool = False
     threads: int | None = None  # torch threads of a method run's process (None: the pipeline config decides)
     write_configs: bool = False  # write every run's pipeline config under configs/ at build time
-
-
-def registry(listed: Sequence[Recipe]) -> dict[str, Recipe]:
-    """`listed` by name; two recipes that claim one name, preset or stage kind are refused."""
-    out: dict[str, Recipe] = {}
-    claimed: dict[str, str] = {}
-    for recipe in listed:
-        for claim in [f"recipe {recipe.name}", *(f"preset {p}" for p in recipe.presets),
-                      *(f"stage kind {k}" for k in recipe.stages)]:
-            if claim in claimed:
-                raise ValueError(f"recipe {recipe.name}: {claim} is already {claimed[claim]}'s")
-            claimed[claim] = recipe.name
-        out[recipe.name] = recipe
-    return out
-
-
-@functools.cache
-def recipes() -> dict[str, Recipe]:
-    """Every recipe, in the order featcal_bench/builtin.py lists them (the one place a recipe is registered)."""
-    from featcal_bench.builtin import RECIPES
-
-    return registry(RECIPES)
-
-
-def recipe_for(preset: str) -> Recipe:
-    """The recipe whose presets include `preset`."""
-    for recipe in recipes().values():
-        if preset in recipe.presets:
-            return recipe
-    known = [p for r in recipes().values() for p in r.presets]
-    raise ValueError(f"unknown benchmark {preset!r}; known: {sorted(known)} (or --recipe FILE.yaml)")
-
-
-def recipe_of(bench: str | Path) -> Recipe:
-    """The recipe that built directory `bench`, told by the spec file it holds."""
-    for recipe in recipes().values():
-        if recipe.spec.is_built(bench):
-            return recipe
-    files = sorted({r.spec.SPEC_FILE for r in recipes().values()})
-    raise FileNotFoundError(f"{bench}: no benchmark spec ({', '.join(files)}): build it first (featcal bench build "
-                            f"... --out {bench})")

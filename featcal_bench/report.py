@@ -3,12 +3,13 @@
 Gap closed = (method − TA) / (experts − TA), on the task-averaged accuracy. Where the runs kept their per-example
 predictions, TA + FeatCal is compared with every other method on the same test rows (featcal_bench.paired), and each
 calibrated row with the row it started from (its merge, or the run whose calibrated model it calibrated).
-The rows and curves are the MiniLM benchmark's unless a caller (featcal_bench/clip/report.py) names its own; rows
+The rows, curves and reference run come from the study (featcal_bench/study.py: each recipe's study.yaml); rows
 carrying a published figure (`paper`) get a column of their own.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,62 +19,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from featcal_bench.method import FULL, SAMPLE_SIZES  # noqa: E402
 from featcal_bench.paired import RESAMPLES, SEED, compared, p_text  # noqa: E402
-
-
-def paper_rows(base_label: str, *, surgery: bool = False) -> tuple[tuple[str, str, str, str | None], ...]:
-    """The rows of the paper's hub benchmarks (its Table 1 methods), in METHOD_ROWS' form; `base_label` names the
-    unmerged base, and TA + Surgery and TA + ProbSurgery are rows only where the recipe runs them."""
-    return (
-        ("experts (individual)", "ta_featcal", "expert", None),
-        (base_label, "ta_featcal", "base", None),
-        ("task arithmetic", "ta_featcal", "merged", "merge"),
-        ("TIES", "ties_featcal", "merged", "merge"),
-        ("RegMean", "regmean", "calibrated", "total"),
-        ("RegMean++", "regmean_pp", "calibrated", "total"),
-        *((("TA + Surgery", "ta_surgery", "calibrated", "total"),
-            ("TA + ProbSurgery", "ta_probsurgery", "calibrated", "total")) if surgery else ()),
-        ("TA + FeatCal", "ta_featcal", "calibrated", "total"),
-        ("TIES + FeatCal", "ties_featcal", "calibrated", "total"),
-    )
-
-
-# (row label, run, evaluated model, what its cost is)
-METHOD_ROWS = (
-    ("experts (individual)", "ta_featcal", "expert", None),
-    ("base + task head", "ta_featcal", "base", None),
-    ("task arithmetic", "ta_featcal", "merged", "merge"),
-    ("TIES", "ties_featcal", "merged", "merge"),
-    ("average", "regmean", "merged", "merge"),
-    ("RegMean", "regmean", "calibrated", "total"),
-    ("RegMean++", "regmean_pp", "calibrated", "total"),
-    ("TA + Surgery", "ta_surgery", "calibrated", "total"),
-    ("TA + ProbSurgery", "ta_probsurgery", "calibrated", "total"),
-    ("TA + FeatCal", "ta_featcal", "calibrated", "total"),
-    ("TIES + FeatCal", "ties_featcal", "calibrated", "total"),
-    ("RegMean + FeatCal", "regmean_featcal", "calibrated", "total"),
-    ("RegMean + FeatCal (λ, ρ auto)", "regmean_featcal_auto", "calibrated", "total"),
-    ("RegMean++ + FeatCal", "regmean_pp_featcal", "calibrated", "total"),
-    ("DARE-TIES", "dare_ties_featcal", "merged", "merge"),
-    ("DARE-TIES + FeatCal", "dare_ties_featcal", "calibrated", "total"),
-    ("TA + FeatCal (λ 0.05, ρ 2.2: the paper's)", "ta_featcal_paper", "calibrated", "total"),
-    ("TA + FeatCal (λ auto, ρ 2.2: no labels)", "ta_featcal_auto", "calibrated", "total"),
-    ("TA + FeatCal (λ auto from 0.001 + shrinkage auto)", "ta_featcal_auto_shrink", "calibrated", "total"),
-    ("TA + FeatCal (λ auto) + protect, round 1", "ta_featcal_auto_protect1", "calibrated", "total"),
-    ("TA + FeatCal (λ auto) + protect, round 2", "ta_featcal_auto_protect2", "calibrated", "total"),
-    ("TA + FeatCal (λ auto) + protect, round 3", "ta_featcal_auto_protect3", "calibrated", "total"),
-    ("TA + FeatCal (λ auto) + protect, round 4", "ta_featcal_auto_protect4", "calibrated", "total"),
-    ("TA + FeatCal (λ auto) + head metric η 0.5", "ta_featcal_auto_head05", "calibrated", "total"),
-    ("TA + FeatCal (λ auto) + head metric η 1", "ta_featcal_auto_head1", "calibrated", "total"),
-    ("TA + FeatCal + head metric η 1", "ta_featcal_head1", "calibrated", "total"),
-    ("RegMean + FeatCal (λ, ρ auto) + head metric η 1", "regmean_featcal_auto_head1", "calibrated", "total"),
-    ("TA + FeatCal + head side", "ta_featcal_head", "calibrated", "total"),
-    ("TA + FeatCal + trust 0.5", "ta_featcal_trust", "calibrated", "total"),
-    ("task arithmetic 0.9", "ta09_featcal", "merged", "merge"),
-    ("TA 0.9 + FeatCal (λ 0.05, ρ 2.2)", "ta09_featcal", "calibrated", "total"),
-)
-PAIRED_REFERENCE = "TA + FeatCal"  # the method row every other row is compared with, row by row
+from featcal_bench.runs import FULL, SAMPLE_SIZES  # noqa: E402
+from featcal_bench.study import Curve, Study  # noqa: E402
+from storage.atomic import write_bytes, write_json  # noqa: E402
 
 
 def _mean(values: list[float]) -> float:
@@ -97,20 +46,20 @@ def correct_rows(result: dict[str, Any], model: str, tasks: list[str]) -> dict[s
 
 
 def _paired(correct: dict[str, dict[str, list[bool]] | None], tasks: list[str],
-            rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """TA + FeatCal against every other method row on the same test rows (`paired.compared`). Rows without per-example
-    predictions (TA + FeatCal's own included) are listed under `without_predictions`."""
-    reference = correct.get(PAIRED_REFERENCE)
+            rows: list[dict[str, Any]], label: str) -> dict[str, Any]:
+    """Row `label` (TA + FeatCal) against every other method row on the same test rows (`paired.compared`). Rows
+    without per-example predictions (its own included) are listed under `without_predictions`."""
+    reference = correct.get(label)
     comparisons = []
     for row in rows:
         other = correct[row["method"]]
-        if row["method"] == PAIRED_REFERENCE or reference is None or other is None:
+        if row["method"] == label or reference is None or other is None:
             continue
         c = compared(reference, other, tasks)
         comparisons.append({"method": row["method"], "run": row["run"], "model": row["model"],
                             "difference": c["difference"], "ci": c["ci"], "p_value": c["p_value"],
                             "featcal_only_right": c["only_a_right"], "other_only_right": c["only_b_right"]})
-    return {"reference": PAIRED_REFERENCE, "resamples": RESAMPLES, "seed": SEED, "comparisons": comparisons,
+    return {"reference": label, "resamples": RESAMPLES, "seed": SEED, "comparisons": comparisons,
             "without_predictions": [m for m, c in correct.items() if c is None]}
 
 
@@ -136,25 +85,19 @@ def _starting_rows(methods: list[dict[str, Any]], results: dict[str, dict[str, A
 def _paired_with_start(correct: dict[str, dict[str, list[bool]] | None], tasks: list[str],
                        starts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Each calibrated row against the row it started from (`_starting_rows`), on the same test rows: what the
-    calibration itself changed (`paired.compared`); pairs missing per-example predictions under `without_predictions`."""
+    calibration itself changed (`paired.compared`); pairs missing per-example predictions under
+    `without_predictions`."""
     comparisons, missing = [], []
     for method, start in starts.items():
-        if correct[method] is None or correct[start["method"]] is None:
+        own, started = correct[method], correct[start["method"]]
+        if own is None or started is None:
             missing.append(method)
             continue
-        c = compared(correct[method], correct[start["method"]], tasks)
+        c = compared(own, started, tasks)
         comparisons.append({"method": method, "start": start["method"], "difference": c["difference"], "ci": c["ci"],
                             "p_value": c["p_value"], "calibrated_only_right": c["only_a_right"],
                             "start_only_right": c["only_b_right"]})
     return {"resamples": RESAMPLES, "seed": SEED, "comparisons": comparisons, "without_predictions": missing}
-
-
-# sample-efficiency curve → (its 256-example run, its label); run `{run}_n{n:03d}` has n examples per task
-Curves = Mapping[str, tuple[str, str]]
-CURVES: Curves = {"featcal": ("ta_featcal", "TA + FeatCal"), "regmean_pp": ("regmean_pp", "RegMean++"),
-                  "featcal_ta09": ("ta09_featcal", "TA 0.9 + FeatCal"),
-                  "featcal_auto": ("ta_featcal_auto", "TA + FeatCal (λ auto)"),
-                  "featcal_auto_shrink": ("ta_featcal_auto_shrink", "TA + FeatCal (λ auto + shrinkage)")}
 
 
 def _add_changes_against_start(methods: list[dict[str, Any]], starts: dict[str, dict[str, Any]]) -> None:
@@ -165,23 +108,26 @@ def _add_changes_against_start(methods: list[dict[str, Any]], starts: dict[str, 
         if start is None:
             continue
         change = {t: row["accuracy"][t] - start["accuracy"][t] for t in row["accuracy"]}
-        worst = min(change, key=change.get)
+        worst = min(change, key=lambda t: change[t])
         row.update(change_vs_merge=change, merge_row=start["method"],
                    worst_task={"task": worst, "change": change[worst]})
 
 
-def _agreement_with_experts(results: dict[str, dict[str, Any]], methods: list[dict[str, Any]], tasks: list[str]) -> None:
+def _agreement_with_experts(results: dict[str, dict[str, Any]], methods: list[dict[str, Any]], tasks: list[str],
+                            reference: str) -> None:
     """Each row's share of test rows where it predicts what the task's own expert predicts, per task: a signal read
     through each task's head that needs no labels (issue 33 §1), next to accuracy. Rows whose run kept no
-    per-example predictions, or a report without the experts' (`ta_featcal`), get none."""
-    experts = results.get("ta_featcal", {}).get("predictions", {})
+    per-example predictions, or a report without the experts' (the study's reference run), get none."""
+    experts = results.get(reference, {}).get("predictions", {})
     if any("expert" not in experts.get(t, {}) for t in tasks):
         return
     for row in methods:
         own = results[row["run"]].get("predictions", {})
         if all(row["model"] in own.get(t, {}) for t in tasks):
-            row["expert_agreement"] = {t: _mean([float(p == e) for p, e in zip(own[t][row["model"]], experts[t]["expert"],
-                                                                             strict=True)]) for t in tasks}
+            row["expert_agreement"] = {
+                t: _mean([float(p == e) for p, e in zip(own[t][row["model"]], experts[t]["expert"], strict=True)])
+                for t in tasks
+            }
 
 
 def _seconds_from_experts(results: dict[str, dict[str, Any]], run: str) -> float:
@@ -197,9 +143,9 @@ def _sample_run(run: str, n: int) -> str:
 
 
 def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dict[str, Any],
-                 rows: Sequence[tuple[str, str, str, str | None]] = METHOD_ROWS, curves: Curves = CURVES) -> dict[str, Any]:
-    """`results`: run name → the JSON a method run wrote. `meta` is copied into the report; its `test_rows` (per
-    task) or `spec.test` (one count for every task) sizes the standard errors."""
+                 study: Study) -> dict[str, Any]:
+    """`results`: run name → the JSON a method run wrote; the study's rows and curves read them. `meta` is copied into
+    the report; its `test_rows` (per task) or `spec.test` (one count for every task) sizes the standard errors."""
 
     def acc(run: str, model: str) -> dict[str, float] | None:
         if run not in results:
@@ -208,11 +154,11 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
         return None if any(v is None for v in per_task.values()) else per_task
 
     test_rows = meta.get("test_rows") or meta.get("spec", {}).get("test")
-    experts, ta = acc("ta_featcal", "expert"), acc("ta_featcal", "merged")
+    experts, ta = acc(study.reference, "expert"), acc(study.reference, "merged")
     expert_avg = _mean(list(experts.values())) if experts else None
     ta_avg = _mean(list(ta.values())) if ta else None
     methods = []
-    for label, run, model, cost_kind in rows:
+    for label, run, model, cost_kind in ((r.label, r.run, r.model, r.cost) for r in study.rows):
         per_task = acc(run, model)
         if per_task is None:
             continue
@@ -232,12 +178,12 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
         methods.append(row)
     starts = _starting_rows(methods, results)
     _add_changes_against_start(methods, starts)
-    _agreement_with_experts(results, methods, tasks)
+    _agreement_with_experts(results, methods, tasks, study.reference)
     curve = {}
-    for name, (run, _) in curves.items():
+    for name, line in study.curves.items():
         points = {}
         for n in SAMPLE_SIZES:
-            per_task = acc(_sample_run(run, n), "calibrated")
+            per_task = acc(_sample_run(line.run, n), "calibrated")
             if per_task is not None:
                 points[n] = _mean(list(per_task.values()))
         if points:
@@ -246,24 +192,18 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
     if experts and ta:
         out["gaps"] = {t: experts[t] - ta[t] for t in tasks}
     correct = {r["method"]: correct_rows(results[r["run"]], r["model"], tasks) for r in methods}
-    if any(row["method"] == PAIRED_REFERENCE for row in methods):
-        out["paired"] = _paired(correct, tasks, methods)
+    if any(row["method"] == study.paired_reference for row in methods):
+        out["paired"] = _paired(correct, tasks, methods, study.paired_reference)
     if starts:
         out["paired_with_start"] = _paired_with_start(correct, tasks, starts)
-    kept = {name: (points[8] - ta_avg) / (points[FULL] - ta_avg) for name, points in curve.items()
-            if name != "regmean_pp" and ta_avg is not None and 8 in points and FULL in points and points[FULL] != ta_avg}
-    if "featcal" in kept:
-        out["featcal_8_of_256_gain"] = kept["featcal"]
-    if "featcal_ta09" in kept:
-        out["featcal_ta09_8_of_256_gain"] = kept["featcal_ta09"]
-    if "featcal_auto" in kept:
-        out["featcal_auto_8_of_256_gain"] = kept["featcal_auto"]
-    if "featcal_auto_shrink" in kept:
-        out["featcal_auto_shrink_8_of_256_gain"] = kept["featcal_auto_shrink"]
-    if "ta_featcal" in results:
-        out["drift"] = results["ta_featcal"].get("drift", {})
-    if results.get("ta_featcal_auto", {}).get("chosen"):
-        out["auto_choices"] = results["ta_featcal_auto"]["chosen"]
+    for name in study.gains:  # the share of the 256-example gain over TA that 8 examples keep
+        points = curve.get(name, {})
+        if ta_avg is not None and 8 in points and FULL in points and points[FULL] != ta_avg:
+            out[f"{name}_8_of_256_gain"] = (points[8] - ta_avg) / (points[FULL] - ta_avg)
+    if study.reference in results:
+        out["drift"] = results[study.reference].get("drift", {})
+    if study.choices is not None and results.get(study.choices.run, {}).get("chosen"):
+        out["auto_choices"] = results[study.choices.run]["chosen"]
     return out
 
 
@@ -276,11 +216,11 @@ def add_paper_column(report: dict[str, Any], paper: Mapping[str, float]) -> None
 
 
 def language_model_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dict[str, Any],
-                          rows: Sequence[tuple[str, str, str, str | None]]) -> dict[str, Any]:
+                          study: Study) -> dict[str, Any]:
     """`build_report` of causal-LM runs, whose "accuracy" is next-token accuracy: each row also gets its per-task
     next-token `loss`, `average_loss` and `gap_closed_loss`, (TA − row) / (TA − experts) on the average loss. A loss
     has no right or wrong rows to pair, and these benchmarks have no sample curves."""
-    report = build_report(results, tasks, meta, rows=rows, curves={})
+    report = build_report(results, tasks, meta, study)
     report.pop("paired", None)
     report.pop("paired_with_start", None)
     report.pop("sample_efficiency")
@@ -289,14 +229,14 @@ def language_model_report(results: dict[str, dict[str, Any]], tasks: list[str], 
         row["loss"] = {t: lm[t][row["model"]]["loss"] for t in tasks}
         row["average_loss"] = _mean(list(row["loss"].values()))
     average = {(r["run"], r["model"]): r["average_loss"] for r in report["methods"]}
-    ta, experts = average.get(("ta_featcal", "merged")), average.get(("ta_featcal", "expert"))
+    ta, experts = average.get((study.reference, "merged")), average.get((study.reference, "expert"))
     if ta is not None and experts is not None and ta != experts:
         for row in report["methods"]:
             row["gap_closed_loss"] = (ta - row["average_loss"]) / (ta - experts)
     return report
 
 
-def markdown(report: dict[str, Any], curves: Curves = CURVES) -> str:
+def markdown(report: dict[str, Any], study: Study) -> str:
     tasks = report["tasks"]
     paper = any("paper" in row for row in report["methods"])  # a column of published figures, after ours
     lines = [f"# {report.get('title', 'Benchmark')}", ""]
@@ -310,12 +250,16 @@ def markdown(report: dict[str, Any], curves: Curves = CURVES) -> str:
                      + " |" * (6 + paper))
     for row in report["methods"]:
         cells = [f"{100 * row['accuracy'][t]:.1f}" for t in tasks]
-        extra = [f"{100 * row['average']:.1f}" + (f" ± {100 * row['standard_error']:.1f}" if "standard_error" in row else ""),
-                 *([f"{100 * row['paper']:.1f}" if "paper" in row else ""] if paper else []),
-                 f"{100 * row['normalized']:.1f}" if "normalized" in row else "",
-                 f"{100 * row['gap_closed']:.1f} %" if "gap_closed" in row else "",
-                 _worst(row),
-                 f"{row['seconds']:.1f}" if "seconds" in row else "", f"{row['peak_rss_mib']:.0f}" if "peak_rss_mib" in row else ""]
+        extra = [
+            f"{100 * row['average']:.1f}"
+            + (f" ± {100 * row['standard_error']:.1f}" if "standard_error" in row else ""),
+            *([f"{100 * row['paper']:.1f}" if "paper" in row else ""] if paper else []),
+            f"{100 * row['normalized']:.1f}" if "normalized" in row else "",
+            f"{100 * row['gap_closed']:.1f} %" if "gap_closed" in row else "",
+            _worst(row),
+            f"{row['seconds']:.1f}" if "seconds" in row else "",
+            f"{row['peak_rss_mib']:.0f}" if "peak_rss_mib" in row else "",
+        ]
         lines.append(f"| {row['method']} | " + " | ".join(cells + extra) + " |")
     if "gaps" in report:
         lines += ["", "*gap (expert − TA)*: the experts' accuracy minus task arithmetic's, in points, per task and "
@@ -329,26 +273,28 @@ def markdown(report: dict[str, Any], curves: Curves = CURVES) -> str:
     lines += agreement_markdown(report)
     lines += paired_markdown(report)
     lines += start_markdown(report)
-    lines += ["", "## Sample efficiency (average accuracy, %)", "", "| examples/task | " + " | ".join(str(n) for n in SAMPLE_SIZES) + " |",
-              "|---|" + "---:|" * len(SAMPLE_SIZES)]
-    curve_rows = [(curves[name][1], points) for name, points in report["sample_efficiency"].items()]
+    lines += [
+        "",
+        "## Sample efficiency (average accuracy, %)",
+        "",
+        "| examples/task | " + " | ".join(str(n) for n in SAMPLE_SIZES) + " |",
+        "|---|" + "---:|" * len(SAMPLE_SIZES),
+    ]
+    curves = study.curves
+    curve_rows = [(curves[name].label, points) for name, points in report["sample_efficiency"].items()]
     published = report.get("paper_sample_efficiency")  # {"curve": name, "points": {n: accuracy}}
     if published:
-        curve_rows.append((f"paper ({curves[published['curve']][1]})", published["points"]))
+        curve_rows.append((f"paper ({curves[published['curve']].label})", published["points"]))
     for label, points in curve_rows:
-        lines.append(f"| {label} | " + " | ".join(f"{100 * points[n]:.1f}" if n in points else "" for n in SAMPLE_SIZES) + " |")
-    if "featcal_8_of_256_gain" in report:
-        lines += ["", f"FeatCal with 8 examples/task keeps {100 * report['featcal_8_of_256_gain']:.1f} % of its 256-example gain over TA."]
-    if "featcal_auto_8_of_256_gain" in report:
-        lines += ["", f"With λ auto, 8 examples/task keep {100 * report['featcal_auto_8_of_256_gain']:.1f} % of "
-                      "the 256-example gain over TA."]
-    if "featcal_auto_shrink_8_of_256_gain" in report:
-        lines += ["", f"With λ auto on a grid from 0.001 and shrinkage auto, 8 examples/task keep "
-                      f"{100 * report['featcal_auto_shrink_8_of_256_gain']:.1f} % of that setting's 256-example gain."]
-    if "featcal_ta09_8_of_256_gain" in report:
-        lines += ["", f"From TA at 0.9 it keeps {100 * report['featcal_ta09_8_of_256_gain']:.1f} % (gains over TA at 0.3)."]
-    if "auto_choices" in report:
-        lines += ["", "## λ (and ρ) chosen without labels (TA + FeatCal, auto, 256 examples/task)", "",
+        lines.append(
+            f"| {label} | " + " | ".join(f"{100 * points[n]:.1f}" if n in points else "" for n in SAMPLE_SIZES) + " |"
+        )
+    for name in study.gains:
+        if f"{name}_8_of_256_gain" in report:
+            gain = curves[name].gain or ""
+            lines += ["", gain.format(percent=100 * report[f"{name}_8_of_256_gain"])]
+    if "auto_choices" in report and study.choices is not None:
+        lines += ["", f"## {study.choices.heading}", "",
                   "Median over each block's modules of the values chosen on held-out calibration rows.", "",
                   "| solve | λ | ρ |", "|---|---:|---:|"]
         lines += [f"| {stage} | {v['lambda']:g} | {v['rho']:g} |" for stage, v in report["auto_choices"].items()]
@@ -371,12 +317,20 @@ def changes_markdown(report: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     tasks = report["tasks"]
-    lines = ["", "## Change against the merge (or the run it calibrated), per task (points)", "",
-             "| method | from | " + " | ".join(tasks) + " | tasks below their merge |", "|---|---|" + "---:|" * (len(tasks) + 1)]
+    lines = [
+        "",
+        "## Change against the merge (or the run it calibrated), per task (points)",
+        "",
+        "| method | from | " + " | ".join(tasks) + " | tasks below their merge |",
+        "|---|---|" + "---:|" * (len(tasks) + 1),
+    ]
     for r in rows:
         below = [t for t in tasks if r["change_vs_merge"][t] < 0]
-        lines.append(f"| {r['method']} | {r['merge_row']} | " + " | ".join(f"{100 * r['change_vs_merge'][t]:+.1f}" for t in tasks)
-                     + f" | {', '.join(below) or '—'} |")
+        lines.append(
+            f"| {r['method']} | {r['merge_row']} | "
+            + " | ".join(f"{100 * r['change_vs_merge'][t]:+.1f}" for t in tasks)
+            + f" | {', '.join(below) or '—'} |"
+        )
     return lines
 
 
@@ -409,11 +363,14 @@ def paired_markdown(report: dict[str, Any]) -> list[str]:
             low, high = c["ci"]
             lines.append(f"| {c['method']} | {100 * c['difference']:+.1f} | [{100 * low:+.1f}, {100 * high:+.1f}] | "
                          f"{p_text(c['p_value'])} | {c['featcal_only_right']} | {c['other_only_right']} |")
-        lines += ["", f"Δ is {paired['reference']}'s task-averaged accuracy minus the method's. The CI is the 2.5–97.5 "
-                      "percentile range of a paired bootstrap: each task's test rows resampled with replacement within "
-                      f"that task, the same rows for both methods, {paired['resamples']:,} resamples, seed "
-                      f"{paired['seed']}. McNemar's test is exact (binomial on the rows where the two disagree), on the "
-                      "test rows of all tasks pooled."]
+        lines += [
+            "",
+            f"Δ is {paired['reference']}'s task-averaged accuracy minus the method's. The CI is the 2.5–97.5 "
+            "percentile range of a paired bootstrap: each task's test rows resampled with replacement within "
+            f"that task, the same rows for both methods, {paired['resamples']:,} resamples, seed "
+            f"{paired['seed']}. McNemar's test is exact (binomial on the rows where the two disagree), on the "
+            "test rows of all tasks pooled.",
+        ]
     if paired["without_predictions"]:
         lines += ["", "No per-example predictions for: " + ", ".join(paired["without_predictions"]) + "."]
     return lines
@@ -446,7 +403,7 @@ def _saved(fig: plt.Figure, path: Path) -> Path:
     return path
 
 
-def plots(report: dict[str, Any], out_dir: Path, stem: str, curves: Curves = CURVES) -> list[Path]:
+def plots(report: dict[str, Any], out_dir: Path, stem: str, curves: Mapping[str, Curve]) -> list[Path]:
     paths = []
     rows = report["methods"]
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -462,7 +419,7 @@ def plots(report: dict[str, Any], out_dir: Path, stem: str, curves: Curves = CUR
     for name, points in report["sample_efficiency"].items():
         ns = sorted(points)
         dotted = len(ns) < len(SAMPLE_SIZES)  # sizes between its points were not run: no line through them
-        ax.plot(ns, [100 * points[n] for n in ns], ":" if dotted else "-", marker="o", label=curves[name][1])
+        ax.plot(ns, [100 * points[n] for n in ns], ":" if dotted else "-", marker="o", label=curves[name].label)
     for r in rows:
         if r["method"] in ("task arithmetic", "experts (individual)"):
             ax.axhline(100 * r["average"], ls="--", color="grey")
@@ -485,3 +442,37 @@ def plots(report: dict[str, Any], out_dir: Path, stem: str, curves: Curves = CUR
         ax.legend()
         paths.append(_saved(fig, out_dir / f"{stem}_drift.png"))
     return paths
+
+
+def save_report(bench: Path, stem: str, report: dict[str, Any], results: dict[str, dict[str, Any]], out_dir: str | None,
+                study: Study) -> tuple[list[str], dict[str, Any]]:
+    """The accuracy benchmarks' report stage: its files with the plots, and each method's average."""
+    (bench / "report").mkdir(parents=True, exist_ok=True)
+    drawn = plots(report, bench / "report", stem, study.curves)
+    files = saved_report_files(bench, stem, report, results, out_dir, markdown(report, study), drawn)
+    return files, {"methods": {r["method"]: round(100 * r["average"], 2) for r in report["methods"]}}
+
+
+def save_loss_report(bench: Path, stem: str, report: dict[str, Any], results: dict[str, dict[str, Any]],
+                     out_dir: str | None, markdown: str) -> tuple[list[str], dict[str, Any]]:
+    """The language-model benchmarks' report stage: its files, and each method's average held-out loss."""
+    files = saved_report_files(bench, stem, report, results, out_dir, markdown)
+    return files, {"average_loss": {r["method"]: round(r["average_loss"], 4) for r in report["methods"]}}
+
+
+def saved_report_files(bench: Path, stem: str, report: dict[str, Any], results: dict[str, dict[str, Any]],
+                       out_dir: str | None, markdown: str, plots: Sequence[Path] = ()) -> list[str]:
+    """`report/{stem}.json`, `.md` and `plots`, also copied to `out_dir` where given: a report stage's outputs."""
+    # Each run's record without its per-example predictions (the paired comparisons summarise them).
+    report["runs"] = {
+        r: {k: v for k, v in res.items() if k not in ("predictions", "labels")} for r, res in results.items()
+    }
+    files = [f"report/{stem}.json", f"report/{stem}.md"]
+    write_json(bench / files[0], report)
+    write_bytes(bench / files[1], markdown.encode())
+    files += [str(p.relative_to(bench)) for p in plots]
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        for rel in files:
+            shutil.copy2(bench / rel, Path(out_dir) / Path(rel).name)
+    return files

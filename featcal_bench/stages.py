@@ -8,11 +8,11 @@ the first stage not done, and a changed input reruns only the stages it reaches.
 
 from __future__ import annotations
 
-import shutil
+import dataclasses
+import inspect
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,18 +24,26 @@ from transformers.utils import logging as hf_logging
 from featcal.config import digest_of
 from featcal_bench import method, probsurgery, surgery, surgery_run
 from featcal_bench import report as bench_report
+from featcal_bench import runs as run_defs
+from featcal_bench.builtin import recipe_of, recipes
 from featcal_bench.layout import CONFIGS
-from featcal_bench.recipe import Call, Recipe, SavedSpec, Stage, recipe_of, recipes
+from featcal_bench.recipe import Call, Recipe, SavedSpec, Stage
+from featcal_bench.study import load_study
 from flows import signals
 from flows.pipeline import code_digest, code_version, machine
 from flows.prefect_flow import key_parameter
-from storage.atomic import read_json, write_bytes, write_json
-from storage.fingerprint import fingerprint
+from storage.atomic import read_json, write_bytes
 from storage.rundir import Record, RunDir
 from tasks.record import recorded
 
 RESULTS_DIR = ".prefect-results"
-METHOD_MODULES = (method, probsurgery, surgery, surgery_run)  # what every recipe's method runs execute besides the pipeline
+METHOD_MODULES = (
+    method,
+    run_defs,
+    probsurgery,
+    surgery,
+    surgery_run,
+)  # what every recipe's method runs execute besides the pipeline
 
 
 def stage_kinds() -> dict[str, Stage]:
@@ -86,11 +94,11 @@ def build_stages(bench: Path, spec: SavedSpec, stage: Call) -> dict[str, Record]
     (edits elsewhere keep the experts); then, where the recipe asks, every method run's config under configs/."""
     recipe = recipe_of_spec(spec)
     bench = prepared_bench(bench, spec)
-    code = code_digest(Path(m.__file__) for m in recipe.build_modules)
+    code = code_digest(Path(inspect.getfile(m)) for m in recipe.build_modules)
     records = recipe.build(bench, spec, stage, code, bench / "records" / "fingerprints.json")
     if recipe.write_configs:
-        write_run_configs(bench / CONFIGS, {name: recipe.run_config(bench, spec, run)
-                                            for name, run in recipe.runs(spec).items()})
+        runs = recipe.runs(spec, load_study(recipe.study))
+        write_run_configs(bench / CONFIGS, {name: recipe.run_config(bench, spec, run) for name, run in runs.items()})
     return records
 
 
@@ -113,32 +121,6 @@ def prepared_bench(bench: Path, spec: SavedSpec) -> Path:
     return bench
 
 
-def mirrored_build(kind: str) -> Callable[[Path, Any, Call, str, Path], dict[str, Record]]:
-    """The build graph of a hub recipe whose base is its hub model as it stands: `{kind}-base`, then
-    `mirrored_task_stages`."""
-
-    def build(bench: Path, spec: Any, stage: Call, code: str, memo: Path) -> dict[str, Record]:
-        records = {"base": stage(bench, f"{kind}-base", "base", digest_of(
-            [code, "base", fingerprint(spec.model_source(spec.BASE_MODEL), memo)]))}
-        records.update(mirrored_task_stages(bench, spec, stage, kind, code, memo))
-        return records
-
-    return build
-
-
-def mirrored_task_stages(bench: Path, spec: Any, stage: Call, kind: str, code: str, memo: Path) -> dict[str, Record]:
-    """A hub recipe's `{kind}-data` and `{kind}-expert` stages, one of each per task, each cached on its source's
-    fingerprint (a mirror's content, or a hub id's name)."""
-    records = {}
-    for t in spec.tasks:
-        records[f"data/{t}"] = stage(bench, f"{kind}-data", f"data/{t}", digest_of(
-            [code, "data", t, spec.calibration, spec.test_rows, spec.seed, fingerprint(spec.data_source(t), memo)]), task=t)
-    for t in spec.tasks:
-        records[f"expert/{t}"] = stage(bench, f"{kind}-expert", f"expert/{t}", digest_of(
-            [code, "expert", t, fingerprint(spec.model_source(spec.expert_id(t)), memo)]), task=t)
-    return records
-
-
 def write_run_configs(directory: Path, configs: dict[str, dict[str, Any]]) -> None:
     """Each method run's pipeline config as `directory/{run}.yaml` (`featcal plan` / `featcal run` ready), a file
     rewritten only when its text changes."""
@@ -150,63 +132,34 @@ def write_run_configs(directory: Path, configs: dict[str, dict[str, Any]]) -> No
 
 
 # ---- bench run -----------------------------------------------------------------------------------
-def run_method_process(bench: Path, run: str) -> tuple[list[str], dict[str, Any]]:
-    """A method in a fresh process (`python -m featcal_bench.method BENCH RUN`): its peak RSS is its own, not the
-    flow's or another method's."""
+def run_method_process(bench: Path, run: str, study: str | None = None) -> tuple[list[str], dict[str, Any]]:
+    """A method in a fresh process (`python -m featcal_bench.method BENCH RUN [STUDY]`): its peak RSS is its own, not
+    the flow's or another method's."""
     result = bench / "results" / f"{run}.json"
-    proc = subprocess.run([sys.executable, "-m", method.__name__, str(bench), run], text=True)
+    proc = subprocess.run([sys.executable, "-m", method.__name__, str(bench), run, *([study] if study else [])],
+                          text=True)
     if proc.returncode != 0 or not result.is_file():
         raise RuntimeError(f"benchmark run {run!r} failed (exit {proc.returncode}); its log is above, its run "
                            f"directory is {bench / 'runs' / run}")
     return [f"results/{run}.json"], read_json(result)["cost"]
 
 
-def write_report(bench: Path, runs: list[str], out_dir: str | None = None) -> tuple[list[str], dict[str, Any]]:
-    """The report stage: the recipe's report of runs `runs`, with what every report carries (title, what was built,
-    the machine, the spec)."""
+def write_report(bench: Path, runs: list[str], out_dir: str | None = None,
+                 study: str | None = None) -> tuple[list[str], dict[str, Any]]:
+    """The report stage: the recipe's report of runs `runs` as study file `study` (default: the recipe's) tabulates
+    them, with what every report carries (title, what was built, the machine, the spec)."""
     recipe = recipe_of(bench)
     spec = recipe.spec.load(bench)
     results = {r: read_json(bench / "results" / f"{r}.json") for r in runs}
     meta = {"title": recipe.report.title(spec), "about": recipe.report.about(bench, spec),
             "machine": f"{machine()}, {time.strftime('%Y-%m-%d')}", "spec": spec.model_dump(mode="json")}
-    return recipe.report.write(bench, spec, results, meta, out_dir)
-
-
-def save_report(bench: Path, stem: str, report: dict[str, Any], results: dict[str, dict[str, Any]], out_dir: str | None,
-                curves: bench_report.Curves = bench_report.CURVES) -> tuple[list[str], dict[str, Any]]:
-    """The accuracy benchmarks' report stage: its files with the plots, and each method's average."""
-    (bench / "report").mkdir(parents=True, exist_ok=True)
-    plots = bench_report.plots(report, bench / "report", stem, curves)
-    files = saved_report_files(bench, stem, report, results, out_dir, bench_report.markdown(report, curves), plots)
-    return files, {"methods": {r["method"]: round(100 * r["average"], 2) for r in report["methods"]}}
-
-
-def save_loss_report(bench: Path, stem: str, report: dict[str, Any], results: dict[str, dict[str, Any]],
-                     out_dir: str | None, markdown: str) -> tuple[list[str], dict[str, Any]]:
-    """The language-model benchmarks' report stage: its files, and each method's average held-out loss."""
-    files = saved_report_files(bench, stem, report, results, out_dir, markdown)
-    return files, {"average_loss": {r["method"]: round(r["average_loss"], 4) for r in report["methods"]}}
-
-
-def saved_report_files(bench: Path, stem: str, report: dict[str, Any], results: dict[str, dict[str, Any]],
-                       out_dir: str | None, markdown: str, plots: Sequence[Path] = ()) -> list[str]:
-    """`report/{stem}.json`, `.md` and `plots`, also copied to `out_dir` where given: a report stage's outputs."""
-    # Each run's record without its per-example predictions (the paired comparisons summarise them).
-    report["runs"] = {r: {k: v for k, v in res.items() if k not in ("predictions", "labels")} for r, res in results.items()}
-    files = [f"report/{stem}.json", f"report/{stem}.md"]
-    write_json(bench / files[0], report)
-    write_bytes(bench / files[1], markdown.encode())
-    files += [str(p.relative_to(bench)) for p in plots]
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        for rel in files:
-            shutil.copy2(bench / rel, Path(out_dir) / Path(rel).name)
-    return files
+    return recipe.report.write(bench, spec, results, meta, out_dir, load_study(study or recipe.study))
 
 
 @flow(name="featcal-bench-run", flow_run_name="bench run · {bench_dir}")
-def run_flow(bench_dir: str, runs: list[str] | None = None, out_dir: str | None = None) -> dict[str, Record]:
-    return run_stages(Path(bench_dir), runs, out_dir, prefect_call)
+def run_flow(bench_dir: str, runs: list[str] | None = None, out_dir: str | None = None,
+             study: str | None = None) -> dict[str, Record]:
+    return run_stages(Path(bench_dir), runs, out_dir, prefect_call, study)
 
 
 def built_outputs(bench: Path, stages: list[str]) -> list[dict[str, str]]:
@@ -215,32 +168,41 @@ def built_outputs(bench: Path, stages: list[str]) -> list[dict[str, str]]:
     for name in stages:
         rec = built.verified(name, (built.record(name) or {}).get("key", ""))
         if rec is None:
-            raise FileNotFoundError(f"{bench}: build stage {name} is missing or changed; run `featcal bench build` first")
+            raise FileNotFoundError(
+                f"{bench}: build stage {name} is missing or changed; run `featcal bench build` first"
+            )
         outputs.append(rec["outputs"])
     return outputs
 
 
-def run_stages(bench: Path, runs: list[str] | None, out_dir: str | None, stage: Call) -> dict[str, Record]:
-    """Every method run `runs` (default: all the recipe's), each in its own process and cached on the built inputs
-    and the code, then the report from their results. A run that needs another (its `start`, the run it `protect`s
-    against) comes after it (added where not asked for) and is cached on its result too: one that changes reruns it."""
+def run_stages(bench: Path, runs: list[str] | None, out_dir: str | None, stage: Call,
+               study: str | None = None) -> dict[str, Record]:
+    """Every method run `runs` (default: all the study's) of study file `study` (default: the recipe's), each in its
+    own process and cached on the built inputs, the code and its definition, then the report from their results. A run
+    that needs another (its `start`, the run it `protect`s against) comes after it (added where not asked for) and is
+    cached on its result too: one that changes reruns it."""
     bench = bench.resolve()
     recipe = recipe_of(bench)
     spec = recipe.spec.load(bench)
     inputs = built_outputs(bench, recipe.run_inputs(spec))
-    code = [code_version(), code_digest(Path(m.__file__) for m in (*METHOD_MODULES, *recipe.method_modules))]
-    known = recipe.runs(spec)
+    code = [code_version(), code_digest(Path(inspect.getfile(m)) for m in (*METHOD_MODULES, *recipe.method_modules))]
+    chosen = load_study(study or recipe.study)
+    known = recipe.runs(spec, chosen)
     names = runs or list(known)
     unknown = sorted(set(names) - set(known))
     if unknown:
         raise ValueError(f"--runs: unknown {spec.name} runs {unknown}; known: {sorted(known)}")
-    names = method.ordered_runs(names, known)
+    names = run_defs.ordered_runs(names, known)
     records: dict[str, Record] = {}
     for r in names:
         after = [records[need]["outputs"][f"results/{need}.json"] for need in known[r].needs]
-        records[r] = stage(bench, "method", f"method/{r}", digest_of([code, r, inputs, *after]), run=r)
+        defined = dataclasses.asdict(known[r])
+        records[r] = stage(bench, "method", f"method/{r}", digest_of([code, r, defined, inputs, *after]), run=r,
+                           study=study)
     digests = [records[r]["outputs"][f"results/{r}.json"] for r in names]
-    report_code = code_digest(Path(m.__file__) for m in {bench_report, sys.modules[__name__], *recipe.report.modules})
-    records["report"] = stage(bench, "report", "report", digest_of([report_code, names, digests, out_dir]),
-                              runs=names, out_dir=out_dir)
+    report_modules = {bench_report, sys.modules[__name__], *recipe.report.modules}
+    report_code = code_digest(Path(inspect.getfile(m)) for m in report_modules)
+    records["report"] = stage(bench, "report", "report",
+                              digest_of([report_code, chosen.report_part(), names, digests, out_dir]),
+                              runs=names, out_dir=out_dir, study=study)
     return records

@@ -25,17 +25,17 @@ from featcal.config import DataSource, digest_of
 from featcal.data import load_split, pick_examples
 from featcal_bench.estimate import split_sizes
 from featcal_bench.layout import BASE, data_dir, expert_dir
-from featcal_bench.method import FULL, PAPER_FEATCAL, SAMPLE_SIZES, MethodRun, model_sections
 from featcal_bench.recipe import BuildOptions, Call, Recipe, Report, SavedSpec
-from featcal_bench.report import build_report
-from featcal_bench.stages import save_report
+from featcal_bench.report import build_report, save_report
+from featcal_bench.runs import FULL, SAMPLE_SIZES, MethodRun, model_sections
+from featcal_bench.study import SHARED, Study, load_study
 from storage.atomic import atomic_path
 from storage.fingerprint import fingerprint
 from storage.rundir import Record
 
 log = logging.getLogger("featcal")
 
-# The runs a recipe may ask for, by the names the report's rows read (featcal_bench/report.py METHOD_ROWS).
+# The runs a recipe may ask for, by the names the report's rows read (featcal_bench/studies/user.yaml).
 RUN_NAMES = ("ta_featcal", "ties_featcal", "regmean", "regmean_pp", "ta_surgery", "ta_probsurgery")
 REFERENCE_RUN = "ta_featcal"  # always run: it scores the experts and task arithmetic every other row is read against
 
@@ -82,7 +82,7 @@ class UserRecipe(SavedSpec):
                                     f"task (of {list(SAMPLE_SIZES[:-1])}): the sample-efficiency curve")
     calibration: int = Field(FULL, ge=1, description="calibration pool per task: a seeded subset of its rows")
     test_rows: int | None = Field(None, ge=1, description="a seeded subset of each test split; None: all of it")
-    featcal: dict[str, Any] = Field(default_factory=lambda: dict(PAPER_FEATCAL),
+    featcal: dict[str, Any] = Field(default_factory=lambda: load_study(SHARED / "settings.yaml").settings["paper"],
                                     description="the FeatCal runs' `featcal` config section (λ, ρ, α, ...)")
     scaling: float = Field(0.3, gt=0, description="task arithmetic's and TIES' scale")
     max_length: int = Field(128, ge=2, description="text: tokens per row")
@@ -257,11 +257,11 @@ def about(bench: Path, spec: UserRecipe) -> str:
 
 
 def write_report(bench: Path, spec: UserRecipe, results: dict[str, dict[str, Any]], meta: dict[str, Any],
-                 out_dir: str | None) -> tuple[list[str], dict[str, Any]]:
+                 out_dir: str | None, study: Study) -> tuple[list[str], dict[str, Any]]:
     tasks = list(spec.tasks)
     test_rows = {t: r["test"] for t, r in split_sizes(bench, tasks).items()}
-    return save_report(bench, spec.name, build_report(results, tasks, {**meta, "test_rows": test_rows}), results,
-                       out_dir)
+    return save_report(bench, spec.name, build_report(results, tasks, {**meta, "test_rows": test_rows}, study),
+                       results, out_dir, study)
 
 
 def _by_file(name: str, options: BuildOptions) -> UserRecipe:
@@ -278,7 +278,9 @@ RECIPE = Recipe(
     build=build_graph,
     build_modules=(sys.modules[__name__],),
     stages={"local-base": write_base, "local-data": write_data, "local-expert": write_expert},
-    runs=method_runs,
+    study=SHARED / "user.yaml",
+    # The recipe file's runs; a study given to `bench run --study` with runs of its own replaces them.
+    runs=lambda spec, study: study.runs or method_runs(spec),
     run_config=pipeline_config,
     method_modules=(sys.modules[__name__],),
     report=Report(title=lambda spec: f"FeatCal benchmark `{spec.name}`: a user recipe, {len(spec.tasks)} tasks",

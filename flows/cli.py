@@ -2,7 +2,7 @@
 
 Each subcommand is a `_add_*` function that declares its arguments and a handler in COMMANDS; adding one is
 adding both. A package above flows adds its own subcommands as `Command`s passed to `main` (featcal_bench/cli.py:
-`bench` and `demo`; the `featcal` script is that module's main).
+`bench`, `demo` and `example`; the `featcal` script is that module's main).
 """
 
 from __future__ import annotations
@@ -106,12 +106,6 @@ def _add_push(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--merged", action="store_true", help="upload merged/ (before calibration) instead")
 
 
-def _add_example(sub: argparse._SubParsersAction) -> None:
-    e = sub.add_parser("example", help="the tiny offline example (models + data) used by the demo and tests")
-    e.add_argument("action", choices=["build"], help="build: write the models and data")
-    e.add_argument("out", help="directory to write the example into (e.g. examples/tiny)")
-
-
 def _add_server(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("server", help="a local Prefect server and UI in the background (SQLite under $FEATCAL_HOME)",
                        description="Start, stop or check a local Prefect server with its UI. Its database, pid file "
@@ -167,7 +161,7 @@ class Command:
 def _parser(extra: Sequence[Command] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="featcal", description="Post-merging feature calibration (FeatCal).")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_plan, _add_run, _add_push, _add_example, _add_server, _add_serve, _add_deployments,
+    for add in (_add_plan, _add_run, _add_push, _add_server, _add_serve, _add_deployments,
                 *(command.add for command in extra), _add_eval_harness):
         add(sub)
     _add_debug(parser)
@@ -213,13 +207,6 @@ def _check_runner(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 
 # ---- handlers: each returns the exit code; errors the user can fix are raised as UserError ---------------------
-def _cmd_example(args: argparse.Namespace) -> int:
-    from featcal.example import build_tiny_example
-
-    print(build_tiny_example(Path(args.out)))
-    return 0
-
-
 def _cmd_plan(args: argparse.Namespace) -> int:
     from featcal.config import load_config
     from flows.plan import plan, render
@@ -389,7 +376,6 @@ def _cmd_eval_harness(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "example": _cmd_example,
     "plan": _cmd_plan,
     "run": _cmd_run,
     "push": _cmd_push,

@@ -56,9 +56,7 @@ SOURCE_PACKAGES = ("featcal", "tasks", "storage", "featcal_kernels")
 def code_version() -> str:
     """Digest of the code every stage runs: any change to it invalidates every cached stage."""
     root = Path(__file__).resolve().parent.parent
-    # The example builds inputs for the pipeline; no pipeline stage runs it (nor the benchmarks: featcal_bench/).
-    return code_digest(path for package in SOURCE_PACKAGES for path in (root / package).rglob("*.py")
-                       if path.name != "example.py")
+    return code_digest(path for package in SOURCE_PACKAGES for path in (root / package).rglob("*.py"))
 
 
 def code_digest(paths: Iterable[Path]) -> str:

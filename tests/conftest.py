@@ -25,7 +25,7 @@ atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)
 
 from featcal.config import RunConfig, config_from_dict  # noqa: E402
 from featcal.devices import one_thread  # noqa: E402
-from featcal.example import example_for_tests  # noqa: E402
+from featcal_bench.example import example_for_tests  # noqa: E402
 from flows.pipeline import run_pipeline  # noqa: E402
 from tests.tiny_example_inputs import set_key  # noqa: E402
 

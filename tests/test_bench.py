@@ -17,17 +17,16 @@ from transformers import AutoConfig, AutoTokenizer, BertForSequenceClassificatio
 
 from featcal.config import config_from_dict
 from featcal_bench.finetune import FineTune, Selection, _train, accuracy
-from featcal_bench.method import MethodRun, ordered_runs
 from featcal_bench.minilm import competence
 from featcal_bench.minilm.build import expert_seed
 from featcal_bench.minilm.competence import IncompetentExperts, failures, figures, mix_table
 from featcal_bench.minilm.presets import PRESETS
 from featcal_bench.minilm.probe import L2_GRID, fitted_probe
-from featcal_bench.minilm.recipe import FEATCAL, build_graph, method_runs, pipeline_config
+from featcal_bench.minilm.recipe import FEATCAL, STUDY, build_graph, pipeline_config
 from featcal_bench.minilm.spec import BenchSpec, Competence
 from featcal_bench.minilm.task_data import RECIPES, SplitSizes, split_examples
 from featcal_bench.protect import RAISE, check_path, raised_weights, settled
-from featcal_bench.report import METHOD_ROWS
+from featcal_bench.runs import MethodRun, ordered_runs
 from featcal_bench.sources import (
     Pointer,
     SourceMissing,
@@ -39,6 +38,7 @@ from featcal_bench.sources import (
     synsets,
 )
 from featcal_bench.stages import build_stages, direct_call, run_stages
+from featcal_bench.study import load_study
 from storage.rundir import RunDir
 from tests.bench_fixture import bench_sources
 
@@ -294,7 +294,7 @@ def test_featcal_from_regmean_calibrates_regmeans_checkpoint(built) -> None:
     architecture), so the composed run's merged body is RegMean's calibrated body, tensor for tensor; the report
     has its row, and each calibrated row paired with the row it started from on the same test rows."""
     bench, spec, _ = built
-    run = method_runs()["regmean_featcal"]
+    run = load_study(STUDY).runs["regmean_featcal"]
     assert (run.start, run.models, run.featcal) == ("regmean", ("calibrated",), FEATCAL)
     cfg = config_from_dict(pipeline_config(bench, spec, run), root=bench)
     assert (cfg.merge.method, cfg.merge.path) == ("given", str(bench / "runs" / "regmean" / "calibrated"))
@@ -343,11 +343,11 @@ def test_demo_preset_uses_pypi_data_only_and_its_config_validates(tmp_path) -> N
 def test_dare_ties_run_is_one_pipeline_run_with_two_report_rows(tmp_path) -> None:
     """`dare_ties_featcal` merges with DARE-TIES at density 0.5 and the TA scale, and is read twice by the report:
     its merged model (DARE-TIES) and its calibrated one (DARE-TIES + FeatCal), as `ties_featcal` is for TIES."""
-    run = method_runs()["dare_ties_featcal"]
+    run = load_study(STUDY).runs["dare_ties_featcal"]
     cfg = config_from_dict(pipeline_config(tmp_path, PRESETS["minilm8"], run), root=tmp_path)
     assert (cfg.merge.method, cfg.merge.density, cfg.merge.scaling, cfg.merge.seed) == ("dare_ties", 0.5, 0.3, 42)
     assert cfg.evaluation.models == ["merged", "calibrated"]
-    rows = {(label, model) for label, name, model, _ in METHOD_ROWS if name == "dare_ties_featcal"}
+    rows = {(r.label, r.model) for r in load_study(STUDY).rows if r.run == "dare_ties_featcal"}
     assert rows == {("DARE-TIES", "merged"), ("DARE-TIES + FeatCal", "calibrated")}
 
 

@@ -14,12 +14,13 @@ from featcal.config import load_config
 from featcal.devices import one_thread
 from featcal_bench.cli import main
 from featcal_bench.llm.build import held_out_splits, rendered
-from featcal_bench.llm.methods import llm_method_runs
+from featcal_bench.llm.recipe import RECIPE
 from featcal_bench.llm.report import PAPER_COLUMN
 from featcal_bench.llm.spec import BASE_MODEL, DOMAINS, HEADER, LLM_PRESETS, LlmBenchSpec
 from featcal_bench.method import run_method
 from featcal_bench.mirror import MirrorMissing, preset_spec
 from featcal_bench.stages import build_stages, direct_call, run_stages
+from featcal_bench.study import load_study
 from storage.rundir import Record, RunDir
 from tasks.record import recorded
 from tests.llm_fixture import domain_rows, llm_mirror
@@ -92,7 +93,7 @@ def test_build_writes_text_a_held_out_split_and_every_run_config(built):
         assert list(ds["test"]["text"]) == [rendered(source, domain)["text"][i] for i in ds["test"]["row"]]
         assert records[f"expert/{domain}"]["info"]["source"].endswith(DOMAINS[domain].expert(domain))
     assert records["base"]["info"]["pad_token_set"] and records["base"]["info"]["pad_token"] == "</s>"
-    configs = {name: load_config(bench / "configs" / f"{name}.yaml") for name in llm_method_runs()}
+    configs = {name: load_config(bench / "configs" / f"{name}.yaml") for name in load_study(RECIPE.study).runs}
     ta, ties, regmean, regmean_pp = (configs[n] for n in ("ta_featcal", "ties_featcal", "regmean", "regmean_pp"))
     assert (ta.merge.method, ta.merge.scaling, ta.featcal.lam, ta.featcal.rho, ta.featcal.alpha) == (
         "task_arithmetic", 0.4, 0.05, 2.2, 0.25)
@@ -113,7 +114,9 @@ def test_run_reports_every_methods_losses_beside_the_papers_figures(built, ran):
     rows = {r["method"]: r for r in report["methods"]}
     assert set(rows) == {"experts (individual)", "Llama-3.2-3B (base)", "task arithmetic", "TIES", "RegMean",
                          "RegMean++", "TA + FeatCal", "TIES + FeatCal"}
-    ours = {run: json.loads((bench / "runs" / run / "report.json").read_text()) for run in llm_method_runs()}
+    ours = {
+        run: json.loads((bench / "runs" / run / "report.json").read_text()) for run in load_study(RECIPE.study).runs
+    }
     for row in rows.values():
         lm = {d: ours[row["run"]]["tasks"][d]["language_model"][row["model"]] for d in DOMAINS_RUN}
         assert row["loss"] == {d: lm[d]["loss"] for d in DOMAINS_RUN}, row["method"]

@@ -15,12 +15,13 @@ import yaml
 
 from featcal.devices import one_thread
 from featcal_bench import stages
+from featcal_bench.builtin import recipes, registry
 from featcal_bench.cli import main
 from featcal_bench.method import run_method
-from featcal_bench.recipe import recipes, registry
 from featcal_bench.stages import build_stages, direct_call, run_stages
+from featcal_bench.study import SHARED
 from featcal_bench.user import UserRecipe
-from storage.rundir import Record, RunDir
+from storage.rundir import CONFIG_NAME, Record, RunDir
 from tasks.record import recorded
 
 TASKS = ("count", "negation", "topic")
@@ -31,8 +32,8 @@ def in_process(bench, kind: str, name: str, key: str, **params) -> Record:
     """A stage in this process, the method runs too (the hub benchmarks' tests cover the one-process-per-run path)."""
     if kind != "method":
         return direct_call(bench, kind, name, key, **params)
-    run = params["run"]
-    return recorded(RunDir(bench), name, key, lambda: ([f"results/{run}.json"], run_method(bench, run)["cost"]))
+    run, study = params["run"], params.get("study")
+    return recorded(RunDir(bench), name, key, lambda: ([f"results/{run}.json"], run_method(bench, run, study)["cost"]))
 
 
 def user_files(example, root):
@@ -123,6 +124,33 @@ def test_run_writes_the_same_report_paired_comparisons_and_plots(built, ran):
     assert any(p.endswith(".png") for p in ran["report"]["outputs"])
     starts = len(RunDir(bench).events())  # a rerun finds every method run and the report cached
     assert run_stages(bench, None, None, in_process) == ran and len(RunDir(bench).events()) == starts
+
+
+def test_bench_run_takes_a_study_file(built, ran, tmp_path):
+    """`bench run --study FILE`: the study's runs instead of the recipe's, and its rows in the report; a rerun of the
+    same study is cached."""
+    bench, _, _ = built
+    copy = tmp_path / "bench"
+    shutil.copytree(bench, copy)
+    study = tmp_path / "study.yaml"
+    study.write_text(
+        f"include: [{SHARED / 'settings.yaml'}]\nreference: mine\n"
+        "runs:\n  mine: {merge: task_arithmetic, method: featcal, models: [merged, calibrated, expert], "
+        "featcal: {use: paper, lambda: 0.1}}\n"
+        "rows:\n  - [experts, mine, expert]\n  - [TA, mine, merged, merge]\n  - [mine, mine, calibrated, total]\n"
+    )
+    with one_thread():
+        records = run_stages(copy, None, None, in_process, str(study))
+    assert sorted(records) == ["mine", "report"]
+    ours = json.loads((copy / "runs" / "mine" / "report.json").read_text())
+    resolved = yaml.safe_load((copy / "runs" / "mine" / CONFIG_NAME).read_text())
+    assert resolved["featcal"]["lambda"] == 0.1 and resolved["featcal"]["rho"] == 2.2
+    report = json.loads((copy / "report" / "my-bench.json").read_text())
+    assert [r["method"] for r in report["methods"]] == ["experts", "TA", "mine"]
+    assert report["methods"][2]["accuracy"] == {t: ours["tasks"][t]["accuracy"]["calibrated"] for t in TASKS}
+    assert "| mine |" in (copy / "report" / "my-bench.md").read_text()
+    starts = len(RunDir(copy).events())
+    assert run_stages(copy, None, None, in_process, str(study)) == records and len(RunDir(copy).events()) == starts
 
 
 def test_a_changed_data_file_rebuilds_only_its_task(built, ran, tmp_path):

@@ -15,11 +15,11 @@ from transformers import T5ForConditionalGeneration
 
 from featcal.config import load_config
 from featcal_bench.cli import main
-from featcal_bench.method import paper_method_runs
 from featcal_bench.mirror import preset_spec
 from featcal_bench.stages import build_stages, direct_call, run_stages
+from featcal_bench.study import load_study
 from featcal_bench.t5.prompts import LABEL_WORDS, TEMPLATES
-from featcal_bench.t5.recipe import t5_estimate
+from featcal_bench.t5.recipe import RECIPE, t5_estimate
 from featcal_bench.t5.report import PAPER
 from featcal_bench.t5.spec import BASE_MODEL, GLUE, GLUE_TASKS, T5_PRESETS, T5BenchSpec
 from flows.pipeline import machine
@@ -119,7 +119,7 @@ def test_build_estimates_every_runs_passes_and_says_where_it_timed_them(built):
         line.split(" | ")[0].strip("| *"): line.split(" | ") for line in estimate.splitlines() if line.startswith("| ")
     }
     assert rows["method run"][1:3] == ["forward passes", "generate calls"]
-    assert set(paper_method_runs()) <= rows.keys() and "| **all** (`featcal bench run`) |" in estimate
+    assert set(load_study(RECIPE.study).runs) <= rows.keys() and "| **all** (`featcal bench run`) |" in estimate
     sizes = {t: RunDir(bench).record(f"data/{t}")["info"] for t in TASKS}
     test = sum(s["test"] for s in sizes.values())
     # 10.8 teacher-forced forwards per calibration example; per test row a generate call of each scored model and of
@@ -127,7 +127,7 @@ def test_build_estimates_every_runs_passes_and_says_where_it_timed_them(built):
     drift = {"ta_featcal": 2, "regmean": 1}  # (merged, calibrated) and (calibrated)
     generates = {"ta_featcal": 4, "regmean": 2}  # base, merged, calibrated, expert; calibrated and the expert
     for run in RUNS:
-        calibration = sum(min(paper_method_runs()[run].examples, s["calibration"]) for s in sizes.values())
+        calibration = sum(min(load_study(RECIPE.study).runs[run].examples, s["calibration"]) for s in sizes.values())
         assert rows[run][1:3] == [
             f"{10.8 * calibration + (drift[run] + 1) * test:,.0f}",
             f"{generates[run] * test:,.0f}",
@@ -173,7 +173,7 @@ def test_bench_run_dispatches_on_the_spec_file(built, ran, monkeypatch, capsys):
     calls = []
     monkeypatch.setattr("featcal_bench.stages.run_flow", lambda *args: calls.append(args) or ran)
     assert main(["bench", "run", str(bench), "--runs", *RUNS]) == 0
-    assert calls == [(str(bench), RUNS, None)]
+    assert calls == [(str(bench), RUNS, None, None)]
     assert capsys.readouterr().out.strip() == (bench / "report" / "flan-t5-base-glue8.md").read_text().strip()
 
 

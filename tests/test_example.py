@@ -24,8 +24,8 @@ from transformers import (
     CLIPVisionModel,
 )
 
-from featcal import example
-from featcal.example import SPLIT_SIZES, TASK_LABELS, accuracy, build_tiny_example
+from featcal_bench import example
+from featcal_bench.example import SPLIT_SIZES, TASK_LABELS, accuracy, build_tiny_example
 
 ARCHS = ("bert", "clip")
 MODELS = {

@@ -18,20 +18,28 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = {"storage": 0, "featcal_kernels": 0, "featcal": 1, "tasks": 2, "flows": 3, "featcal_bench": 4}
 
 
-def imported_modules(path: Path, root: Path) -> list[tuple[int, str]]:
-    """(line, absolute module name) of every import in the file, those inside functions and relative ones too."""
+def imported_names(path: Path, root: Path) -> list[tuple[int, str, tuple[str, ...]]]:
+    """(line, absolute module name, names taken from it) of every import in the file, those inside functions and
+    relative ones too; the names are empty for a plain `import a.b`."""
     parts = path.relative_to(root).with_suffix("").parts
     package = parts[:-1]  # the package a relative import starts from (an __init__'s is its own directory)
-    found = []
+    found: list[tuple[int, str, tuple[str, ...]]] = []
     for node in ast.walk(ast.parse(path.read_bytes(), filename=str(path))):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level:  # `from ..x import y` in package a.b → a.x
-            base = list(package[: len(package) - node.level + 1])
-            found.append((node.lineno, ".".join(base + ([node.module] if node.module else []))))
+            found += [(node.lineno, alias.name, ()) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            found.append((node.lineno, node.module))
+            names = tuple(alias.name for alias in node.names)
+            if node.level:  # `from ..x import y` in package a.b → a.x
+                base = list(package[: len(package) - node.level + 1])
+                found.append((node.lineno, ".".join(base + ([node.module] if node.module else [])), names))
+            else:
+                found.append((node.lineno, node.module or "", names))
     return found
+
+
+def imported_modules(path: Path, root: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in the file, those inside functions and relative ones too."""
+    return [(line, module) for line, module, _ in imported_names(path, root)]
 
 
 def upward_imports(root: Path = ROOT) -> list[str]:

@@ -9,8 +9,12 @@ import torch
 
 from featcal.evaluation import TaskScores, summarize
 from featcal.evaluation import markdown as run_markdown
+from featcal_bench.minilm.recipe import STUDY
 from featcal_bench.paired import mcnemar, p_text, paired_bootstrap
 from featcal_bench.report import build_report, markdown
+from featcal_bench.study import load_study
+
+MINILM = load_study(STUDY)  # the MiniLM benchmark's rows and curves
 
 
 def _pair(only_a: int, only_b: int, both: int = 3, neither: int = 2) -> tuple[list[bool], list[bool]]:
@@ -170,7 +174,7 @@ def test_report_pairs_featcal_with_every_method_and_gives_the_gaps():
         "ta_probsurgery": {"a": {"calibrated": [0, 1, 1, 0]}, "b": {"calibrated": [2, 0, 1, 1, 1]}},
     }
     results["ta_probsurgery"] = _result(predictions["ta_probsurgery"])
-    report = build_report(results, TASKS, {})
+    report = build_report(results, TASKS, {}, MINILM)
     # experts: a 4/4, b 5/5; task arithmetic: a 2/4, b 3/5
     assert report["gaps"] == pytest.approx({"a": 0.5, "b": 0.4}, abs=1e-15)
     paired = report["paired"]
@@ -193,7 +197,7 @@ def test_report_pairs_featcal_with_every_method_and_gives_the_gaps():
             row["ci"] == paired_bootstrap(_correct("ta_featcal", "calibrated"), _correct(run, model, predictions))["ci"]
         )
         assert row["ci"][0] <= difference <= row["ci"][1]
-    md = markdown(report)
+    md = markdown(report, MINILM)
     assert "| *gap (expert − TA)* | *+50.0* | *+40.0* | *+45.0* | | | | |" in md
     assert md.index("*gap (expert − TA)*") < md.index("| experts (individual) |")
     assert "## Paired comparisons: TA + FeatCal against each method" in md
@@ -205,11 +209,11 @@ def test_report_pairs_featcal_with_every_method_and_gives_the_gaps():
 
 def test_report_without_any_predictions_names_the_methods_and_draws_no_table():
     results = {run: {k: v for k, v in _result(p).items() if k != "predictions"} for run, p in PREDICTIONS.items()}
-    report = build_report(results, TASKS, {})
+    report = build_report(results, TASKS, {}, MINILM)
     assert report["paired"]["comparisons"] == []
     assert report["paired"]["without_predictions"] == ["experts (individual)", "task arithmetic", "RegMean",
                                                        "TA + FeatCal"]
-    md = markdown(report)
+    md = markdown(report, MINILM)
     assert "| method | Δ accuracy" not in md and "No per-example predictions for: experts (individual)" in md
 
 
@@ -223,7 +227,7 @@ def test_each_calibrated_row_is_paired_with_the_row_it_started_from():
     results["ta_featcal"].update(merge="task_arithmetic", scaling=0.3)
     results["regmean"].update(merge="average", scaling=0.3)
     results["regmean_featcal"].update(merge="given", scaling=0.3, start="regmean")
-    report = build_report(results, TASKS, {})
+    report = build_report(results, TASKS, {}, MINILM)
     starts = report["paired_with_start"]
     assert starts["without_predictions"] == [] and (starts["resamples"], starts["seed"]) == (10_000, 0)
     rows = {c["method"]: c for c in starts["comparisons"]}
@@ -244,7 +248,7 @@ def test_each_calibrated_row_is_paired_with_the_row_it_started_from():
     assert "merge_row" not in methods["RegMean"]
     cost = COST["merge_seconds"] + COST["calibration_seconds"]
     assert (methods["RegMean + FeatCal"]["seconds"], methods["RegMean"]["seconds"]) == (2 * cost, cost)
-    md = markdown(report)
+    md = markdown(report, MINILM)
     assert "## Paired comparisons: each calibrated method against its starting point" in md
     low, high = rows["RegMean + FeatCal"]["ci"]
     assert f"| RegMean + FeatCal | RegMean | +22.5 [{100 * low:+.1f}, {100 * high:+.1f}] | 0.500 |" in md
@@ -256,15 +260,15 @@ def test_agreement_with_each_tasks_expert_is_reported_per_row_without_labels():
     results = {run: _result(p) for run, p in PREDICTIONS.items()}
     relabelled = {run: {**r, "labels": {t: [9] * len(y) for t, y in LABELS.items()}} for run, r in results.items()}
     for res in (results, relabelled):
-        methods = {r["method"]: r for r in build_report(res, TASKS, {})["methods"]}
+        methods = {r["method"]: r for r in build_report(res, TASKS, {}, MINILM)["methods"]}
         assert methods["task arithmetic"]["expert_agreement"] == pytest.approx({"a": 0.5, "b": 0.6}, abs=1e-12)
         assert methods["TA + FeatCal"]["expert_agreement"] == pytest.approx({"a": 0.75, "b": 0.8}, abs=1e-12)
         assert methods["RegMean"]["expert_agreement"] == pytest.approx({"a": 0.5, "b": 0.6}, abs=1e-12)
-    md = markdown(build_report(results, TASKS, {}))
+    md = markdown(build_report(results, TASKS, {}, MINILM), MINILM)
     assert "## Agreement with each task's expert" in md and "| TA + FeatCal | 75.0 | 80.0 | 77.5 |" in md
     assert "| experts (individual) |" not in md.split("## Agreement")[1].split("\n## ")[0]
     without = {run: {k: v for k, v in r.items() if k != "predictions"} for run, r in results.items()}
-    assert all("expert_agreement" not in r for r in build_report(without, TASKS, {})["methods"])
+    assert all("expert_agreement" not in r for r in build_report(without, TASKS, {}, MINILM)["methods"])
 
 
 def test_p_values_print_three_decimals_and_a_floor() -> None:

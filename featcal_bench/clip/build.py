@@ -21,6 +21,7 @@ from featcal_bench.clip.prompts import CLASS_NAMES
 from featcal_bench.clip.spec import BASE_MODEL, CLIP_TASKS, ClipBenchSpec
 from featcal_bench.layout import BASE, data_dir
 from featcal_bench.mirror import dataset_split, expert_stage, pretrained, write_pretrained
+from featcal_bench.recipe import Stage
 from storage.atomic import atomic_path
 
 log = logging.getLogger("featcal")
@@ -79,6 +80,6 @@ def write_data(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
     return [data_dir(task)], {"source": source, **{split: len(rows) for split, rows in out.items()}}
 
 
-CLIP_BUILD_STAGES = {"clip-clip": write_clip, "clip-base": write_base, "clip-data": write_data,
+CLIP_BUILD_STAGES: dict[str, Stage] = {"clip-clip": write_clip, "clip-base": write_base, "clip-data": write_data,
                      "clip-expert": expert_stage(ClipBenchSpec, lambda spec, hub_id: pretrained(CLIPVisionModel, spec,
                                                                                                  hub_id))}

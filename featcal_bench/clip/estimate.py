@@ -9,7 +9,6 @@ import datasets
 import torch
 from transformers import AutoImageProcessor, CLIPVisionModel
 
-from featcal_bench.clip.methods import clip_method_runs
 from featcal_bench.clip.prompts import CLASS_NAMES, TEMPLATES
 from featcal_bench.estimate import (
     CALIBRATION_PASSES,
@@ -23,10 +22,14 @@ from featcal_bench.estimate import (
     test_rows,
 )
 from featcal_bench.layout import BASE, data_dir
-from featcal_bench.method import SURGERY_METHODS, MethodRun
+from featcal_bench.runs import SURGERY_METHODS, MethodRun
+from featcal_bench.study import load_study
 
-SURGERY_PASSES = 2  # the expert's and the merged model's features of each pool image, once (featcal_bench/clip/methods.py)
+SURGERY_PASSES = (
+    2  # the expert's and the merged model's features of each pool image, once (featcal_bench/clip/methods.py)
+)
 TIMED_IMAGES = 16
+STUDY = Path(__file__).with_name("study.yaml")  # the runs the estimate counts
 
 
 def forward_passes(run: MethodRun, rows: dict[str, dict[str, int]]) -> Passes:
@@ -55,7 +58,7 @@ def image_speeds(bench: Path, task: str) -> dict[str, Speed]:
 
 def clip_cost_estimate(bench: Path, rows: dict[str, dict[str, int]]) -> str:
     """The CLIP benchmark's estimate (markdown); `rows`: per task, its calibration pool and test split size."""
-    passes = {name: forward_passes(run, rows) for name, run in clip_method_runs().items()}
+    passes = {name: forward_passes(run, rows) for name, run in load_study(STUDY).runs.items()}
     about = (f"Time, from forward passes through the base vision tower timed here (batches of {TIMED_IMAGES} images). "
              f"FeatCal's and RegMean's calibration counts {CALIBRATION_PASSES:g} passes per example (their stages "
              "measured against their forward floor, benchmarks/results/pipeline_cost_vitb32.md); evaluation one per "

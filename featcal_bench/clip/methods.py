@@ -1,6 +1,6 @@
-"""The CLIP benchmark's method runs: the paper's rows, each a pipeline run (or Surgery, ProbSurgery) in its own
-process, scored with zero-shot heads made from the benchmark's prompts; each writes `results/{run}.json` like the
-MiniLM runs.
+"""The CLIP benchmark's method runs (the runs themselves: study.yaml beside this file), each a pipeline run (or
+Surgery, ProbSurgery) in its own process, scored with zero-shot heads made from the benchmark's prompts; each writes
+`results/{run}.json` like the MiniLM runs.
 """
 
 from __future__ import annotations
@@ -12,13 +12,7 @@ from featcal_bench.clip.build import CLIP
 from featcal_bench.clip.prompts import CLASS_NAMES, TEMPLATES
 from featcal_bench.clip.spec import ClipBenchSpec
 from featcal_bench.layout import data_dir
-from featcal_bench.method import MethodRun, model_sections, paper_method_runs
-
-
-def clip_method_runs() -> dict[str, MethodRun]:
-    """The paper's rows (featcal_bench.method.paper_method_runs), TA + Surgery and TA + ProbSurgery."""
-    return {**paper_method_runs(), "ta_surgery": MethodRun("task_arithmetic", "surgery"),
-            "ta_probsurgery": MethodRun("task_arithmetic", "probsurgery")}
+from featcal_bench.runs import MethodRun, model_sections
 
 
 def pipeline_config(bench: Path, spec: ClipBenchSpec, run: MethodRun) -> dict[str, Any]:

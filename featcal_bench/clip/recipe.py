@@ -15,8 +15,10 @@ from featcal_bench.clip import spec as spec_module
 from featcal_bench.clip.estimate import clip_cost_estimate
 from featcal_bench.clip.spec import BASE_MODEL, CLIP_PRESETS, ClipBenchSpec
 from featcal_bench.estimate import rows_about, split_sizes, write_estimate
+from featcal_bench.mirror import mirrored_task_stages
 from featcal_bench.recipe import Call, Preset, Recipe, Report
-from featcal_bench.stages import mirrored_task_stages, save_report
+from featcal_bench.report import save_report
+from featcal_bench.study import Study
 from storage.fingerprint import fingerprint
 from storage.rundir import Record
 
@@ -26,23 +28,29 @@ def build_graph(bench: Path, spec: ClipBenchSpec, stage: Call, code: str, memo: 
     fingerprint (a mirror's content, or a hub id's name)."""
     records = {"clip": stage(bench, "clip-clip", "clip", digest_of(
         [code, "clip", fingerprint(spec.model_source(BASE_MODEL), memo)]))}
-    records["base"] = stage(bench, "clip-base", "base", digest_of([code, "base", records["clip"]["outputs"][build.CLIP]]))
+    records["base"] = stage(
+        bench, "clip-base", "base", digest_of([code, "base", records["clip"]["outputs"][build.CLIP]])
+    )
     records.update(mirrored_task_stages(bench, spec, stage, "clip", code, memo))
     return records
 
 
 def write_report(bench: Path, spec: ClipBenchSpec, results: dict[str, dict[str, Any]], meta: dict[str, Any],
-                 out_dir: str | None) -> tuple[list[str], dict[str, Any]]:
+                 out_dir: str | None, study: Study) -> tuple[list[str], dict[str, Any]]:
     test_rows = {t: r["test"] for t, r in split_sizes(bench, spec.tasks).items()}
-    return save_report(bench, spec.name, report.clip_report(results, spec, meta, test_rows), results, out_dir,
-                       report.CURVES)
+    return save_report(bench, spec.name, report.clip_report(results, spec, meta, test_rows, study), results, out_dir,
+                       study)
 
 
 RECIPE = Recipe(
     name="clip",
     spec=ClipBenchSpec,
-    presets={"clip-vit-b32-ta8": Preset("the paper's CLIP ViT-B/32 on 8 image tasks, zero-shot heads",
-                                        "`bench build` prints it: passes timed here on the base (estimate.md)")},
+    presets={
+        "clip-vit-b32-ta8": Preset(
+            "the paper's CLIP ViT-B/32 on 8 image tasks, zero-shot heads",
+            "`bench build` prints it: passes timed here on the base (estimate.md)",
+        )
+    },
     access="hub or mirror",
     options=frozenset({"models_from", "data_from", "tasks", "test_rows"}),
     located=mirror.located(CLIP_PRESETS),
@@ -50,12 +58,15 @@ RECIPE = Recipe(
     # Not the MiniLM build: edits to its fine-tuning must not copy every model and dataset again.
     build_modules=(build, prompts, spec_module, mirror),
     stages=build.CLIP_BUILD_STAGES,
-    runs=lambda spec: methods.clip_method_runs(),
+    study=Path(__file__).with_name("study.yaml"),
     run_config=methods.pipeline_config,
     method_modules=(methods, prompts, spec_module),
     report=Report(
         title=lambda spec: f"FeatCal benchmark `{spec.name}`: CLIP ViT-B/32, {len(spec.tasks)} tasks, zero-shot heads",
-        about=rows_about(report.about), write=write_report, modules=(report, prompts, spec_module, sys.modules[__name__])),
+        about=rows_about(report.about),
+        write=write_report,
+        modules=(report, prompts, spec_module, sys.modules[__name__]),
+    ),
     run_inputs=lambda spec: ["clip", "base", *(f"{k}/{t}" for t in spec.tasks for k in ("data", "expert"))],
     estimate=lambda bench, spec: write_estimate(bench, clip_cost_estimate(bench, split_sizes(bench, spec.tasks))),
     cache_surgery_features=True,

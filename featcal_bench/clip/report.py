@@ -7,10 +7,8 @@ from typing import Any
 
 from featcal_bench.clip.prompts import CLASS_NAMES, TEMPLATES
 from featcal_bench.clip.spec import BASE_MODEL, CLIP_TASKS, ClipBenchSpec
-from featcal_bench.report import add_paper_column, build_report, paper_rows
-
-ROWS = paper_rows("zero-shot", surgery=True)
-CURVES = {"featcal": ("ta_featcal", "TA + FeatCal")}
+from featcal_bench.report import add_paper_column, build_report
+from featcal_bench.study import Study
 
 # The paper's averages over the eight tasks (FeatCal, arXiv 2605.13030; CLIP ViT-B/32, 256 examples per task unless
 # the sample-efficiency row says otherwise), in %. docs/design.md §5 keeps the same figures.
@@ -26,7 +24,11 @@ def about(spec: ClipBenchSpec, test_rows: dict[str, int], calibration_rows: dict
     lines = [f"- `{t}`: {CLIP_TASKS[t].about}; data `{CLIP_TASKS[t].dataset}`, expert `{CLIP_TASKS[t].expert}`; "
              f"test {test_rows[t]:,} rows, calibration pool {calibration_rows[t]}; {len(CLASS_NAMES[t])} class names × "
              f"{len(TEMPLATES[t])} prompt template(s)" for t in spec.tasks]
-    test = "all of each test split" if spec.test_rows is None else f"a seeded subset of {spec.test_rows} test rows per task"
+    test = (
+        "all of each test split"
+        if spec.test_rows is None
+        else f"a seeded subset of {spec.test_rows} test rows per task"
+    )
     return (f"Base `{BASE_MODEL}` (its vision tower; the text tower makes the zero-shot heads), head-less "
             f"`CLIPVisionModel` experts, models from {source(spec.models_from)}, data from {source(spec.data_from)}. "
             f"Calibration pool: a seeded subset of each train split (seed {spec.seed}); scored on {test}. Every model "
@@ -35,12 +37,15 @@ def about(spec: ClipBenchSpec, test_rows: dict[str, int], calibration_rows: dict
 
 
 def clip_report(results: dict[str, dict[str, Any]], spec: ClipBenchSpec, meta: dict[str, Any],
-                test_rows: dict[str, int]) -> dict[str, Any]:
+                test_rows: dict[str, int], study: Study) -> dict[str, Any]:
     """The report of the runs in `results` (run name → its results JSON), with the paper's figures: `paper` on every
     row the paper reports, and its sample-efficiency points."""
-    report = build_report(results, spec.tasks, {**meta, "test_rows": test_rows}, rows=ROWS, curves=CURVES)
+    report = build_report(results, spec.tasks, {**meta, "test_rows": test_rows}, study)
     add_paper_column(report, PAPER)
-    report["paper_sample_efficiency"] = {"curve": "featcal", "points": {n: v / 100 for n, v in PAPER_SAMPLE_EFFICIENCY.items()}}
+    report["paper_sample_efficiency"] = {
+        "curve": "featcal",
+        "points": {n: v / 100 for n, v in PAPER_SAMPLE_EFFICIENCY.items()},
+    }
     subset = sorted(set(CLIP_TASKS) - set(spec.tasks))
     report["notes"] = [
         "*paper*: the averages the FeatCal paper publishes for CLIP ViT-B/32 over all eight tasks (256 calibration "

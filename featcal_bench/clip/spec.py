@@ -33,12 +33,18 @@ class ClipTask:
 # hub repositories (config/dataset/image_classification/{train,test}/*.yaml).
 CLIP_TASKS = {
     "sun397": ClipTask("tanganke/clip-vit-base-patch32_sun397", "tanganke/sun397", "SUN397 scenes (397 classes)"),
-    "stanford_cars": ClipTask("tanganke/clip-vit-base-patch32_stanford-cars", "tanganke/stanford_cars",
-                              "Stanford Cars: make, model and year (196)"),
+    "stanford_cars": ClipTask(
+        "tanganke/clip-vit-base-patch32_stanford-cars",
+        "tanganke/stanford_cars",
+        "Stanford Cars: make, model and year (196)",
+    ),
     "resisc45": ClipTask("tanganke/clip-vit-base-patch32_resisc45", "tanganke/resisc45", "RESISC45 aerial scenes (45)"),
-    "eurosat": ClipTask("tanganke/clip-vit-base-patch32_eurosat", "tanganke/eurosat", "EuroSAT land use from satellite (10)"),
-    "svhn": ClipTask("tanganke/clip-vit-base-patch32_svhn", "ufldl-stanford/svhn", "SVHN house-number digits (10)",
-                     "cropped_digits"),
+    "eurosat": ClipTask(
+        "tanganke/clip-vit-base-patch32_eurosat", "tanganke/eurosat", "EuroSAT land use from satellite (10)"
+    ),
+    "svhn": ClipTask(
+        "tanganke/clip-vit-base-patch32_svhn", "ufldl-stanford/svhn", "SVHN house-number digits (10)", "cropped_digits"
+    ),
     "gtsrb": ClipTask("tanganke/clip-vit-base-patch32_gtsrb", "tanganke/gtsrb", "GTSRB German traffic signs (43)"),
     "mnist": ClipTask("tanganke/clip-vit-base-patch32_mnist", "ylecun/mnist", "MNIST handwritten digits (10)"),
     "dtd": ClipTask("tanganke/clip-vit-base-patch32_dtd", "tanganke/dtd", "DTD describable textures (47)"),

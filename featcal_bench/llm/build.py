@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from featcal_bench.layout import BASE, data_dir
 from featcal_bench.llm.spec import BASE_MODEL, DOMAINS, PROMPT, PROMPT_WITH_INPUT, SOURCE_SPLIT, LlmBenchSpec
 from featcal_bench.mirror import MODELS_FLAG, dataset_split, expert_stage, from_source, pretrained
+from featcal_bench.recipe import Stage
 from storage.atomic import atomic_path
 
 log = logging.getLogger("featcal")
@@ -73,7 +74,8 @@ def _checked(ds: datasets.Dataset, domain: str, source: str) -> datasets.Dataset
     def is_text(field: str) -> bool:
         return getattr(ds.features.get(field), "dtype", None) == "string"
 
-    if not (is_text(d.prompt) and is_text(d.response)) or (d.input in ds.features and not is_text(d.input)):
+    if not (is_text(d.prompt) and is_text(d.response)) or (d.input is not None and d.input in ds.features
+                                                           and not is_text(d.input)):
         optional = f" (and optionally {d.input!r})" if d.input else ""
         raise ValueError(f"{source} ({SOURCE_SPLIT}): expected string columns {[d.prompt, d.response]}{optional}, "
                          f"MergeBench's {domain} fields; it has {dict(ds.features)}")
@@ -93,7 +95,8 @@ def held_out_splits(ds: datasets.Dataset, calibration: int, test_rows: int | Non
 
 
 def write_data(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
-    """The held-out set of domain `task` rendered into text, split into a calibration pool and disjoint held-out rows."""
+    """The held-out set of domain `task` rendered into text, split into a calibration pool and disjoint held-out
+    rows."""
     spec = LlmBenchSpec.load(bench)
     source = spec.data_name(task)
     rows = _checked(dataset_split(spec.data_source(task), None, SOURCE_SPLIT, bool(spec.data_from), (SOURCE_SPLIT,)),
@@ -106,4 +109,8 @@ def write_data(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
     return [data_dir(task)], {"source": source, "source_rows": len(rows), **{s: len(r) for s, r in out.items()}}
 
 
-LLM_BUILD_STAGES = {"llm-base": write_base, "llm-data": write_data, "llm-expert": expert_stage(LlmBenchSpec, _causal_lm)}
+LLM_BUILD_STAGES: dict[str, Stage] = {
+    "llm-base": write_base,
+    "llm-data": write_data,
+    "llm-expert": expert_stage(LlmBenchSpec, _causal_lm),
+}

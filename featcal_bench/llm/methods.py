@@ -16,28 +16,10 @@ from featcal_bench.layout import data_dir
 from featcal_bench.llm.build import TEXT
 from featcal_bench.llm.spec import (
     MAX_LENGTH,
-    REGMEAN_OFF_DIAGONAL,
-    REGMEAN_PP_OFF_DIAGONAL,
-    TA_SCALING,
     TIES_TOP_K,
     LlmBenchSpec,
 )
-from featcal_bench.method import PAPER_FEATCAL, MethodRun, model_sections
-
-
-def llm_method_runs() -> dict[str, MethodRun]:
-    """MergeBench's settings (featcal_bench/llm/spec.py); FeatCal at the paper's λ 0.05, ρ 2.2, α 0.25 on the TA and
-    TIES merges; RegMean and RegMean++ from the average (MergeBench averages the non-linear parameters)."""
-    return {
-        # One run yields experts, base, TA and TA + FeatCal, and the per-block drift.
-        "ta_featcal": MethodRun("task_arithmetic", "featcal", models=("base", "merged", "calibrated", "expert"),
-                                featcal=PAPER_FEATCAL, scaling=TA_SCALING),
-        "ties_featcal": MethodRun("ties", "featcal", models=("merged", "calibrated"), featcal=PAPER_FEATCAL,
-                                  scaling=TA_SCALING),
-        "regmean": MethodRun("average", "regmean", featcal={"regmean_off_diagonal": REGMEAN_OFF_DIAGONAL}),
-        "regmean_pp": MethodRun("average", "regmean_plus_plus",
-                                featcal={"regmean_off_diagonal": REGMEAN_PP_OFF_DIAGONAL}),
-    }
+from featcal_bench.runs import MethodRun, model_sections
 
 
 def pipeline_config(bench: Path, spec: LlmBenchSpec, run: MethodRun) -> dict[str, Any]:

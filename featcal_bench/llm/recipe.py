@@ -13,14 +13,16 @@ from featcal_bench.estimate import rows_about
 from featcal_bench.llm import build, methods, report
 from featcal_bench.llm import spec as spec_module
 from featcal_bench.llm.spec import BASE_MODEL, LLM_PRESETS, LlmBenchSpec
+from featcal_bench.mirror import mirrored_build
 from featcal_bench.recipe import Preset, Recipe, Report
-from featcal_bench.stages import mirrored_build, save_loss_report
+from featcal_bench.report import save_loss_report
+from featcal_bench.study import Study
 
 
 def write_report(bench: Path, spec: LlmBenchSpec, results: dict[str, dict[str, Any]], meta: dict[str, Any],
-                 out_dir: str | None) -> tuple[list[str], dict[str, Any]]:
+                 out_dir: str | None, study: Study) -> tuple[list[str], dict[str, Any]]:
     """`report/{name}.json` and `.md` (also copied to `out_dir` where given): the report stage's outputs."""
-    made = report.llm_report(results, spec, meta)
+    made = report.llm_report(results, spec, meta, study)
     return save_loss_report(bench, spec.name, made, results, out_dir, report.markdown(made))
 
 
@@ -36,7 +38,7 @@ RECIPE = Recipe(
     build=mirrored_build("llm"),
     build_modules=(mirror, build, spec_module),
     stages=build.LLM_BUILD_STAGES,
-    runs=lambda spec: methods.llm_method_runs(),
+    study=Path(__file__).with_name("study.yaml"),
     run_config=methods.pipeline_config,
     method_modules=(build, methods, spec_module),
     report=Report(

@@ -21,9 +21,9 @@ from featcal_bench.llm.spec import (
     TIES_TOP_K,
     LlmBenchSpec,
 )
-from featcal_bench.report import add_paper_column, language_model_report, paper_rows
+from featcal_bench.report import add_paper_column, language_model_report
+from featcal_bench.study import Study
 
-ROWS = paper_rows("Llama-3.2-3B (base)")
 PAPER_COLUMN = "paper: harness average, theirs (%)"
 
 
@@ -33,20 +33,24 @@ def about(spec: LlmBenchSpec, test_rows: dict[str, int], calibration_rows: dict[
 
     lines = [f"- `{d}`: {DOMAINS[d].about}; data `{DOMAINS[d].dataset(d)}`, expert `{DOMAINS[d].expert(d)}`; "
              f"calibration pool {calibration_rows[d]} rows, held out {test_rows[d]:,} rows" for d in spec.tasks]
-    return (f"Base `{BASE_MODEL}`, MergeBench's full fine-tunes as experts, models from {source(spec.models_from)}, "
-            f"data from {source(spec.data_from)}. Each domain's MergeBench held-out set is rendered as its data-using "
-            f"merges read it (an Alpaca-style prompt, then the response), cut at {MAX_LENGTH} tokens, and split by a "
-            f"seeded permutation (seed {spec.seed}): a calibration pool of {spec.calibration} rows, the rest held out "
-            "for evaluation (disjoint). Every model is scored by its mean next-token loss in nats over every real token "
-            f"of the held-out text. Settings (MergeBench's): task arithmetic {TA_SCALING}, TIES top {TIES_TOP_K:.0%} of "
-            f"each task vector and {TA_SCALING}, RegMean off-diagonal {REGMEAN_OFF_DIAGONAL}, RegMean++ "
-            f"{REGMEAN_PP_OFF_DIAGONAL}; FeatCal λ 0.05, ρ 2.2, α 0.25 (the paper's).\n\n" + "\n".join(lines))
+    return (
+        f"Base `{BASE_MODEL}`, MergeBench's full fine-tunes as experts, models from {source(spec.models_from)}, "
+        f"data from {source(spec.data_from)}. Each domain's MergeBench held-out set is rendered as its data-using "
+        f"merges read it (an Alpaca-style prompt, then the response), cut at {MAX_LENGTH} tokens, and split by a "
+        f"seeded permutation (seed {spec.seed}): a calibration pool of {spec.calibration} rows, the rest held out "
+        "for evaluation (disjoint). Every model is scored by its mean next-token loss in nats over every real token "
+        f"of the held-out text. Settings (MergeBench's): task arithmetic {TA_SCALING}, TIES top {TIES_TOP_K:.0%} of "
+        f"each task vector and {TA_SCALING}, RegMean off-diagonal {REGMEAN_OFF_DIAGONAL}, RegMean++ "
+        f"{REGMEAN_PP_OFF_DIAGONAL}; FeatCal λ 0.05, ρ 2.2, α 0.25 (the paper's).\n\n" + "\n".join(lines)
+    )
 
 
-def llm_report(results: dict[str, dict[str, Any]], spec: LlmBenchSpec, meta: dict[str, Any]) -> dict[str, Any]:
+def llm_report(
+    results: dict[str, dict[str, Any]], spec: LlmBenchSpec, meta: dict[str, Any], study: Study
+) -> dict[str, Any]:
     """`language_model_report` of the runs in `results` (run name → its results JSON), with, where the paper reports
     the row, `paper` (their harness average, a different metric)."""
-    report = language_model_report(results, spec.tasks, meta, ROWS)
+    report = language_model_report(results, spec.tasks, meta, study)
     add_paper_column(report, PAPER)
     report["harness_tasks"] = {d: {"lm_eval": list(DOMAINS[d].harness_tasks), "other": DOMAINS[d].other_harness}
                                for d in spec.tasks}

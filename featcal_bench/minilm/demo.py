@@ -8,9 +8,9 @@ from typing import Any
 import yaml
 from prefect import flow
 
-from featcal_bench.method import MethodRun
 from featcal_bench.minilm.recipe import FEATCAL, located_spec, pipeline_config
 from featcal_bench.minilm.spec import BenchSpec
+from featcal_bench.runs import MethodRun
 from featcal_bench.stages import build_flow
 from flows.prefect_flow import featcal_flow
 from storage.atomic import write_bytes
@@ -43,7 +43,9 @@ def demo_table(report: dict[str, Any]) -> str:
     lines = ["| model | " + " | ".join(tasks) + " | average |", "|---|" + "---:|" * (len(tasks) + 1)]
     for model, label in names.items():
         accs = [report["tasks"][t]["accuracy"][model] for t in tasks]
-        lines.append(f"| {label} | " + " | ".join(f"{100 * a:.1f}" for a in accs) + f" | {100 * sum(accs) / len(accs):.1f} |")
+        lines.append(
+            f"| {label} | " + " | ".join(f"{100 * a:.1f}" for a in accs) + f" | {100 * sum(accs) / len(accs):.1f} |"
+        )
     gap = report["summary"].get("gap_closed")
     if gap is not None:
         lines.append(f"\nFeatCal closes {100 * gap:.1f} % of the gap between task arithmetic and the experts.")

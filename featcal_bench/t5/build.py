@@ -20,6 +20,7 @@ from transformers import AutoTokenizer, T5ForConditionalGeneration
 from featcal.data import pick_examples
 from featcal_bench.layout import BASE, data_dir
 from featcal_bench.mirror import dataset_split, expert_stage, pretrained, write_pretrained
+from featcal_bench.recipe import Stage
 from featcal_bench.t5.prompts import LABEL_WORDS, SCORE_FORMAT, TEMPLATES
 from featcal_bench.t5.spec import BASE_MODEL, GLUE_TASKS, T5BenchSpec
 from storage.atomic import atomic_path
@@ -46,7 +47,10 @@ def _checked(ds: datasets.Dataset, task: str, split: str, source: str) -> datase
     columns, label = GLUE_TASKS[task].columns, ds.features.get(LABEL)
     if task in LABEL_WORDS:
         classes = len(LABEL_WORDS[task])
-        fits, wanted = isinstance(label, ClassLabel) and label.num_classes == classes, f"a ClassLabel of {classes} classes"
+        fits, wanted = (
+            isinstance(label, ClassLabel) and label.num_classes == classes,
+            f"a ClassLabel of {classes} classes",
+        )
     else:
         fits, wanted = isinstance(label, Value) and label.dtype.startswith("float"), "a float score"
     if not fits or any(c not in ds.features for c in columns):
@@ -85,5 +89,5 @@ def write_data(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
     return [data_dir(task)], {"source": where, "test_split": validation, **{s: len(rows) for s, rows in out.items()}}
 
 
-T5_BUILD_STAGES = {"t5-base": write_base, "t5-data": write_data, "t5-expert": expert_stage(
+T5_BUILD_STAGES: dict[str, Stage] = {"t5-base": write_base, "t5-data": write_data, "t5-expert": expert_stage(
     T5BenchSpec, lambda spec, hub_id: pretrained(T5ForConditionalGeneration, spec, hub_id))}

@@ -26,11 +26,13 @@ from featcal_bench.estimate import (
     test_rows,
 )
 from featcal_bench.layout import BASE, data_dir
-from featcal_bench.method import MethodRun, paper_method_runs
+from featcal_bench.runs import MethodRun
+from featcal_bench.study import load_study
 from featcal_bench.t5.build import TARGET, TEXT
 from featcal_bench.t5.methods import MAX_LENGTH, MAX_NEW_TOKENS, MAX_TARGET_LENGTH
 
 TIMED_PROMPTS = 16
+STUDY = Path(__file__).with_name("study.yaml")  # the runs the estimate counts
 
 
 def prompt_passes(run: MethodRun, rows: dict[str, dict[str, int]]) -> Passes:
@@ -38,8 +40,10 @@ def prompt_passes(run: MethodRun, rows: dict[str, dict[str, int]]) -> Passes:
     generate call of every scored model (and of the expert as drift reference), and, where drift is measured,
     teacher-forced forwards of the expert and each drifting model on the expert's answer."""
     drifting = drifting_models(run.models)
-    return Passes(forward=CALIBRATION_PASSES * calibration_rows(run, rows) + (drifting + bool(drifting)) * test_rows(rows),
-                  generate=evaluation_passes(run.models) * test_rows(rows))
+    return Passes(
+        forward=CALIBRATION_PASSES * calibration_rows(run, rows) + (drifting + bool(drifting)) * test_rows(rows),
+        generate=evaluation_passes(run.models) * test_rows(rows),
+    )
 
 
 def prompt_speeds(bench: Path, task: str) -> dict[str, Speed]:
@@ -63,7 +67,7 @@ def prompt_speeds(bench: Path, task: str) -> dict[str, Speed]:
 
 def t5_cost_estimate(bench: Path, rows: dict[str, dict[str, int]]) -> str:
     """The FLAN-T5 benchmark's estimate (markdown); `rows`: per task, its calibration pool and test split size."""
-    passes = {name: prompt_passes(run, rows) for name, run in paper_method_runs().items()}
+    passes = {name: prompt_passes(run, rows) for name, run in load_study(STUDY).runs.items()}
     about = (f"Time, from encoder–decoder passes through the base timed here (batches of {TIMED_PROMPTS} prompts): "
              "forwards teacher-forced on the answer, and greedy generate calls of up to "
              f"{MAX_NEW_TOKENS} tokens as evaluation makes them. FeatCal's and RegMean's calibration counts "

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal_bench.layout import data_dir
-from featcal_bench.method import MethodRun, model_sections
+from featcal_bench.runs import MethodRun, model_sections
 from featcal_bench.t5.build import LABEL, TARGET, TEXT
 from featcal_bench.t5.prompts import LABEL_WORDS
 from featcal_bench.t5.spec import T5BenchSpec

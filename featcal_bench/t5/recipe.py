@@ -10,9 +10,10 @@ from typing import Any
 
 from featcal_bench import mirror
 from featcal_bench.estimate import rows_about, split_sizes, write_estimate
-from featcal_bench.method import paper_method_runs
+from featcal_bench.mirror import mirrored_build
 from featcal_bench.recipe import Preset, Recipe, Report
-from featcal_bench.stages import mirrored_build, save_report
+from featcal_bench.report import save_report
+from featcal_bench.study import Study
 from featcal_bench.t5 import build, methods, prompts, report
 from featcal_bench.t5 import spec as spec_module
 from featcal_bench.t5.estimate import t5_cost_estimate
@@ -20,8 +21,8 @@ from featcal_bench.t5.spec import T5_PRESETS, T5BenchSpec
 
 
 def write_report(bench: Path, spec: T5BenchSpec, results: dict[str, dict[str, Any]], meta: dict[str, Any],
-                 out_dir: str | None) -> tuple[list[str], dict[str, Any]]:
-    return save_report(bench, spec.name, report.t5_report(results, spec, meta), results, out_dir, report.CURVES)
+                 out_dir: str | None, study: Study) -> tuple[list[str], dict[str, Any]]:
+    return save_report(bench, spec.name, report.t5_report(results, spec, meta, study), results, out_dir, study)
 
 
 def t5_estimate(bench: Path, spec: T5BenchSpec) -> str:
@@ -32,8 +33,12 @@ def t5_estimate(bench: Path, spec: T5BenchSpec) -> str:
 RECIPE = Recipe(
     name="t5",
     spec=T5BenchSpec,
-    presets={"flan-t5-base-glue8": Preset("the paper's FLAN-T5-base on 8 GLUE tasks, text to text",
-                                          "`bench build` prints it: passes timed here on the base (estimate.md)")},
+    presets={
+        "flan-t5-base-glue8": Preset(
+            "the paper's FLAN-T5-base on 8 GLUE tasks, text to text",
+            "`bench build` prints it: passes timed here on the base (estimate.md)",
+        )
+    },
     access="hub or mirror",
     options=frozenset({"models_from", "data_from", "tasks", "test_rows"}),
     located=mirror.located(T5_PRESETS),
@@ -41,12 +46,15 @@ RECIPE = Recipe(
     # Not the MiniLM build: edits to its fine-tuning must not copy every model and dataset again.
     build_modules=(mirror, build, prompts, spec_module),
     stages=build.T5_BUILD_STAGES,
-    runs=lambda spec: paper_method_runs(),
+    study=Path(__file__).with_name("study.yaml"),
     run_config=methods.pipeline_config,
     method_modules=(build, methods, prompts, spec_module),
     report=Report(
         title=lambda spec: f"FeatCal benchmark `{spec.name}`: FLAN-T5-base, {len(spec.tasks)} GLUE tasks, text to text",
-        about=rows_about(report.about), write=write_report, modules=(report, prompts, spec_module, sys.modules[__name__])),
+        about=rows_about(report.about),
+        write=write_report,
+        modules=(report, prompts, spec_module, sys.modules[__name__]),
+    ),
     estimate=t5_estimate,
     write_configs=True,
 )

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from featcal_bench.report import add_paper_column, build_report, paper_rows
+from featcal_bench.report import add_paper_column, build_report
+from featcal_bench.study import Study
 from featcal_bench.t5.prompts import LABEL_WORDS
 from featcal_bench.t5.spec import BASE_MODEL, GLUE, GLUE_TASKS, T5BenchSpec
-
-ROWS = paper_rows("FLAN-T5-base")
-CURVES = {"featcal": ("ta_featcal", "TA + FeatCal")}
 
 # The paper's averages over the eight tasks (FeatCal, arXiv 2605.13030; FLAN-T5-base, 256 examples per task), in %.
 PAPER = {"experts (individual)": 86.4, "task arithmetic": 78.9, "TA + FeatCal": 85.2}
@@ -37,11 +35,13 @@ def about(spec: T5BenchSpec, test_rows: dict[str, int], calibration_rows: dict[s
             "figure is Spearman's ρ of the first number in the answer.\n\n" + "\n".join(lines))
 
 
-def t5_report(results: dict[str, dict[str, Any]], spec: T5BenchSpec, meta: dict[str, Any]) -> dict[str, Any]:
+def t5_report(
+    results: dict[str, dict[str, Any]], spec: T5BenchSpec, meta: dict[str, Any], study: Study
+) -> dict[str, Any]:
     """The report of the runs in `results` (run name → its results JSON), with the paper's figures on every row the
     paper reports. No standard errors or paired comparisons: stsb's figure is a correlation, not a proportion of
     rows answered right."""
-    report = build_report(results, spec.tasks, meta, rows=ROWS, curves=CURVES)
+    report = build_report(results, spec.tasks, meta, study)
     report.pop("paired", None)
     report.pop("paired_with_start", None)
     add_paper_column(report, PAPER)

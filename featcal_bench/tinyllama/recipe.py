@@ -16,8 +16,9 @@ from typing import Any
 from featcal.config import digest_of
 from featcal_bench import sources
 from featcal_bench.layout import BASE, data_dir
-from featcal_bench.recipe import BuildOptions, Call, Preset, Recipe, Report
-from featcal_bench.stages import save_loss_report
+from featcal_bench.recipe import NO_OPTIONS, BuildOptions, Call, Preset, Recipe, Report
+from featcal_bench.report import save_loss_report
+from featcal_bench.study import Study
 from featcal_bench.tinyllama import build, methods, report
 from featcal_bench.tinyllama.build import TOKENIZER, TinyLlamaSpec, located_sources, texts_file
 from storage.fingerprint import fingerprint
@@ -60,7 +61,7 @@ def build_graph(bench: Path, spec: TinyLlamaSpec, stage: Call, code: str, memo: 
     return records
 
 
-def located_spec(name: str = NAME, options: BuildOptions = BuildOptions()) -> TinyLlamaSpec:
+def located_spec(name: str = NAME, options: BuildOptions = NO_OPTIONS) -> TinyLlamaSpec:
     """The benchmark's spec with the paths of its sources (a missing one says what it is)."""
     return TinyLlamaSpec(sources=located_sources())
 
@@ -69,7 +70,12 @@ def build_summary(bench: Path, spec: TinyLlamaSpec) -> dict[str, Any]:
     """The build stages' records (info and seconds) for the report, and the build's wall time by stage kind."""
     done = RunDir(bench)
     names = [*(f"{k}/{d}" for k in ("texts", "data", "expert") for d in spec.tasks), "tokenizer", "base"]
-    records = {n: done.record(n) for n in names}
+    records = {}
+    for n in names:
+        record = done.record(n)
+        if record is None:
+            raise FileNotFoundError(f"{bench}: build stage {n} has no record; run `featcal bench build` first")
+        records[n] = record
     kinds: dict[str, float] = {}
     for name, rec in records.items():
         kinds[name.split("/")[0]] = kinds.get(name.split("/")[0], 0.0) + rec["seconds"]
@@ -78,12 +84,12 @@ def build_summary(bench: Path, spec: TinyLlamaSpec) -> dict[str, Any]:
 
 
 def write_report(bench: Path, spec: TinyLlamaSpec, results: dict[str, dict[str, Any]], meta: dict[str, Any],
-                 out_dir: str | None) -> tuple[list[str], dict[str, Any]]:
+                 out_dir: str | None, study: Study) -> tuple[list[str], dict[str, Any]]:
     """`report/tinyllama_domains.json` and `.md`, also copied to `out_dir` where given."""
     meta = {**meta, "build": build_summary(bench, spec),
             # The pipeline stages' own seconds, as recorded when each ran (a rerun resumed from cache takes far less).
             "run_seconds": sum(sum(res["cost"]["stage_seconds"].values()) for res in results.values())}
-    made = report.tinyllama_report(results, spec, meta)
+    made = report.tinyllama_report(results, spec, meta, study)
     return save_loss_report(bench, STEM, made, results, out_dir, report.markdown(made, spec))
 
 
@@ -98,7 +104,7 @@ RECIPE = Recipe(
     build=build_graph,
     build_modules=(sources, build),
     stages=build.BUILD_STAGES,
-    runs=lambda spec: methods.tinyllama_method_runs(),
+    study=Path(__file__).with_name("study.yaml"),
     run_config=methods.pipeline_config,
     method_modules=(build, methods),
     report=Report(title=lambda spec: (f"FeatCal benchmark `{NAME}`: a small Llama made here, {len(spec.tasks)} "

@@ -17,6 +17,7 @@ Layout under ``out`` (other code relies on it)::
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -36,7 +37,7 @@ import transformers
 import yaml
 from datasets import Array3D, ClassLabel, Dataset, DatasetDict, Features, List, Value
 from torch import nn
-from transformers import (
+from transformers import (  # type: ignore[attr-defined]  # BertTokenizerFast: a lazy alias in transformers 5
     BertConfig,
     BertForSequenceClassification,
     BertModel,
@@ -635,14 +636,15 @@ def _build_arch(root: Path, arch: str, seed: int) -> None:
     recipe, tasks = RECIPES[arch], tuple(TASK_LABELS[arch])
     _ensure_dir(root / "base", lambda out: recipe.write_base(out, _piece_seed(seed, f"{arch}/base")))
     for task in tasks:
-        _ensure_dir(root / "data" / task, lambda out: _write_data(out, arch, root, task, seed))
+        _ensure_dir(root / "data" / task, functools.partial(_write_data, arch=arch, root=root, task=task, seed=seed))
     for task in tasks:
-        _ensure_dir(
-            root / "experts" / task,
-            lambda out: _write_expert(out, arch, root, task, _piece_seed(seed, f"{arch}/experts/{task}")),
-        )
-    _ensure_file(root / "example.yaml", yaml.safe_dump(_example_config(tasks, 2 * MAX_WORDS if arch == "bert" else None),
-                                                       sort_keys=False))
+        expert_seed = _piece_seed(seed, f"{arch}/experts/{task}")
+        _ensure_dir(root / "experts" / task,
+                    functools.partial(_write_expert, arch=arch, root=root, task=task, seed=expert_seed))
+    _ensure_file(
+        root / "example.yaml",
+        yaml.safe_dump(_example_config(tasks, 2 * MAX_WORDS if arch == "bert" else None), sort_keys=False),
+    )
 
 
 def build_tiny_example(out: Path, archs: tuple[str, ...] = ("bert", "clip"), seed: int = 0) -> Path:

@@ -1,0 +1,101 @@
+"""What a method run is: a merge, optionally a calibration method and its settings, and which models to evaluate;
+where its run directory is, in which order runs that need each other run, and the pipeline config sections every
+recipe's runs share. Which runs a benchmark has is data (each recipe's study.yaml, featcal_bench/study.py); the
+process that runs one is featcal_bench/method.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from featcal_bench.layout import BASE, expert_dir
+from tasks.assemble import CALIBRATED
+
+SAMPLE_SIZES = (8, 16, 32, 64, 128, 256)
+FULL = 256
+SURGERY_METHODS = ("surgery", "probsurgery")  # adapters trained outside the pipeline (featcal_bench.surgery_run)
+
+
+@dataclass(frozen=True)
+class MethodRun:
+    """One process: a merge, optionally a calibration method, and which of its models to evaluate."""
+
+    merge: str  # task_arithmetic | ties | average | dare_linear | dare_ties | given (the checkpoint of run `start`)
+    method: str | None  # featcal | regmean | regmean_plus_plus | surgery | probsurgery | None (merge only)
+    examples: int = FULL
+    models: tuple[str, ...] = ("calibrated",)
+    featcal: dict[str, Any] = field(default_factory=dict)
+    scaling: float = 0.3  # task arithmetic's (and TIES') scale s; 0.3 is the published default
+    density: float | None = None  # DARE's keep probability (merge.density); None for the other merges
+    # Another run of the same recipe whose calibrated checkpoint is this run's merge (merge given): FeatCal from the
+    # best merge (RegMean + FeatCal). `bench run` runs it first and keys this run on its result.
+    start: str | None = None
+    # Another run whose head check raises this run's task weights where that run left a task agreeing with its expert
+    # less often than the merge (featcal_bench/protect.py); it runs first and this run is keyed on its result.
+    protect: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.merge == "given") != (self.start is not None):
+            raise ValueError(f"MethodRun: merge given reads run `start`'s calibrated checkpoint, and only it does "
+                             f"(merge {self.merge}, start {self.start!r})")
+        if self.protect is not None and self.method != "featcal":
+            raise ValueError(f"MethodRun: protect raises featcal.task_weights, which only FeatCal reads (method "
+                             f"{self.method})")
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """The runs whose results this run reads: its start and the run it protects against."""
+        return tuple(r for r in (self.start, self.protect) if r is not None)
+
+
+def run_dir(bench: Path, name: str) -> Path:
+    """Where method run `name` of the benchmark built in `bench` keeps its pipeline run."""
+    return bench / "runs" / name
+
+
+def start_checkpoint(bench: Path, start: str) -> Path:
+    """The calibrated checkpoint of run `start`: a full checkpoint of the base's architecture (the merged body with
+    its blocks calibrated, the experts' heads under heads/), which a run starting from it reads as a given merge."""
+    return run_dir(bench, start) / CALIBRATED
+
+
+def ordered_runs(names: list[str], known: dict[str, MethodRun]) -> list[str]:
+    """`names` with every run one of them starts from placed before it, added where it was not asked for."""
+    ordered: list[str] = []
+
+    def add(name: str, after: tuple[str, ...]) -> None:  # `after`: the runs that need `name`, then name
+        for need in known[name].needs:
+            if need in ordered:
+                continue
+            if need not in known:
+                raise ValueError(f"run {name}: {need!r} is no run of this recipe; known: {sorted(known)}")
+            if need in after:
+                chain = " → ".join((*after, need))
+                raise ValueError(f"run {name}: {need!r} needs it in turn ({chain})")
+            if known[need].method in SURGERY_METHODS:
+                raise ValueError(f"run {name}: {need!r} is a {known[need].method} run, which writes no "
+                                 "calibrated checkpoint; expected a pipeline run")
+            add(need, (*after, need))
+        if name not in ordered:
+            ordered.append(name)
+
+    for name in names:
+        add(name, (name,))
+    return ordered
+
+
+def model_sections(bench: Path, tasks: list[str], run: MethodRun) -> dict[str, Any]:
+    """The pipeline config's base, experts, merge and calibration method of a run on a built benchmark; a run with a
+    `start` calibrates that run's calibrated checkpoint (merge given)."""
+    merge = ({"method": "given", "path": str(start_checkpoint(bench, run.start))} if run.start is not None else
+             {"method": run.merge, "scaling": run.scaling, **({"density": run.density} if run.density else {})})
+    return {
+        "base": str(bench / BASE),
+        "experts": {t: str(bench / expert_dir(t)) for t in tasks},
+        "merge": merge,
+        "featcal": {
+            "method": run.method if run.method in ("regmean", "regmean_plus_plus") else "featcal",
+            **run.featcal,
+        },
+    }
