@@ -11,11 +11,11 @@ Each reader takes a path, so the tests run the same code on a few-row copy of ea
 
 from __future__ import annotations
 
-import bz2
 import csv
 import email
 import email.policy
 import gzip
+import bz2
 import html
 import importlib.util
 import re

@@ -16,9 +16,9 @@ from transformers.utils import logging as hf_logging
 from featcal.devices import one_thread
 from featcal_bench.finetune import fine_tune
 from featcal_bench.layout import BASE, data_dir, expert_dir
+from featcal_bench.sources import Sources
 from featcal_bench.minilm.spec import BenchSpec
 from featcal_bench.minilm.task_data import RECIPES, task_dataset
-from featcal_bench.sources import Sources
 from storage.atomic import atomic_path
 
 log = logging.getLogger("featcal")

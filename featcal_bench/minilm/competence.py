@@ -19,12 +19,12 @@ import torch
 from transformers import AutoTokenizer, BertForSequenceClassification, BertModel
 from transformers.utils import logging as hf_logging
 
-from featcal.config import MergeConfig
-from featcal.merging import merged_tensor
-from featcal_bench.finetune import accuracy
 from featcal_bench.layout import BASE, data_dir, expert_dir
+from featcal_bench.finetune import accuracy
 from featcal_bench.minilm.probe import probe_figures
 from featcal_bench.minilm.spec import BenchSpec, Competence
+from featcal.config import MergeConfig
+from featcal.merging import merged_tensor
 
 log = logging.getLogger("featcal")
 

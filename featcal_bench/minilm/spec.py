@@ -8,7 +8,6 @@ from featcal_bench.finetune import FineTune
 from featcal_bench.minilm.task_data import RECIPES, SplitSizes
 from featcal_bench.recipe import SavedSpec
 
-
 class Competence(BaseModel):
     """A rule every expert must meet on its test split, checked by `bench build` (featcal_bench/minilm/competence.py):
     accuracy at least the majority-class rate + `over_majority`; at least task arithmetic's (at `scaling`, over

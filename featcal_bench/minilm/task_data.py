@@ -10,18 +10,8 @@ from pathlib import Path
 
 import datasets
 
-from featcal_bench.sources import (
-    LEXNAMES,
-    Sources,
-    Synset,
-    debates,
-    general_inquirer,
-    moral_foundations,
-    roget,
-    rotten_tomatoes,
-    spam_mails,
-    synsets,
-)
+from featcal_bench.sources import (LEXNAMES, Sources, debates, general_inquirer, moral_foundations, roget, rotten_tomatoes,
+                                   spam_mails, Synset, synsets)
 
 Example = tuple[str, str | None, int]  # text, text pair (or None), label
 

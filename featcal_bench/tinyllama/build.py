@@ -38,8 +38,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from featcal.devices import one_thread
-from featcal_bench.finetune import _lr_factor
 from featcal_bench.layout import BASE, data_dir, expert_dir
+from featcal_bench.finetune import _lr_factor
 from featcal_bench.recipe import SavedSpec
 from featcal_bench.sources import SourceMissing, csv_rows, debates, locate, rotten_tomatoes
 from storage.atomic import atomic_path, read_json, write_json
