@@ -56,14 +56,14 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from featcal_bench import stages
-    from featcal_bench.recipe import recipe_of
-
     if args.bench_command == "list":
         print(bench_list())
         return 0
     if args.bench_command == "build":
         return _build(args)
+    from featcal_bench import stages
+    from featcal_bench.recipe import recipe_of
+
     bench = Path(args.bench_dir).resolve()
     recipe_of(bench)  # a directory no recipe built is named before Prefect starts
     records = stages.run_flow(str(bench), args.runs, args.report_dir)

@@ -170,3 +170,12 @@ def test_a_figure_its_file_does_not_hold_is_reported(tmp_path):
         "README.md:5: 1.9e-6 not in r.md",
         "README.md:6: 61.4 not in no file",
     ]
+
+
+def test_the_shipped_example_config_plans_without_a_notice(workdir, capsys, fresh_console):
+    """configs/example.yaml, the first config a reader plans, asks for nothing its model cannot take (no text cut)."""
+    from featcal_bench.cli import main
+
+    assert main(["plan", str(workdir / "configs" / "example.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "stages" in out and "notice" not in out and "warning" not in out, out
