@@ -4,14 +4,19 @@ A pure function of what the run already recorded: its config as `run.yaml` holds
 placeholders there, featcal/secrets.py; the card shows no credential-bearing section at all), the architecture
 from the checkpoint's config.json, the calibration examples each prepare stage counted, and report.json when
 evaluation ran. Hugging Face reads the YAML block at the top (`base_model`, `tags`, `library_name`,
-`pipeline_tag`).
+`pipeline_tag`). `base_model` is only ever a hub id: a local path there would publish a directory of this machine
+and link to nothing on the hub, so a base given as a path gets one only when the path is a snapshot in the hub cache.
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import PurePath
 from typing import Any
 
 import yaml
+
+from featcal.hub import hub_ref
 
 MERGE_TAGS = {"task_arithmetic": "task_arithmetic", "ties": "ties", "average": "linear", "dare_linear": "dare_linear",
               "dare_ties": "dare_ties", "given": "given"}
@@ -24,6 +29,18 @@ PIPELINE_TAGS = (
 )
 # Data-source fields the card shows: where the data came from, never how to log in to it.
 SOURCE_FIELDS = ("path", "config", "split", "column", "text_pair_column", "label_column", "target_column")
+# A snapshot in the hub cache: .../models--ORG--NAME/snapshots/COMMIT[/...].
+_CACHED_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[0-9a-f]{40}(?:/|$)")
+
+
+def hub_model_id(base: str) -> str | None:
+    """The hub id `base` names (org/name, a pin dropped), from the id itself or from its hub-cache snapshot path;
+    None for any other local path."""
+    ref = hub_ref(base)
+    if ref is not None:
+        return ref[0]
+    snapshot = _CACHED_SNAPSHOT.search(PurePath(base).as_posix())
+    return f"{snapshot['org']}/{snapshot['name']}" if snapshot else None
 
 
 def pipeline_tag(architecture: str | None) -> str | None:
@@ -32,9 +49,11 @@ def pipeline_tag(architecture: str | None) -> str | None:
 
 def card_metadata(config: dict[str, Any], architecture: str | None) -> dict[str, Any]:
     tags = ["merge", "featcal", MERGE_TAGS[config["merge"]["method"]], config["featcal"]["method"]]
-    # A pinned hub id (org/name@commit, featcal/hub.py) is named as the hub names the repository.
-    meta: dict[str, Any] = {"base_model": config["base"].split("@")[0], "library_name": "transformers",
-                            "tags": list(dict.fromkeys(tags))}  # calibration method featcal: once
+    meta: dict[str, Any] = {}
+    base_id = hub_model_id(config["base"])
+    if base_id is not None:
+        meta["base_model"] = base_id
+    meta.update(library_name="transformers", tags=list(dict.fromkeys(tags)))  # calibration method featcal: once
     tag = pipeline_tag(architecture)
     if tag is not None:
         meta["pipeline_tag"] = tag
@@ -72,6 +91,8 @@ def model_card(config: dict[str, Any], checkpoint: str, architecture: str | None
     lines = [f"---\n{meta}---", "", f"# {checkpoint}", "",
              f"This checkpoint is {what}: {merged_how(config)}, then each block's weights solved so its features "
              "match the experts' on calibration data. Written by FeatCal.", "",
+             *([] if hub_model_id(config["base"]) else
+               ["The base is a local checkpoint, not a hub repository, so this card names no `base_model`.", ""]),
              "## Experts", "", "| task | expert |", "|---|---|"]
     lines += [f"| {t} | `{path}` |" for t, path in config["experts"].items()]
     lines += ["", "## Merge", "", "| setting | value |", "|---|---|", *_settings(config["merge"]),

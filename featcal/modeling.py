@@ -170,9 +170,17 @@ def _lora_expert_model(expert_dir: str | Path, base_dir: str | Path | None) -> P
     expert = expert_checkpoint(expert_dir, base_dir, skeleton)
     if not isinstance(expert, LoraCheckpoint):
         raise CheckpointError(f"{expert_dir}: expected a LoRA adapter, found a full checkpoint")
-    model = getattr(transformers, skeleton.adapter.architecture).from_pretrained(base_dir, config=config,
-                                                                                  local_files_only=True)
+    # The base lacks the expert's head, which the adapter holds: transformers' load report would call it newly
+    # initialised. It is silenced for this load, and every tensor it would name is checked to be set below.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = getattr(transformers, skeleton.adapter.architecture).from_pretrained(
+            base_dir, config=config, local_files_only=True, output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     body_state, model_state = skeleton.adapter.body(model).state_dict(), model.state_dict()
+    set_here = set()
     with torch.no_grad():
         for name in expert.adapted():
             target = body_state.get(name, model_state.get(name))
@@ -180,6 +188,11 @@ def _lora_expert_model(expert_dir: str | Path, base_dir: str | Path | None) -> P
                 raise CheckpointError(f"LoRA adapter {expert_dir}: tensor {name} is not in a "
                                       f"{skeleton.adapter.architecture}")
             target.copy_(expert.get(name))
+            set_here.add(target.data_ptr())
+    unset = sorted(k for k in info["missing_keys"] if model_state[k].data_ptr() not in set_here)
+    if unset:
+        raise CheckpointError(f"LoRA adapter {expert_dir}: {unset[:5]} of its {skeleton.adapter.architecture} are "
+                              f"neither in base {base_dir} nor in the adapter (they would be random)")
     return model
 
 

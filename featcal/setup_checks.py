@@ -24,7 +24,7 @@ from featcal.data import InputBuilder, load_split, picked_rows
 from featcal.merging import chunk_rows
 from featcal.modeling import Skeleton, expert_checkpoint
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError, finite
-from storage.lora import LoraCheckpoint, config_directory
+from storage.lora import LoraCheckpoint, config_directory, is_lora_adapter
 
 # ‖θ_t − θ0‖ / ‖θ0‖ over the body below this is a near-zero task vector: far below the tiny example's experts (0.12
 # to 0.17; published fine-tunes are not measured here), above the exact 0 of a float32 re-save of the base. A bf16
@@ -164,8 +164,28 @@ def expected_head(skeleton: Skeleton) -> list[str]:
     return sorted(n for n in skeleton.model.state_dict() if skeleton.adapter.is_head(n))
 
 
-def head_warning(task: str, path: str, expected: list[str], ckpt: Checkpoint,
-                 adapter: Adapter) -> str | None:
+def lora_config_used(path: str, skeleton: Skeleton) -> str:
+    """For a LoRA adapter expert, which config gives its class: its own config.json or, without one, the base's."""
+    if (Path(path) / "config.json").is_file():
+        return f"its config.json names {skeleton.adapter.architecture}"
+    return f"it has no config.json, so the base's ({skeleton.adapter.architecture}) is used"
+
+
+def check_lora_head(task: str, path: str, skeleton: Skeleton, ckpt: Checkpoint) -> None:
+    """A LoRA adapter that saves a head (PEFT's modules_to_save) whose class, from the config beside it, has none:
+    the expert would be loaded without its head, so it is refused before any stage, naming the adapter."""
+    if not is_lora_adapter(path) or not isinstance(ckpt, LoraCheckpoint):
+        return
+    held = sorted(n for n in ckpt.adapted() if skeleton.adapter.is_head(n))
+    if not held or set(held) <= set(expected_head(skeleton)):
+        return
+    raise SetupError(f"experts.{task}: LoRA adapter {path} holds head tensors {held[:4]}, but "
+                     f"{lora_config_used(path, skeleton)}, a class without that head: save the fine-tuned model's "
+                     f"config beside the adapter (model.config.save_pretrained of the model with the head)")
+
+
+def head_warning(task: str, path: str, expected: list[str], ckpt: Checkpoint, adapter: Adapter,
+                 skeleton: Skeleton | None = None) -> str | None:
     """None when the expert holds the head its class has; a warning when its class has none (the task is calibrated,
     not scored); a refusal when the class has a head the file lacks (every score of the task would be chance)."""
     held = [n for n in ckpt.names() if adapter.is_head(n)]
@@ -175,7 +195,9 @@ def head_warning(task: str, path: str, expected: list[str], ckpt: Checkpoint,
                          "would initialise them at random, so every score of the task would be chance (give the "
                          "fine-tuned checkpoint with its head)")
     if not expected and not held:
-        return f"experts.{task}: {path} has no task head: the task is calibrated but its accuracy is not measured"
+        used = f" (a LoRA adapter: {lora_config_used(path, skeleton)})" if skeleton and is_lora_adapter(path) else ""
+        return (f"experts.{task}: {path} has no task head{used}: the task is calibrated but its accuracy is not "
+                "measured")
     return None
 
 
@@ -246,7 +268,8 @@ def setup_warnings(cfg: RunConfig, adapter: Adapter) -> list[str]:
     # Zero-shot experts are head-less by design (the heads come from the CLIPModel); LMs have no per-task head.
     if cfg.zero_shot is None and adapter.head_prefixes:
         for task in cfg.tasks:
-            warning = head_warning(task, cfg.experts[task], expected_head(skeletons[task]), experts[task], adapter)
+            warning = head_warning(task, cfg.experts[task], expected_head(skeletons[task]), experts[task], adapter,
+                                   skeletons[task])
             out += [warning] if warning else []
     return out + overlap_warnings(cfg, adapter)
 

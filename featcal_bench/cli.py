@@ -49,7 +49,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     run.add_argument("bench_dir", help="a directory written by `featcal bench build`")
     run.add_argument("--runs", nargs="+", help="method runs to do (default: all; each recipe's run matrix, "
                                                 "featcal_bench/NAME/; a wrong name lists the known ones)")
-    run.add_argument("--report-dir", help="also copy the report files here (e.g. benchmarks/results)")
+    run.add_argument("--report-dir", help="also copy the report files here (default: only in BENCH_DIR)")
     run.add_argument(
         "--study",
         metavar="FILE",
@@ -77,15 +77,15 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from featcal_bench import stages
-    from featcal_bench.builtin import recipe_of
-    from featcal_bench.study import load_study
-
     if args.bench_command == "list":
         print(bench_list())
         return 0
     if args.bench_command == "build":
         return _build(args)
+    from featcal_bench import stages
+    from featcal_bench.builtin import recipe_of
+    from featcal_bench.study import load_study
+
     bench = Path(args.bench_dir).resolve()
     recipe_of(bench)  # a directory no recipe built is named before Prefect starts
     study = None

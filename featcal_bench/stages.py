@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
+import re
 import subprocess
 import sys
 import time
@@ -35,6 +37,8 @@ from flows.prefect_flow import key_parameter
 from storage.atomic import read_json, write_bytes
 from storage.rundir import Record, RunDir
 from tasks.record import recorded
+
+log = logging.getLogger("featcal")
 
 RESULTS_DIR = ".prefect-results"
 METHOD_MODULES = (
@@ -132,15 +136,37 @@ def write_run_configs(directory: Path, configs: dict[str, dict[str, Any]]) -> No
 
 
 # ---- bench run -----------------------------------------------------------------------------------
+class MethodRunFailed(ValueError):
+    """A method run's process failed. A ValueError, as bad input is: `featcal` reports it in one line, and Prefect
+    logs it without a traceback (flows/cli.py), since the run's own traceback is in its log."""
+
+
+# The line a Python process ends a traceback with, or featcal's own one-line refusal.
+_CAUSE = re.compile(r"^(?:featcal: error: .+|[A-Za-z_][\w.]*(?:Error|Exception|Refused|Interrupt)\b.*)$")
+
+
+def failure_cause(log_text: str) -> str:
+    """The one line that says why a process failed: the last error line of its output, else its last line."""
+    lines = [line.strip() for line in log_text.splitlines() if line.strip()]
+    causes = [line for line in lines if _CAUSE.match(line)]
+    return (causes or lines or ["no output"])[-1]
+
+
 def run_method_process(bench: Path, run: str, study: str | None = None) -> tuple[list[str], dict[str, Any]]:
-    """A method in a fresh process (`python -m featcal_bench.method BENCH RUN [STUDY]`): its peak RSS is its own, not
-    the flow's or another method's."""
+    """A method in a fresh process (`python -m featcal_bench.method BENCH RUN [STUDY]`): its peak RSS is its
+    own, not the flow's or another method's. Its output goes to runs/RUN.log, kept on disk; a failure is reported by
+    its cause, in one line, with that log's path."""
     result = bench / "results" / f"{run}.json"
-    proc = subprocess.run([sys.executable, "-m", method.__name__, str(bench), run, *([study] if study else [])],
-                          text=True)
+    log_path = bench / "runs" / f"{run}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log.info("benchmark run %s: its log is %s", run, log_path)
+    with open(log_path, "w", encoding="utf-8") as out:
+        proc = subprocess.run([sys.executable, "-m", method.__name__, str(bench), run, *([study] if study else [])],
+                              text=True, stdout=out, stderr=subprocess.STDOUT)
     if proc.returncode != 0 or not result.is_file():
-        raise RuntimeError(f"benchmark run {run!r} failed (exit {proc.returncode}); its log is above, its run "
-                           f"directory is {bench / 'runs' / run}")
+        cause = failure_cause(log_path.read_text(encoding="utf-8", errors="replace"))
+        raise MethodRunFailed(f"benchmark run {run!r} failed: {cause} (exit {proc.returncode}; its log: {log_path}; "
+                              f"its run directory: {bench / 'runs' / run})")
     return [f"results/{run}.json"], read_json(result)["cost"]
 
 

@@ -12,6 +12,7 @@ cached, resumable stages, method runs, report, paired comparisons and plots (doc
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ import datasets
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from featcal.config import DataSource, digest_of
+from featcal.config import DataSource, config_from_dict, digest_of
 from featcal.data import load_split, pick_examples
 from featcal_bench.estimate import split_sizes
 from featcal_bench.layout import BASE, data_dir, expert_dir
@@ -154,7 +155,50 @@ def recipe_spec(path: Path) -> UserRecipe:
     missing = spec.missing()
     if missing:
         raise FileNotFoundError(f"{path}: " + "; ".join(missing))
+    check_sources(spec, path)
     return spec
+
+
+# A `featcal plan` field, as its check names it, and the recipe field it comes from (first match wins).
+RECIPE_FIELDS = (
+    (r"(?:calibration|evaluation)\.data\.([^.:\s]+)\.(column|text_pair_column|label_column)", r"tasks.\1.\2"),
+    (r"calibration\.data\.([^.:\s]+)", r"tasks.\1.calibration"),
+    (r"evaluation\.data\.([^.:\s]+)", r"tasks.\1.test"),
+    (r"calibration\.(max_length|batch_size)", r"\1"),
+)
+
+
+def recipe_field(message: str) -> str:
+    """A check's one-line message with its leading config field renamed to the recipe field it came from."""
+    for pattern, field in RECIPE_FIELDS:
+        renamed, n = re.subn(rf"^{pattern}\b", field, message, count=1)
+        if n:
+            return renamed
+    return message
+
+
+def check_sources(spec: UserRecipe, path: Path) -> None:
+    """The checks `featcal plan` makes (checkpoints: one architecture, the base's tensors in every expert, heads;
+    data: files, splits, columns, text, labels within each head's classes), on the recipe's own files before
+    anything is copied, so a wrong column or string labels stop `bench build` in one line naming the recipe field
+    instead of failing every method run of `bench run`."""
+    from tasks.preflight import preflight
+
+    def source(task: UserTask, split: Split, **extra: Any) -> dict[str, Any]:
+        columns = {"column": task.column, "text_pair_column": task.text_pair_column, **extra}
+        return {"path": split.path, "split": split.split, **{k: v for k, v in columns.items() if v is not None}}
+
+    raw = {"base": spec.base, "experts": spec.experts, "merge": {"method": "task_arithmetic", "scaling": spec.scaling},
+           "calibration": {"data": {t: source(task, task.calibration) for t, task in spec.tasks.items()},
+                           "examples_per_task": spec.calibration, "batch_size": spec.batch_size,
+                           "max_length": spec.max_length, "seed": spec.seed},
+           "featcal": spec.featcal, "runtime": spec.runtime,
+           "evaluation": {"enabled": True, "data": {t: source(task, task.test, label_column=task.label_column)
+                                                    for t, task in spec.tasks.items()}}}
+    try:
+        preflight(config_from_dict(raw, path.parent), quiet=True)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {recipe_field(str(exc))}") from None
 
 
 # ---- build ---------------------------------------------------------------------------------------
@@ -177,7 +221,8 @@ def write_data(bench: Path, task: str) -> tuple[list[str], dict[str, Any]]:
     """A seeded calibration pool of `calibration` rows and the test rows (all, or a seeded `test_rows` subset)."""
     spec = UserRecipe.load(bench)
     t = spec.tasks[task]
-    rows = {s: load_split(DataSource(path=getattr(t, s).path, split=getattr(t, s).split), f"tasks.{task}.{s}")
+    rows = {s: load_split(DataSource.model_validate({"path": getattr(t, s).path, "split": getattr(t, s).split}),
+                          f"tasks.{task}.{s}")
             for s in ("calibration", "test")}
     if t.label_column not in rows["test"].column_names:
         raise ValueError(f"tasks.{task}.label_column: {t.label_column!r} is not a column of {t.test.path} "

@@ -25,7 +25,7 @@ from featcal.input_checks import (
     text_type_error,
 )
 from featcal.modeling import Skeleton, expert_checkpoint
-from featcal.setup_checks import setup_warnings, strict_refusal
+from featcal.setup_checks import check_lora_head, setup_warnings, strict_refusal
 from featcal.t5 import answer_kind
 from featcal.zeroshot import class_names
 from featcal_kernels.bf16 import cpu_has_native_bf16
@@ -152,8 +152,9 @@ def check_checkpoints(cfg: RunConfig) -> Adapter:
         raise CheckpointError(f"base is a {base_cfg.model_type} model but experts.{first} is a {adapter.model_types[0]} model")
     base = body_signature(CanonicalCheckpoint(cfg.base, adapter), adapter)
     for task in cfg.tasks:
-        check_same_body(f"experts.{task}", _expert_config(cfg, task), _expert_checkpoint(cfg, task, adapter), adapter,
-                        base)
+        expert = _expert_checkpoint(cfg, task, adapter)
+        check_same_body(f"experts.{task}", _expert_config(cfg, task), expert, adapter, base)
+        check_lora_head(task, cfg.experts[task], Skeleton(_expert_config(cfg, task)), expert)
     if cfg.merge.method == "given":
         config = _config(cfg.merge.path, "merge.path")  # a missing directory named before its tensors are read
         check_same_body("merge.path", config, CanonicalCheckpoint(cfg.merge.path, adapter), adapter, base)

@@ -15,6 +15,7 @@ from transformers import BertConfig, BertForSequenceClassification, BertModel, G
 
 from featcal.config import config_from_dict
 from featcal.modeling import Skeleton, expert_checkpoint, task_model
+from featcal.setup_checks import SetupError
 from flows.harness import HarnessError, checkpoints
 from flows.pipeline import run_pipeline
 from flows.plan import plan
@@ -300,3 +301,44 @@ def test_head_metric_reads_a_lora_experts_classifier(tmp_path):
     last = BertConfig(**BERT).num_hidden_layers - 1
     path = RunDir(tmp_path / "run").record(f"solve/l{last:02d}")["info"]["solve_path"]
     assert path["output.dense"].startswith("head metric, ")
+
+
+def test_an_adapter_whose_config_lacks_its_head_is_refused_before_any_stage(tmp_path):
+    """An adapter saving a classifier (modules_to_save) whose config.json names the bare encoder (as
+    `base.config.save_pretrained` gives), or that has no config.json (the base's is used): refused by the
+    checkpoint checks, before the data is read, in one line naming the adapter and which config was used."""
+    _bert(tmp_path, experts=1)
+    cfg = _run_config(tmp_path, "", 1, evaluate=True)
+    check_checkpoints(cfg)  # the adapter with its fine-tuned config passes
+    bare, bare_cfg = tmp_path / "e0-bare", tmp_path / "base" / "config.json"
+    shutil.copytree(tmp_path / "e0", bare)
+    shutil.copy(bare_cfg, bare / "config.json")
+    unconfigured = tmp_path / "e0-unconfigured"
+    shutil.copytree(tmp_path / "e0", unconfigured)
+    (unconfigured / "config.json").unlink()
+    for expert, used in ((bare, "its config.json names BertModel"),
+                         (unconfigured, "it has no config.json, so the base's (BertModel) is used")):
+        with pytest.raises(SetupError) as refused:
+            check_checkpoints(cfg.model_copy(update={"experts": {"task0": str(expert)}}))
+        assert str(refused.value) == (
+            f"experts.task0: LoRA adapter {expert} holds head tensors ['classifier.bias', 'classifier.weight'], but "
+            f"{used}, a class without that head: save the fine-tuned model's config beside the adapter "
+            "(model.config.save_pretrained of the model with the head)")
+
+
+def test_loading_a_lora_expert_prints_no_load_report_and_checks_what_it_would_name(tmp_path, capfd):
+    """The base lacks the classifier the adapter holds: transformers' LOAD REPORT (MISSING, newly initialized) is not
+    printed for it; an adapter that does not hold it after all is refused instead of loading a random head."""
+    _bert(tmp_path, experts=1)
+    model = task_model(tmp_path / "e0", base_dir=tmp_path / "base")
+    assert torch.equal(model.classifier.weight, task_model(tmp_path / "e0-full").classifier.weight)
+    err = capfd.readouterr().err
+    assert "LOAD REPORT" not in err and "newly initialized" not in err
+    headless = tmp_path / "e0-headless"
+    shutil.copytree(tmp_path / "e0", headless)
+    tensors = {k: v for k, v in load_file(headless / ADAPTER_WEIGHTS).items() if "classifier" not in k}
+    save_file(tensors, headless / ADAPTER_WEIGHTS)
+    with pytest.raises(CheckpointError, match=r"\['classifier.bias', 'classifier.weight'\] of its "
+                                              r"BertForSequenceClassification are neither in base .* nor in the "
+                                              r"adapter \(they would be random\)"):
+        task_model(headless, base_dir=tmp_path / "base")

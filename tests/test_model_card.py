@@ -9,7 +9,7 @@ import pytest
 import yaml
 from huggingface_hub import HfApi, ModelCard
 
-from featcal.model_card import evaluation_rows, model_card, pipeline_tag
+from featcal.model_card import evaluation_rows, hub_model_id, model_card, pipeline_tag
 from flows import cli
 from flows.pipeline import run_pipeline
 from flows.push import PushRefused, checkpoint_to_push
@@ -37,7 +37,10 @@ def table(card_text: str, heading: str) -> list[list[str]]:
 def test_card_metadata_and_evaluation_match_the_run(evaluated_run, checkpoint):
     cfg, run_dir = evaluated_run
     card = ModelCard.load(run_dir / checkpoint / "README.md")
-    assert card.data.base_model == cfg.base
+    # The example's base is a local directory: no base_model (a path would be published), and the card says why.
+    assert (run_dir / cfg.base).is_dir() and card.data.base_model is None
+    assert cfg.base not in card.content.split("---")[1]  # the YAML block the hub reads
+    assert "The base is a local checkpoint, not a hub repository, so this card names no `base_model`." in card.text
     assert (cfg.merge.method, cfg.featcal.method) == ("task_arithmetic", "featcal")
     assert card.data.tags == ["merge", "featcal", "task_arithmetic"]
     assert card.data.library_name == "transformers"
@@ -155,6 +158,42 @@ def test_a_checkpoint_digest_skips_only_the_top_level_card(tmp_path):
     assert run.digest("calibrated") == bare
     (tmp_path / "calibrated" / "sub" / "README.md").write_text("not the card")
     assert run.digest("calibrated") != bare
+
+
+@pytest.mark.parametrize("base, expected", [
+    ("org/base", "org/base"),
+    ("org/base@" + "a" * 40, "org/base"),
+    ("/home/me/.cache/huggingface/hub/models--meta-llama--Llama-3.2-3B/snapshots/" + "0" * 40,
+     "meta-llama/Llama-3.2-3B"),
+    ("/cache/hub/models--org--name/snapshots/" + "1" * 40 + "/sub", "org/name"),
+    ("/data/models/base", None),
+    ("./base", None),
+    ("/cache/hub/models--org--name/snapshots/not-a-commit", None),
+])
+def test_base_model_is_a_hub_id_or_absent(base, expected):
+    assert hub_model_id(base) == expected
+    config = {"base": base, "experts": {"a": "org/a"}, "merge": {"method": "ties"},
+              "calibration": {"data": {"a": {"path": "org/data", "split": "train"}}}, "featcal": {"method": "featcal"}}
+    meta = yaml.safe_load(re.match(r"---\n(.*?)---", model_card(config, "merged", None, {}, None), re.S).group(1))
+    assert meta.get("base_model") == expected
+
+
+def test_push_refuses_a_card_that_names_a_local_base(evaluated_run, monkeypatch, capsys):
+    """A card from before base_model left local paths out, or edited since: refused before any upload."""
+    _, run_dir = evaluated_run
+    monkeypatch.setattr(HfApi, "create_repo", lambda *a, **k: pytest.fail("no upload may start"))
+    card = run_dir / "calibrated" / "README.md"
+    original = card.read_text()
+    try:
+        for local in (str(run_dir / "base"), "../examples/tiny/bert/base"):
+            card.write_text(original.replace("---\n", f"---\nbase_model: {local}\n", 1))
+            assert cli.main(["push", str(run_dir), "me/cal"]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and f"base_model {local!r} is not a hub id" in err
+        card.write_text(original.replace("---\n", "---\nbase_model: org/base\n", 1))
+        assert checkpoint_to_push(run_dir) == run_dir / "calibrated"
+    finally:
+        card.write_text(original)
 
 
 def test_card_of_a_given_merge_names_where_it_came_from():
