@@ -104,8 +104,8 @@ class ApiWatch:
         self.faults += 1
         self._up.clear()
         unanswered.set()
+        logging.raiseExceptions = False  # first: cutting the retries makes the requests in flight fail now
         self._settings.client.max_retries = 0
-        logging.raiseExceptions = False
         log.warning(fault_line(self.api_url, self.run_dir, self.ephemeral, self.interval * self.misses))
 
     def _cleared(self) -> None:
