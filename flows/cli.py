@@ -449,12 +449,12 @@ def _quiet_prefect_tracebacks(debug: bool) -> None:
 
 
 _USER_ERRORS = {"flows.plan": "NotEnoughDisk", "flows.server": "ServerError", "storage.rundir": "RunDirError",
-                "flows.pool_runner": "WorkerDied"}
+                "flows.pool_runner": "WorkerDied", "botocore.exceptions": "EndpointConnectionError"}
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors the user can fix (bad config or input, a busy, read-only or full disk, a server that does not
-    answer, a pool worker killed or out of memory, a run that failed while its server was down): reported in one
+    """Errors the user can fix (bad config or input, a busy, read-only or full disk, a server or S3 store that does
+    not answer, a pool worker killed or out of memory, a run that failed while its server was down): reported in one
     line, not as a traceback. Config, data and checkpoint errors are ValueErrors. The others are taken from their
     modules only when loaded: a module never imported raised nothing, and importing one here (flows.plan loads every
     model class) would cost seconds on the way to a one-line refusal."""
@@ -464,9 +464,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def _error_line(exc: BaseException) -> str:
     """One line: what failed, on which path, and what to do."""
+    again = "fix the cause and rerun the same command: finished stages are kept"
     if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, FileNotFoundError):
         where = f"{exc.filename}: " if exc.filename else ""
-        return f"{where}{exc.strerror}; fix the cause and rerun the same command: finished stages are kept"
+        return f"{where}{exc.strerror}; {again}"
+    if type(exc).__name__ == "EndpointConnectionError":  # botocore's: the S3 activation store stopped answering
+        return f"the activation store does not answer: {exc}; {again}"
     return str(exc).strip() or type(exc).__name__
 
 

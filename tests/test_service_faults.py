@@ -12,18 +12,21 @@ import os
 import signal
 import subprocess
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
 import pytest
 
 from flows import server
+from flows.prefect_flow import featcal_flow
 from storage.atomic import digest
 from storage.rundir import RunDir
-from tests.prefect_helpers import cli_env, featcal
+from tests.conftest import featcal_process
+from tests.dask_processes import dask_processes, free_port
+from tests.prefect_helpers import cli_env, featcal, wait_for
 
 pytest_plugins = ("tests.prefect_server", "tests.s3_server")
 
@@ -110,3 +113,87 @@ def test_temporary_server_killed_mid_run_goes_on_in_one_line(resume_config, refe
     assert len(faults) == 1 and "Prefect's temporary server at http://127.0.0.1:" in faults[0], out
     assert not [n for n in NOISE if n in out], out
     assert _weights(run_dir) == _weights(reference_run)
+
+
+def _moto(port: int):  # noqa: ANN202 (moto's ThreadedMotoServer)
+    from moto.server import ThreadedMotoServer
+
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    moto.start()
+    return moto
+
+
+def test_s3_store_unreachable_mid_run_stops_in_one_line_and_resumes(resume_config, reference_run, tmp_path):
+    """The activation store's endpoint stops answering mid-run: a stage cannot read or write its activations, so the
+    run stops in one line naming the store, its manifest says why, and once the endpoint is back the same command
+    finishes with the weights of an undisturbed run. (moto keeps its buckets in this process, so a server restarted
+    on the same port serves the same objects, as a restarted MinIO would.)"""
+    import fsspec
+
+    port = free_port()
+    moto = _moto(port)
+    options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing", "secret": "testing"}
+    fsspec.filesystem("s3", **options).mkdir("featcal-faults")
+    run_dir = tmp_path / "run"
+    command = ("run", str(resume_config), "--run-dir", str(run_dir), "--no-prefect",
+               "--set", "runtime.activation_store=s3://featcal-faults/run",
+               "--set", f"runtime.storage_options={json.dumps(options)}")
+    try:
+        out = _run_and_act(featcal_process(*command), "[  5/", moto.stop)
+        errors = [line for line in out.splitlines() if line.startswith("featcal: error:")]
+        assert errors == [line for line in out.splitlines() if "error" in line.lower()], out
+        assert len(errors) == 1 and errors[0].startswith(
+            f"featcal: error: the activation store does not answer: Could not connect to the endpoint URL: "
+            f'"http://127.0.0.1:{port}/featcal-faults/run/'), out
+        assert errors[0].endswith("; fix the cause and rerun the same command: finished stages are kept")
+        assert "Traceback" not in out
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+        assert manifest["status"] == "failed" and "EndpointConnectionError" in manifest["reason"]
+
+        moto = _moto(port)
+        proc = featcal_process(*command)
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out
+        assert out.count("cached") >= 5, out  # the stages finished before the fault are kept
+        assert _weights(run_dir) == _weights(reference_run)
+    finally:
+        moto.stop()
+
+
+@pytest.fixture
+def dask_cluster(tmp_path) -> Iterator[str]:
+    """`dask scheduler` and `dask worker --nworkers 2` processes, as a user starts them: the worker command is a
+    nanny that starts a worker process again when one dies."""
+    with dask_processes("tcp", {**os.environ, "OMP_NUM_THREADS": "1"}, tmp_path / "dask-logs") as address:
+        yield address
+
+
+def test_dask_worker_killed_mid_stage_the_run_goes_on(prefect_server, tiny_example, dask_cluster, one_thread_run,
+                                                      tmp_path):
+    """A worker process is killed (SIGKILL) while it runs block 01's first Gram: the scheduler gives the stage to a
+    worker again, it runs from the start (its outputs are written atomically, so nothing half-written is read), and
+    the run completes with the weights of a one-process run."""
+    run_dir = tmp_path / "dask"
+    victim: dict[str, Any] = {}
+
+    def kill_the_worker_of_a_gram() -> None:
+        def running() -> tuple[str, int] | None:  # a Gram of block 01 that started and has not finished
+            events = RunDir(run_dir).events()
+            done = {e["stage"] for e in events if e["event"] == "done"}
+            return next(((e["stage"], int(e["pid"])) for e in events if e["event"] == "start"
+                         and e["stage"].startswith("gram/l01/") and e["stage"] not in done), None)
+
+        victim["stage"], victim["pid"] = wait_for("a Gram of block 01 in progress", running, timeout=300, every=0.02)
+        os.kill(victim["pid"], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_the_worker_of_a_gram, daemon=True)
+    killer.start()
+    state = featcal_flow(str(tiny_example / "bert" / "example.yaml"), str(run_dir), ["evaluation.enabled=false"],
+                         runner="dask", address=dask_cluster, return_state=True)
+    killer.join(timeout=10)
+    assert state.is_completed(), state
+    assert victim["pid"] != os.getpid() and not psutil.pid_exists(victim["pid"])
+    runs = [e["pid"] for e in RunDir(run_dir).events() if e["stage"] == victim["stage"] and e["event"] == "start"]
+    assert len(runs) == 2 and runs[0] == victim["pid"] != runs[1], runs  # it ran again, in another worker process
+    for rel in ("calibrated/model.safetensors", "merged/model.safetensors"):
+        assert digest(run_dir / rel) == digest(one_thread_run / rel), rel
