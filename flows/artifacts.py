@@ -143,13 +143,13 @@ class LiveArtifacts:
         tasks, layers, _ = self.shape
         if layer in self.published:
             return
-        grams = [self.records.get(f"gram/l{layer:02d}/{t}") for t in tasks]
+        grams = self._all([f"gram/l{layer:02d}/{t}" for t in tasks])
         groups = context(self.run_dir).solve_group_count(layer)
         solve_stages = [solve_stage(layer, g, groups) for g in range(groups)]
-        solves = [self.records.get(stage) for stage in solve_stages]
+        solves = self._all(solve_stages)
         last = layer == layers - 1
-        after_grams = [self.records.get(f"gram/l{layer + 1:02d}/{t}") for t in tasks] if not last else []
-        if None in solves or None in grams or None in after_grams:
+        after_grams = self._all([f"gram/l{layer + 1:02d}/{t}" for t in tasks]) if not last else []
+        if solves is None or grams is None or after_grams is None:
             return
         props = [self.records.get(f"propagate/l{layer:02d}/{t}") for t in tasks] if not last else [None] * len(tasks)
         report = self._report() if last else None
@@ -167,7 +167,8 @@ class LiveArtifacts:
                     after += f"; {_fmt(head)} (eval, head token)"
             else:
                 after = "n/a"
-            seconds = grams[i]["seconds"] + (props[i]["seconds"] if props[i] else 0.0)
+            prop = props[i]
+            seconds = grams[i]["seconds"] + (prop["seconds"] if prop is not None else 0.0)
             rows.append({"task": t, "modules solved": "", "damping used": "", "λ, ρ": "",
                          "drift before": _fmt(grams[i]["info"].get("drift_out_uncalibrated")), "drift after": after,
                          "seconds": round(seconds, 2)})
@@ -188,6 +189,11 @@ class LiveArtifacts:
                          + f"; seconds = gram + propagate per task, solve (summed over its {groups} group(s)); "
                            f"{cached} of {len(stages)} stages cached"))
         self.published.add(layer)
+
+    def _all(self, stages: list[str]) -> list[Record] | None:
+        """The records of `stages`, or None while any is missing."""
+        found = [self.records.get(stage) for stage in stages]
+        return [rec for rec in found if rec is not None] if None not in found else None
 
     def _report(self) -> dict[str, Any] | None:
         path = self.run_dir / "report.json"

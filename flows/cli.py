@@ -15,11 +15,13 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from flows.console import divert_prefect_noise, setup_logging
 
-if TYPE_CHECKING:  # the CLI loads the config module only when a command needs it
+if TYPE_CHECKING:  # the CLI loads the config module and Prefect only when a command needs them
+    from prefect.states import State
+
     from featcal.config import RunConfig
 
 # Before Prefect is imported: no telemetry (no network here), and our logger shown in the UI.
@@ -300,11 +302,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
             _quiet_prefect_tracebacks(args.debug)
             divert_prefect_noise(run_dir / PREFECT_LOG)
             try:
-                state = featcal_flow(args.config, str(run_dir), args.overrides, runner=args.runner,
-                                     address=args.address, workers=args.workers, worker_threads=args.worker_threads,
-                                     tag_task_runs=args.tag_task_runs, tls_ca_file=args.tls_ca_file,
-                                     tls_cert=args.tls_cert, tls_key=args.tls_key, devices=devices, reuse=args.reuse,
-                                     return_state=True)
+                # A State: Prefect's overloads take `return_state` for one of the flow's own keyword arguments first.
+                state = cast("State[dict[str, str]]", featcal_flow(
+                    args.config, str(run_dir), args.overrides, runner=args.runner, address=args.address,
+                    workers=args.workers, worker_threads=args.worker_threads, tag_task_runs=args.tag_task_runs,
+                    tls_ca_file=args.tls_ca_file, tls_cert=args.tls_cert, tls_key=args.tls_key, devices=devices,
+                    reuse=args.reuse, return_state=True))
             except httpx.HTTPError:
                 _outcome_without_server(run_dir)  # the server went away: the flow run's last state was not recorded
             else:
@@ -376,13 +379,13 @@ def _cmd_server(args: argparse.Namespace) -> int:
         info = server.stop(where)
         print(f"stopped the Prefect server at {info.url} (pid {info.pid})")
         return 0
-    info = server.running(where)
-    if info is None:
+    found = server.running(where)
+    if found is None:
         print(f"no featcal Prefect server is running (home {where})")
         return 1
-    print(f"running: Prefect server at {info.url} (pid {info.pid}, home {where})"
-          + (f"; basic authentication, secret in {server.auth_file(where)}" if info.auth else
-             ("; NO authentication" if not server.is_loopback(info.host) else "")))
+    print(f"running: Prefect server at {found.url} (pid {found.pid}, home {where})"
+          + (f"; basic authentication, secret in {server.auth_file(where)}" if found.auth else
+             ("; NO authentication" if not server.is_loopback(found.host) else "")))
     return 0
 
 

@@ -13,6 +13,7 @@ with them replaced by placeholders (featcal/secrets.py); the flow itself is call
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,12 @@ class RedactingFlow(Flow):
         return serialized
 
 
+def redacting_flow(**options: Any) -> Callable[[Callable[..., dict[str, str]]], Flow[..., dict[str, str]]]:
+    """`@flow` for a RedactingFlow."""
+    return lambda fn: RedactingFlow(fn, **options)
+
+
+@redacting_flow(name="featcal", flow_run_name=_flow_run_name)
 def featcal_flow(config_path: str, run_dir: str, overrides: list[str] | None = None, runner: str = "local",
                  address: str | None = None, workers: int | None = None, worker_threads: int | None = None,
                  tag_task_runs: bool = False, tls_ca_file: str | None = None, tls_cert: str | None = None,
@@ -181,5 +188,3 @@ def featcal_flow(config_path: str, run_dir: str, overrides: list[str] | None = N
         live.finish()
     return {name: str(Path(run_dir) / next(iter(rec["outputs"]))) for name, rec in records.items()}
 
-
-featcal_flow = RedactingFlow(featcal_flow, name="featcal", flow_run_name=_flow_run_name)

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+from moto.server import ThreadedMotoServer
 
 from flows import server
 from flows.prefect_flow import featcal_flow
@@ -115,9 +116,7 @@ def test_temporary_server_killed_mid_run_goes_on_in_one_line(resume_config, refe
     assert _weights(run_dir) == _weights(reference_run)
 
 
-def _moto(port: int):  # noqa: ANN202 (moto's ThreadedMotoServer)
-    from moto.server import ThreadedMotoServer
-
+def _moto(port: int) -> ThreadedMotoServer:
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     moto.start()
     return moto
@@ -161,7 +160,7 @@ def test_s3_store_unreachable_mid_run_stops_in_one_line_and_resumes(resume_confi
 
 
 @pytest.fixture
-def dask_cluster(tmp_path) -> Iterator[str]:
+def dask_cluster(tmp_path: Path) -> Iterator[str]:
     """`dask scheduler` and `dask worker --nworkers 2` processes, as a user starts them: the worker command is a
     nanny that starts a worker process again when one dies."""
     with dask_processes("tcp", {**os.environ, "OMP_NUM_THREADS": "1"}, tmp_path / "dask-logs") as address:
