@@ -288,7 +288,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         import httpx
 
         from flows import server
-        from flows.api_watch import PREFECT_LOG
+        from flows.api_watch import PREFECT_LOG, unanswered
 
         api, source = server.api_url_for_runs()
         with server.using_api(api):
@@ -309,7 +309,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                     tls_ca_file=args.tls_ca_file, tls_cert=args.tls_cert, tls_key=args.tls_key, devices=devices,
                     reuse=args.reuse, return_state=True))
             except httpx.HTTPError:
-                _outcome_without_server(run_dir)  # the server went away: the flow run's last state was not recorded
+                unanswered.set()  # the server went away, maybe too late for the watch to see it: exit without retries
+                _outcome_without_server(run_dir)  # the flow run's last state was not recorded
             else:
                 if api is not None:
                     print(f"flow run: {server.ui_url(api)}/runs/flow-run/{state.state_details.flow_run_id}")
