@@ -1,13 +1,18 @@
 """What a run shows in the Prefect UI while it runs: a progress bar, a small table per block, and at the end the
 report, the accuracy table and links to the run directory. Fed by the pipeline's `on_stage` hook, in the flow's
-process; a failure to publish is logged, never fatal to the run."""
+process, and published from a thread of its own, so that no stage waits on the server: while it does not answer
+(`reachable`, flows/api_watch.py) nothing is sent, and what piled up goes with the next stage after it is back. A
+failure to publish is logged once, never fatal to the run."""
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import statistics
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,31 +47,67 @@ def accuracy_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 class LiveArtifacts:
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, reachable: Callable[[], bool] = lambda: True):
         self.run_dir = Path(run_dir).resolve()
+        self.reachable = reachable
         self.started = time.time()
         self.records: dict[str, Record] = {}
         self.fresh: set[str] = set()
         self.published: set[int] = set()
-        self.progress_id = None
+        self.progress_id: Any = None
         self._shape: tuple[list[str], int, int] | None = None
         self._warned = False
+        self._last: StageCall | None = None
+        self._sending = threading.Lock()  # the publisher and `finish`, one at a time (the stages never take it)
+        self._wake = threading.Event()
+        self._closing = False
+        # The artifact functions find the flow run in the context: the publisher runs in a copy of this one.
+        self._context = contextvars.copy_context()
+        self._publisher = threading.Thread(target=self._publish_loop, daemon=True, name="featcal-artifacts")
 
     # ---- the pipeline's hook --------------------------------------------------------------------
     def on_stage(self, call: StageCall, record: Record) -> None:
         self.records[call.stage] = record
         if record.get("finished_at", 0) >= self.started:
             self.fresh.add(call.stage)
-        self._safely(self._progress, call)
-        if call.kind == "gram" and call.params["layer"] > 0:
-            self._safely(self._block, call.params["layer"] - 1)
+        self._last = call
+        if not self._publisher.is_alive():
+            self._publisher.start()
+        self._wake.set()
 
     def finish(self) -> None:
-        """After the pipeline returned: the last block's table, the report, the accuracy table, links."""
-        _, layers, _ = self.shape
-        for layer in range(layers):
-            self._safely(self._block, layer)
-        self._safely(self._final)
+        """After the pipeline returned: what is still pending, the last block's table, the report, the accuracy
+        table, links. Waits for the publisher only while the server answers."""
+        self._closing = True
+        self._wake.set()
+        while self._publisher.is_alive() and self.reachable():
+            self._publisher.join(timeout=0.5)
+        if not self.reachable():
+            return  # the watch has said so; rerunning the command reports the run
+        with self._sending:
+            _, layers, _ = self.shape
+            for layer in range(layers):
+                self._safely(self._block, layer)
+            self._safely(self._final)
+
+    def _publish_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closing:
+                return
+            if self.reachable():
+                self._context.run(self._publish)
+
+    def _publish(self) -> None:
+        """The progress bar, and the table of every block whose numbers are all in."""
+        with self._sending:
+            if (last := self._last) is None:
+                return
+            self._safely(self._progress, last)
+            _, layers, _ = self.shape
+            for layer in range(layers - 1):
+                self._safely(self._block, layer)
 
     # ---- pieces ---------------------------------------------------------------------------------
     @property
@@ -83,7 +124,7 @@ class LiveArtifacts:
         try:
             fn(*args)
         except Exception as exc:  # the UI is a view: a hiccup there must not fail a calibration run
-            if not self._warned:
+            if not self._warned and self.reachable():  # an unreachable server is said once by the watch
                 log.warning("could not publish a Prefect artifact (%s: %s); the run goes on", type(exc).__name__, exc)
                 self._warned = True
 
@@ -102,13 +143,13 @@ class LiveArtifacts:
         tasks, layers, _ = self.shape
         if layer in self.published:
             return
-        grams = [self.records.get(f"gram/l{layer:02d}/{t}") for t in tasks]
+        grams = self._all([f"gram/l{layer:02d}/{t}" for t in tasks])
         groups = context(self.run_dir).solve_group_count(layer)
         solve_stages = [solve_stage(layer, g, groups) for g in range(groups)]
-        solves = [self.records.get(stage) for stage in solve_stages]
+        solves = self._all(solve_stages)
         last = layer == layers - 1
-        after_grams = [self.records.get(f"gram/l{layer + 1:02d}/{t}") for t in tasks] if not last else []
-        if None in solves or None in grams or None in after_grams:
+        after_grams = self._all([f"gram/l{layer + 1:02d}/{t}" for t in tasks]) if not last else []
+        if solves is None or grams is None or after_grams is None:
             return
         props = [self.records.get(f"propagate/l{layer:02d}/{t}") for t in tasks] if not last else [None] * len(tasks)
         report = self._report() if last else None
@@ -126,11 +167,13 @@ class LiveArtifacts:
                     after += f"; {_fmt(head)} (eval, head token)"
             else:
                 after = "n/a"
-            seconds = grams[i]["seconds"] + (props[i]["seconds"] if props[i] else 0.0)
+            prop = props[i]
+            seconds = grams[i]["seconds"] + (prop["seconds"] if prop is not None else 0.0)
             rows.append({"task": t, "modules solved": "", "damping used": "", "λ, ρ": "",
                          "drift before": _fmt(grams[i]["info"].get("drift_out_uncalibrated")), "drift after": after,
                          "seconds": round(seconds, 2)})
-        rows.append({"task": "(solve, all tasks)", "modules solved": sum(rec["info"].get("modules", 0) for rec in solves),
+        rows.append({"task": "(solve, all tasks)",
+                     "modules solved": sum(rec["info"].get("modules", 0) for rec in solves),
                      "damping used": damping, "λ, ρ": _hyper(solves, context(self.run_dir).cfg.featcal),
                      "drift before": "", "drift after": "",
                      "seconds": round(sum(rec["seconds"] for rec in solves), 2)})
@@ -143,8 +186,14 @@ class LiveArtifacts:
                          f"with the merged block (before) and the calibrated block (after), on the calibration data"
                          + (" (last block: after = evaluation data, all tokens and, where the head reads one token, "
                             "that head token; the head-token figure is the one the head sees)" if last else "")
-                         + f"; seconds = gram + propagate per task, solve (summed over its {groups} group(s)); {cached} of {len(stages)} stages cached"))
+                         + f"; seconds = gram + propagate per task, solve (summed over its {groups} group(s)); "
+                           f"{cached} of {len(stages)} stages cached"))
         self.published.add(layer)
+
+    def _all(self, stages: list[str]) -> list[Record] | None:
+        """The records of `stages`, or None while any is missing."""
+        found = [self.records.get(stage) for stage in stages]
+        return [rec for rec in found if rec is not None] if None not in found else None
 
     def _report(self) -> dict[str, Any] | None:
         path = self.run_dir / "report.json"

@@ -15,11 +15,13 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
-from flows.console import setup_logging
+from flows.console import divert_prefect_noise, setup_logging
 
-if TYPE_CHECKING:  # the CLI loads the config module only when a command needs it
+if TYPE_CHECKING:  # the CLI loads the config module and Prefect only when a command needs them
+    from prefect.states import State
+
     from featcal.config import RunConfig
 
 # Before Prefect is imported: no telemetry (no network here), and our logger shown in the UI.
@@ -58,8 +60,10 @@ def _add_flow_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-threads", type=int, metavar="N",
                    help="torch threads per worker process (default: the cores divided among the pool's workers; 1 "
                         "per Dask worker); runtime.threads, when set, wins")
-    g.add_argument("--tls-ca-file", metavar="PEM", help="with --address tls://…: the CA that signed the cluster's certificates")
-    g.add_argument("--tls-cert", metavar="PEM", help="with --address tls://…: this client's certificate (signed by that CA)")
+    g.add_argument("--tls-ca-file", metavar="PEM",
+                   help="with --address tls://…: the CA that signed the cluster's certificates")
+    g.add_argument("--tls-cert", metavar="PEM",
+                   help="with --address tls://…: this client's certificate (signed by that CA)")
     g.add_argument("--tls-key", metavar="PEM", help="with --address tls://…: its private key (if not in --tls-cert)")
     p.add_argument("--tag-task-runs", action="store_true",
                    help="tag every task run, not only the flow run, with model, merge method and run directory "
@@ -268,7 +272,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         run_pipeline(cfg, run_dir, reuse=args.reuse)
     else:
+        import httpx
+
         from flows import server
+        from flows.api_watch import PREFECT_LOG, unanswered
 
         api, source = server.api_url_for_runs()
         with server.using_api(api):
@@ -280,19 +287,46 @@ def _cmd_run(args: argparse.Namespace) -> int:
             else:
                 print(f"featcal: reporting to {source} at {server.ui_url(api)}", file=sys.stderr)
             _quiet_prefect_tracebacks(args.debug)
-            state = featcal_flow(args.config, str(run_dir), args.overrides, runner=args.runner, address=args.address,
-                                 workers=args.workers, worker_threads=args.worker_threads,
-                                 tag_task_runs=args.tag_task_runs, tls_ca_file=args.tls_ca_file,
-                                 tls_cert=args.tls_cert, tls_key=args.tls_key, devices=devices, reuse=args.reuse,
-                                 return_state=True)
-            if api is not None:
-                print(f"flow run: {server.ui_url(api)}/runs/flow-run/{state.state_details.flow_run_id}")
-            state.result()  # raises the flow's error, if any
+            divert_prefect_noise(run_dir / PREFECT_LOG)
+            try:
+                # A State: Prefect's overloads take `return_state` for one of the flow's own keyword arguments first.
+                state = cast("State[dict[str, str]]", featcal_flow(
+                    args.config, str(run_dir), args.overrides, runner=args.runner, address=args.address,
+                    workers=args.workers, worker_threads=args.worker_threads, tag_task_runs=args.tag_task_runs,
+                    tls_ca_file=args.tls_ca_file, tls_cert=args.tls_cert, tls_key=args.tls_key, devices=devices,
+                    reuse=args.reuse, return_state=True))
+            except httpx.HTTPError:
+                unanswered.set()  # the server went away, maybe too late for the watch to see it: exit without retries
+                _outcome_without_server(run_dir)  # the flow run's last state was not recorded
+            else:
+                if api is not None:
+                    print(f"flow run: {server.ui_url(api)}/runs/flow-run/{state.state_details.flow_run_id}")
+                state.result()  # raises the flow's error, if any
     print(f"calibrated checkpoint: {run_dir / 'calibrated'}")
     if (run_dir / "report.md").is_file():
         print(f"report: {run_dir / 'report.md'}\n")
         print((run_dir / "report.md").read_text())
     return 0
+
+
+def _outcome_without_server(run_dir: Path) -> None:
+    """After the flow's last request to a server that stopped answering failed: the run's outcome is in its manifest.
+    A complete run is reported as usual; a failed one by its reason; anything else is a real error."""
+    from storage.atomic import read_json
+
+    manifest = read_json(run_dir / "manifest.json")
+    if manifest.get("status") == "complete":
+        print("featcal: the run is complete; the Prefect server did not answer to record its end (rerun the same "
+              "command once it is back to report it: every stage comes from the cache)", file=sys.stderr)
+        return
+    if manifest.get("status") == "failed":
+        raise RunFailed(manifest.get("reason") or "the run failed (see the log above)")
+    raise RunFailed(f"the Prefect server stopped answering and the run did not finish (manifest: "
+                    f"{manifest.get('status')}); rerun the same command to resume")
+
+
+class RunFailed(RuntimeError):
+    """A run that failed while its server was down: reported in one line from its manifest's reason."""
 
 
 def _cmd_push(args: argparse.Namespace) -> int:
@@ -333,13 +367,13 @@ def _cmd_server(args: argparse.Namespace) -> int:
         info = server.stop(where)
         print(f"stopped the Prefect server at {info.url} (pid {info.pid})")
         return 0
-    info = server.running(where)
-    if info is None:
+    found = server.running(where)
+    if found is None:
         print(f"no featcal Prefect server is running (home {where})")
         return 1
-    print(f"running: Prefect server at {info.url} (pid {info.pid}, home {where})"
-          + (f"; basic authentication, secret in {server.auth_file(where)}" if info.auth else
-             ("; NO authentication" if not server.is_loopback(info.host) else "")))
+    print(f"running: Prefect server at {found.url} (pid {found.pid}, home {where})"
+          + (f"; basic authentication, secret in {server.auth_file(where)}" if found.auth else
+             ("; NO authentication" if not server.is_loopback(found.host) else "")))
     return 0
 
 
@@ -405,24 +439,27 @@ def _quiet_prefect_tracebacks(debug: bool) -> None:
 
 
 _USER_ERRORS = {"flows.plan": "NotEnoughDisk", "flows.server": "ServerError", "storage.rundir": "RunDirError",
-                "flows.pool_runner": "WorkerDied"}
+                "flows.pool_runner": "WorkerDied", "botocore.exceptions": "EndpointConnectionError"}
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors the user can fix (bad config or input, a busy, read-only or full disk, a server that does not
-    answer, a pool worker killed or out of memory): reported in one line, not as a traceback. Config, data and
-    checkpoint errors are ValueErrors. The others are taken from their modules only when loaded: a module never
-    imported raised nothing, and importing one here (flows.plan loads every model class) would cost seconds on the
-    way to a one-line refusal."""
+    """Errors the user can fix (bad config or input, a busy, read-only or full disk, a server or S3 store that does
+    not answer, a pool worker killed or out of memory, a run that failed while its server was down): reported in one
+    line, not as a traceback. Config, data and checkpoint errors are ValueErrors. The others are taken from their
+    modules only when loaded: a module never imported raised nothing, and importing one here (flows.plan loads every
+    model class) would cost seconds on the way to a one-line refusal."""
     loaded = [getattr(sys.modules[module], name) for module, name in _USER_ERRORS.items() if module in sys.modules]
-    return (ValueError, OSError, *loaded)
+    return (ValueError, OSError, RunFailed, *loaded)
 
 
 def _error_line(exc: BaseException) -> str:
     """One line: what failed, on which path, and what to do."""
+    again = "fix the cause and rerun the same command: finished stages are kept"
     if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, FileNotFoundError):
         where = f"{exc.filename}: " if exc.filename else ""
-        return f"{where}{exc.strerror}; fix the cause and rerun the same command: finished stages are kept"
+        return f"{where}{exc.strerror}; {again}"
+    if type(exc).__name__ == "EndpointConnectionError":  # botocore's: the S3 activation store stopped answering
+        return f"the activation store does not answer: {exc}; {again}"
     return str(exc).strip() or type(exc).__name__
 
 
@@ -436,7 +473,7 @@ def main(argv: list[str] | None = None, extra: Sequence[Command] = ()) -> int:
     commands = {**COMMANDS, **{command.name: command.run for command in extra}}
     with signals.stop_on_signals():
         try:
-            return commands[args.command](args)
+            code = commands[args.command](args)
         except signals.Stopped as stop:
             signals.exit_stopped(stop.signum)
         except BaseException as exc:
@@ -450,7 +487,11 @@ def main(argv: list[str] | None = None, extra: Sequence[Command] = ()) -> int:
             if args.debug:
                 traceback.print_exc()
             print(f"featcal: error: {_error_line(exc)}", file=sys.stderr)
-            return 2
+            code = 2
+    if argv is None and "flows.api_watch" in sys.modules and sys.modules["flows.api_watch"].unanswered.is_set():
+        # The run said so in one line; as a program, skip Prefect's exit hooks: they would retry the server for minutes.
+        signals.exit_now(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -26,11 +26,15 @@ import socket
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from flows.server import restore_environ
+
+if TYPE_CHECKING:  # prefect_dask is imported when a Dask run starts
+    from prefect_dask import DaskTaskRunner
 
 PROBE_NAME = ".featcal-worker-probe"
 SECRETS_PLUGIN = "featcal-secrets"
@@ -148,7 +152,7 @@ def local_cluster_kwargs(workers: int, threads: int) -> dict:
 @contextmanager
 def dask_task_runner(run_dir: str, address: str | None = None, workers: int | None = None, threads: int = 1,
                      known_secrets: dict | None = None, tls_ca_file: str | None = None, tls_cert: str | None = None,
-                     tls_key: str | None = None, devices: list[str] | None = None) -> Iterator[DaskTaskRunner]:  # noqa: F821
+                     tls_key: str | None = None, devices: list[str] | None = None) -> Iterator[DaskTaskRunner]:
     """A started DaskTaskRunner on an existing cluster (`address`, over TLS for tls://) or a new LocalCluster of
     `workers` processes (with `devices`: one per device, each pinned to its own), checked to see `run_dir` from
     every worker; `known_secrets` ({placeholder: value}) are given to every worker while the runner is open."""
@@ -169,6 +173,7 @@ def dask_task_runner(run_dir: str, address: str | None = None, workers: int | No
             client_kwargs["security"] = tls_security(tls_ca_file, tls_cert, tls_key)
         runner = DaskTaskRunner(address=address, client_kwargs=client_kwargs)
     else:
+        assert workers is not None  # the check above: no address, so a local cluster of `workers`
         if workers < 1:
             raise DaskUnavailable(f"--workers must be at least 1, got {workers}")
         runner = DaskTaskRunner(cluster_kwargs=local_cluster_kwargs(workers, threads))

@@ -130,6 +130,7 @@ def deployments() -> list[DeploymentRow]:
         FlowRunFilterStateType,
     )
     from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.schedules import CronSchedule
     from prefect.client.schemas.sorting import FlowRunSort
 
     rows = []
@@ -142,12 +143,13 @@ def deployments() -> list[DeploymentRow]:
             latest = client.read_flow_runs(
                 deployment_filter=by_deployment, sort=FlowRunSort.START_TIME_DESC, limit=1,
                 flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(not_any_=[StateType.SCHEDULED]))))
-            schedules = [f"cron '{s.schedule.cron}' ({s.schedule.timezone or 'UTC'})" if hasattr(s.schedule, "cron")
-                         else str(s.schedule) for s in d.schedules]
+            schedules = [f"cron '{s.schedule.cron}' ({s.schedule.timezone or 'UTC'})"
+                         if isinstance(s.schedule, CronSchedule) else str(s.schedule) for s in d.schedules]
             active = not d.paused and any(s.active for s in d.schedules)
             rows.append(DeploymentRow(
                 name=f"{FLOW_NAME}/{d.name}", schedules=schedules, active=active,
-                next_run=upcoming[0].expected_start_time.strftime("%Y-%m-%d %H:%M %Z") if upcoming and active else "-",
+                next_run=(upcoming[0].expected_start_time.strftime("%Y-%m-%d %H:%M %Z")
+                          if upcoming and active and upcoming[0].expected_start_time else "-"),
                 run_dir=str((d.parameters or {}).get("run_dir", "?")),
                 last_state=f"{latest[0].state.name} ({latest[0].name})" if latest and latest[0].state else "-"))
     return sorted(rows, key=lambda r: r.name)

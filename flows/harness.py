@@ -115,7 +115,7 @@ def task_manager(lm_eval: ModuleType, tasks: list[str], include_path: str | None
     return manager
 
 
-def scores_of(results: dict[str, dict[str, Any]]) -> dict[str, Scores]:
+def scores_of(results: dict[str, dict[str, Any]]) -> Scores:
     """lm_eval's per-task results as {task: {metric: value}}: its "acc,none" keys named "acc" (other filters kept,
     "exact_match,strict-match"), and only numbers (a stderr it could not compute is the string "N/A")."""
     return {task: {key.removesuffix(",none"): float(value) for key, value in entry.items()
@@ -202,7 +202,7 @@ def fold_into_report(run: RunDir, summary: dict[str, dict[str, Scores]], section
     text = without_section((run / "report.md").read_text()) if (run / "report.md").is_file() else ""
     write_bytes(run / "report.md", (text.rstrip("\n") + "\n\n" + section).lstrip("\n").encode())
     remove(run / "harness.md")
-    if intact:
+    if intact and record is not None:
         run.save_record({**record, "outputs": {**outputs, **{rel: run.digest(rel) for rel in REPORT_OUTPUTS
                                                              if rel in outputs}}})
     return run / "report.md"
@@ -222,7 +222,8 @@ def _models_scored(run: RunDir, cfg: RunConfig, models: dict[str, Path], setting
                    include_path: str | None, batch_size: int) -> Iterator[tuple[str, dict[str, Any]]]:
     """(model, its kept result) for each model: the result on disk when still valid, else a fresh one."""
     memo = run / "records" / "fingerprints.json"
-    lm_eval = manager = device = None
+    lm_eval = manager = None
+    device = ""
     for n, (name, checkpoint) in enumerate(models.items(), start=1):
         path = run / "harness" / f"{name}.json"
         digest = fingerprint(checkpoint, memo)

@@ -37,11 +37,11 @@ from tasks.assemble import CALIBRATED
 from tasks.context import CONFIG_NAME, context
 from tasks.merge import MERGED
 from tasks.preflight import preflight
-from tasks.record import execute
+from tasks.record import StageFn, execute
 
 log = logging.getLogger("featcal")
 
-STAGES = {
+STAGES: dict[str, StageFn] = {
     "merge": merge.run,
     "prepare": calibration.prepare,
     "gram": calibration.gram,

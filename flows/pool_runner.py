@@ -24,7 +24,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
@@ -88,7 +88,7 @@ class StagePool:
     def __init__(self, executor: ProcessPoolExecutor, workers: int, threads: int):
         self.executor, self.workers, self.threads = executor, workers, threads
         # The executor's own {pid: process}, filled as workers start: Python 3.11 has no public way to stop them.
-        self._processes: dict[int, BaseProcess] = executor._processes
+        self._processes: Mapping[int, BaseProcess] = executor._processes
 
     def submit(self, run_dir: str, call: StageCall, done: Record | None) -> _Pending:
         if done is not None:  # verified already: nothing to send to a worker

@@ -13,6 +13,7 @@ with them replaced by placeholders (featcal/secrets.py); the flow itself is call
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from prefect.runtime import flow_run as current_flow_run
 from featcal import secrets
 from featcal.config import RunConfig, load_config
 from featcal.devices import check_worker_devices
+from flows.api_watch import ApiWatch, run_api_url
 from flows.artifacts import LiveArtifacts
 from flows.pipeline import STAGES, StageCall, run_pipeline
 from flows.server import is_loopback
@@ -105,14 +107,7 @@ def _tag_this_flow_run(labels: list[str]) -> None:
 def _api_for_workers(address: str | None) -> str:
     """The API URL Dask workers report their task runs to. Ephemeral mode's server is this process's own
     loopback server: fine for a local cluster, unreachable from other machines."""
-    from prefect.server.api.server import SubprocessASGIServer
-    from prefect.settings import PREFECT_API_URL
-
-    api = PREFECT_API_URL.value()
-    if not api:
-        server = SubprocessASGIServer()  # the ephemeral server this flow run already reports to (a singleton)
-        server.start()
-        api = server.api_url
+    api, _ = run_api_url()
     if address is not None and not is_loopback(urlsplit(address).hostname) and is_loopback(urlsplit(api).hostname):
         raise ValueError(f"the Dask workers at {address} cannot reach the Prefect API at {api}: start the server "
                          "on an address they reach (`featcal server start --host 0.0.0.0`) or set PREFECT_API_URL")
@@ -135,6 +130,12 @@ class RedactingFlow(Flow):
         return serialized
 
 
+def redacting_flow(**options: Any) -> Callable[[Callable[..., dict[str, str]]], Flow[..., dict[str, str]]]:
+    """`@flow` for a RedactingFlow."""
+    return lambda fn: RedactingFlow(fn, **options)
+
+
+@redacting_flow(name="featcal", flow_run_name=_flow_run_name)
 def featcal_flow(config_path: str, run_dir: str, overrides: list[str] | None = None, runner: str = "local",
                  address: str | None = None, workers: int | None = None, worker_threads: int | None = None,
                  tag_task_runs: bool = False, tls_ca_file: str | None = None, tls_cert: str | None = None,
@@ -164,9 +165,11 @@ def featcal_flow(config_path: str, run_dir: str, overrides: list[str] | None = N
     run_dir = str(Path(run_dir).resolve())
     labels = run_tags(cfg, run_dir)
     _tag_this_flow_run(labels)
-    live = LiveArtifacts(run_dir)
     task_tags = labels if tag_task_runs else []
     with ExitStack() as stack:
+        api, ephemeral = run_api_url()
+        watch = stack.enter_context(ApiWatch(api, run_dir, ephemeral=ephemeral))
+        live = LiveArtifacts(run_dir, reachable=lambda: watch.up)
         if runner == "dask":
             from flows.dask_runner import dask_task_runner
 
@@ -182,8 +185,6 @@ def featcal_flow(config_path: str, run_dir: str, overrides: list[str] | None = N
             records = run_pipeline(cfg, run_dir, pool, on_stage=live.on_stage, submit=pool.submit, reuse=reuse)
         else:
             records = run_pipeline(cfg, run_dir, StageRunner(task_tags), on_stage=live.on_stage, reuse=reuse)
-    live.finish()
+        live.finish()
     return {name: str(Path(run_dir) / next(iter(rec["outputs"]))) for name, rec in records.items()}
 
-
-featcal_flow = RedactingFlow(featcal_flow, name="featcal", flow_run_name=_flow_run_name)

@@ -150,7 +150,10 @@ def running(where: Path) -> ServerInfo | None:
 
 
 def _port_free(host: str, port: int) -> bool:
+    """Whether nothing listens there. As the server will (uvicorn sets SO_REUSEADDR), ignore the closed connections
+    a server killed a moment ago leaves in TIME_WAIT: a server restarted on its port finds it free."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
@@ -253,7 +256,8 @@ def start(where: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, timeo
         log.write(f"\n---- featcal server start {time.strftime('%Y-%m-%d %H:%M:%S')} ----\n".encode())
         log.flush()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port), "--analytics-off"],
+            [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port),
+             "--analytics-off"],
             cwd=where, env=server_env(planned, auth_string), stdin=subprocess.DEVNULL, stdout=log,
             stderr=subprocess.STDOUT, start_new_session=True,
         )
