@@ -10,7 +10,7 @@ machine inflates them less than wall time. Parts, per task and block on the ViT-
 - the statistics of each module input as `featcal.statistics` keeps them (q/k/v share one input; out_proj and fc1
   keep C_ss and C_se; fc2 keeps C_ss, P_e and P_s), split into bf16 → fp32 conversion, products, and the float64
   accumulation of the chunk's sums, on the fp32 path (rows upcast, as before) and on the bf16 units;
-- the whole Gram stage (`tasks.calibration.gram`) with the bf16 units off and on.
+- the whole Gram stage (`tasks.gram.gram`) with the bf16 units off and on.
 The 768-wide inputs are the run's own rows; the 3072-wide ones and fc2's output are seeded random bf16 rows of the
 same count (the run does not keep module inputs inside a block)."""
 
@@ -37,8 +37,8 @@ from featcal_kernels import bf16 as bf16_module  # noqa: E402
 from featcal_kernels.bf16 import bf16_target_product  # noqa: E402
 from featcal_kernels.gram import bf16_dual_gram, dual_gram  # noqa: E402
 from flows.pipeline import machine  # noqa: E402
-from tasks.calibration import gram  # noqa: E402
 from tasks.context import context  # noqa: E402
+from tasks.gram import gram  # noqa: E402
 
 ALPHA = 0.25  # featcal.alpha's default: the products' cost does not depend on it
 
@@ -105,7 +105,8 @@ def main() -> None:
                 + (6 * n * wt.shape[0] * wt.shape[1] if wt is not None else 0) for _, x, e, wt, _ in inputs)
 
     def convert() -> list[tuple]:
-        return [(x.float(), None if e is None else e.float(), None if y is None else y.float()) for _, x, e, _, y in inputs]
+        return [(x.float(), None if e is None else e.float(), None if y is None else y.float())
+                for _, x, e, _, y in inputs]
 
     convert_s = cpu_seconds(convert)
     upcast = convert()
@@ -144,7 +145,8 @@ def main() -> None:
         f"`python benchmarks/gram_profile.py {' '.join(sys.argv[1:])}`", "",
         f"Rows: {n} ({hidden} wide; fc2's input {4 * hidden}). Gram FLOPs of one task and block, as the records "
         f"count them: {gf:.2f} GFLOP. Matmul rate measured in this invocation (`pipeline_cost.matmul_rate`, a "
-        f"Gram-shaped 800-row product, by CPU time): fp32 {rate['fp32'] / 1e9:.0f} GFLOP/s, bf16 {rate['bf16'] / 1e9:.0f} GFLOP/s.",
+        f"Gram-shaped 800-row product, by CPU time): fp32 {rate['fp32'] / 1e9:.0f} GFLOP/s, "
+        f"bf16 {rate['bf16'] / 1e9:.0f} GFLOP/s.",
         "",
         "| part | CPU s | note |", "|---|---:|---|",
         f"| Zarr read + decode (merged and expert rows) | {read_s:.3f} | |",
@@ -154,7 +156,7 @@ def main() -> None:
         f"| products, bf16 units | {bf16_s:.3f} | {gf / bf16_s:.0f} GFLOP/s = {gf / bf16_s / (rate['bf16'] / 1e9):.0%} "
         f"of the bf16 rate (two bf16 products each) |",
         f"| float64 accumulation of the chunk sums | {accumulate_s:.3f} | |",
-        "", "| whole Gram stage (`tasks.calibration.gram`) | CPU s |", "|---|---:|",
+        "", "| whole Gram stage (`tasks.gram.gram`) | CPU s |", "|---|---:|",
         *(f"| {label} | {s:.3f} |" for label, s in stage.items()),
         "",
         f"Products + conversion: fp32 path {fp32_s + convert_s:.3f} s, bf16 units {bf16_s:.3f} s "

@@ -126,10 +126,12 @@ def main() -> None:
                         help="another checkout of this project to profile beside this one (before a change, say)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--work", type=Path, default=Path("/tmp/featcal-host-overhead"))
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.child:
         return child(*args.child)
+    if args.out is None:
+        parser.error("--out is required")
     sys.path.insert(0, str(ROOT))
     from benchmarks.solve_precision import cpu_line
     from flows.pipeline import machine

@@ -23,6 +23,7 @@ import argparse
 import platform
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ from featcal.statistics import row_form_pays  # noqa: E402
 from featcal_kernels import ridge_solve  # noqa: E402
 
 # Llama-3.2-3B: hidden 3072, intermediate 8192, 24 heads and 8 key-value heads of 128. Modules reading one input
-# are solved as one map (tasks/calibration.py, _solve_units).
+# are solved as one map (tasks/solve.py, _solve_units).
 # Each unit: its input width and its readers' output widths.
 UNITS = {"q/k/v": (3072, [3072, 1024, 1024]), "o": (3072, [3072]), "gate/up": (3072, [8192, 8192]),
          "down": (8192, [3072])}
@@ -51,6 +52,10 @@ def unit_rows(tasks: int, rows: int, d_in: int, d_out: int, g: torch.Generator) 
         y = torch.randn(rows, d_out, generator=g)
         out.append(LinearRows(x=x, y=y, w=torch.ones(rows), sum_w=float(rows)))
     return out
+
+
+def _solve_from_moments(moments: list, merged: torch.Tensor, base: torch.Tensor, hp: Hyper) -> torch.Tensor:
+    return solve_linear_weight(((m, merged) for m in moments), merged, base, hp)
 
 
 def main() -> None:
@@ -73,25 +78,24 @@ def main() -> None:
         base = merged + torch.randn(d_out, d_in, generator=g) * 0.002
         if row_form_pays(args.rows, args.tasks, d_in, readers):
             form = f"rows ({n} × {d_in})"
-            whole = cpu_seconds(lambda: solve_linear_weight_rows(rows, merged, base, hp), repeats=args.repeats)
+            whole = cpu_seconds(partial(solve_linear_weight_rows, rows, merged, base, hp), repeats=args.repeats)
             x = torch.cat([r.x for r in rows]).double()
             system = x @ x.T / n
             system.diagonal().add_(hp.lam)
             rhs = torch.randn(n, d_out, generator=g, dtype=torch.float64)
-            solve = cpu_seconds(lambda: ridge_solve(system, rhs, damping=hp.eps), repeats=args.repeats)
+            solve = cpu_seconds(partial(ridge_solve, system, rhs, damping=hp.eps), repeats=args.repeats)
             z = ridge_solve(system, rhs, damping=hp.eps).x
-            back = cpu_seconds(lambda: z.T @ x, repeats=args.repeats)
+            back = cpu_seconds(partial(torch.matmul, z.T, x), repeats=args.repeats)
             flops = n**3 / 3 + 2 * n * n * d_out + 2 * n * d_in * d_out
         else:
             form = f"Gram ({d_in} × {d_in}), P_t"
             zero = torch.zeros(d_in, dtype=torch.float64)
             moments = [r.moments(zero, zero) for r in rows]
-            whole = cpu_seconds(lambda: solve_linear_weight(((m, merged) for m in moments), merged, base, hp),
-                                repeats=args.repeats)
+            whole = cpu_seconds(partial(_solve_from_moments, moments, merged, base, hp), repeats=args.repeats)
             system = sum(m.c_ss / m.normaliser() for m in moments)
             system.diagonal().add_(hp.lam)
             rhs = torch.randn(d_out, d_in, generator=g, dtype=torch.float64).T  # column-major, as the solve's
-            solve = cpu_seconds(lambda: ridge_solve(system, rhs, damping=hp.eps), repeats=args.repeats)
+            solve = cpu_seconds(partial(ridge_solve, system, rhs, damping=hp.eps), repeats=args.repeats)
             back = 0.0
             flops = d_in**3 / 3 + 2 * d_in * d_in * d_out
         total_whole, total_f64, total_flops = total_whole + whole, total_f64 + solve + back, total_flops + flops
@@ -104,8 +108,8 @@ def main() -> None:
         f"# The float64 floor of a Llama-3.2-3B block's solve ({args.tasks} tasks × {args.rows} rows, one thread)", "",
         f"Machine: {cpu_line()}, Python {platform.python_version()}, torch {torch.__version__}. Date: "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. CPU seconds, best of {args.repeats} after one warm-up "
-        f"call. Command: `python benchmarks/solve_floor.py --tasks {args.tasks} --rows {args.rows} --floor {args.floor} "
-        f"--repeats {args.repeats} --out {args.out}`", "",
+        f"call. Command: `python benchmarks/solve_floor.py --tasks {args.tasks} --rows {args.rows} "
+        f"--floor {args.floor} --repeats {args.repeats} --out {args.out}`", "",
         "| unit | in → out | form | whole solve (s) | ridge solve, float64 (s) | Qᵀ·Z, float64 (s) | float64 steps (s) "
         "| float64 GFLOP | GFLOP/s |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|", *lines,

@@ -38,7 +38,7 @@ class LinearMoments:
     def add_target(self, out: torch.Tensor, alpha: float, w_t: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         """out += scale·C_st·W_tᵀ, in place, with C_st·W_tᵀ = E_w[x_s (W_t x_t)ᵀ], x_t = α·x_e + (1−α)·x_s, [in, out]
         float64 and W_t [out, in]. The product goes straight into `out`: [in, out] temporaries cost a tenth of the
-        solve on ViT-B/32. P_t already holds the product, summed for the run's α (tasks/calibration.py checks the
+        solve on ViT-B/32. P_t already holds the product, summed for the run's α (tasks/solve.py checks the
         statistics file's α against the run's)."""
         if self.p_st is not None:
             return out.add_(self.p_st, alpha=scale)
@@ -61,7 +61,8 @@ class LinearMoments:
 
         The cross term takes the same target as the Gram: in the directions the rows leave unseen the shrunk data term
         reads x_t as x_s, so its γ part is γ‖(W − W_t)T_t^½‖², a pull towards the task's own expert (as RegMean's
-        diagonal shrinkage). Shrinking C_ss alone would pull W towards zero instead. γ = 0 adds exactly C_ss and C_st."""
+        diagonal shrinkage). Shrinking C_ss alone would pull W towards zero instead. γ = 0 adds exactly C_ss and
+        C_st."""
         a.add_(self.c_ss, alpha=scale * (1.0 - hp.shrink))
         self.add_target(b, hp.alpha, w_t, scale * (1.0 - hp.shrink))
         if hp.shrink:

@@ -102,8 +102,8 @@ class FeatCalConfig(_Strict):
     lambda_grid: list[float] = Field(default_factory=lambda: [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0],
                                      min_length=1)
     rho_grid: list[float] = Field(default_factory=lambda: [1.0, 1.5, 2.2, 3.0, 4.0], min_length=1)
-    holdout_every: int = Field(4, ge=2, description="with lambda, rho or shrinkage auto: every Nth calibration example of each "
-                                                    "task is held out to score the grid")
+    holdout_every: int = Field(4, ge=2, description="with lambda, rho or shrinkage auto: every Nth calibration "
+                                                    "example of each task is held out to score the grid")
     holdout_folds: int = Field(
         1, ge=1, description="how many of the holdout_every folds (examples i with i mod N = N−1, N−2, …) each take "
                              "their turn as the held-out rows; the grid's scores are summed over them (cross-"
@@ -291,7 +291,8 @@ class RuntimeConfig(_Strict):
                             "Grams still sum in fp32 within a chunk and float64 across chunks, solves in float64")
     solve_precision: Literal["float64", "mixed"] = Field(
         "float64", description="mixed: each linear solve factors in fp32 and refines against a float64 residual, "
-                               "falling back to float64 when refinement stalls (the solve record says which per module)")
+                               "falling back to float64 when refinement stalls (the solve record says which per "
+                               "module)")
     row_statistics: Literal["auto", "off"] = Field(
         "auto", description="auto: a module whose calibration rows (all tasks together) are few against its input "
                             "width keeps those rows instead of its in × in Gram, where that makes the Gram and solve "
@@ -300,6 +301,12 @@ class RuntimeConfig(_Strict):
     keep_freed_memory: bool = Field(False, description="glibc keeps the memory a stage frees for the next one (no "
                                     "block mapped on its own, no heap trimming, one arena): fewer page faults, a "
                                     "higher peak RSS; Linux/glibc only (docs/performance.md)")
+    resident: Literal["auto"] | bool = Field(
+        "auto", description="true (on): the boundaries a block's stages write are also kept in memory and read "
+                            "from there, and each layer's merged and calibrated blocks are built once (the store is "
+                            "still written: resume reads it); auto: on when they fit in half the memory available at "
+                            "the start (`featcal plan` says which); false (off): the streaming path. The weights do "
+                            "not change")
     strict: bool = Field(False, description="refuse degenerate set-ups (an expert equal to the base, two tasks on one "
                          "checkpoint, calibration rows among the evaluation rows, ...) instead of warning; --strict")
 
@@ -342,7 +349,8 @@ class RunConfig(_Strict):
     def _every_task_has_data(self) -> RunConfig:
         missing = sorted(set(self.experts) - set(self.calibration.data))
         if missing:
-            raise ValueError(f"calibration.data has no entry for task(s) {missing}; every expert needs calibration data")
+            raise ValueError(f"calibration.data has no entry for task(s) {missing}; every expert needs calibration "
+                             "data")
         extra = sorted(set(self.calibration.data) - set(self.experts))
         if extra:
             raise ValueError(f"calibration.data names task(s) {extra} that are not in experts")

@@ -79,11 +79,11 @@ class Skeleton:
                 persistent[name].copy_(tensor)
         return module.eval()
 
-    def block(self, layer: int, checkpoint: CanonicalCheckpoint) -> nn.Module:
+    def block(self, layer: int, checkpoint: CanonicalCheckpoint | LoraCheckpoint) -> nn.Module:
         prefix = self.adapter.block_prefix(layer)
         return self.materialize(prefix.rstrip("."), checkpoint.with_prefix(prefix))
 
-    def embedding(self, checkpoint: CanonicalCheckpoint) -> dict[str, nn.Module]:
+    def embedding(self, checkpoint: CanonicalCheckpoint | LoraCheckpoint) -> dict[str, nn.Module]:
         return {
             name: self.materialize(name, checkpoint.with_prefix(f"{name}."))
             for name in self.adapter.embedding_modules()
@@ -103,8 +103,10 @@ def calibrated_modules(block: nn.Module) -> dict[str, nn.Module]:
 def linear_dims(module: nn.Module) -> tuple[int, int]:
     """(in, out) features of a calibrated linear map."""
     if isinstance(module, Conv1D):
-        return module.nx, module.nf
-    return module.in_features, module.out_features
+        return int(module.nx), int(module.nf)
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    raise TypeError(f"{type(module).__name__} is not a calibrated linear map")
 
 
 def as_out_in(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
@@ -158,14 +160,15 @@ def expert_checkpoint(directory: str | Path, base_dir: str | Path,
     return CanonicalCheckpoint(directory, skeleton.adapter)
 
 
-def _lora_expert_model(expert_dir: str | Path, base_dir: str | Path | None) -> nn.Module:
+def _lora_expert_model(expert_dir: str | Path, base_dir: str | Path | None) -> transformers.PreTrainedModel:
     """A LoRA expert as a whole model: the base's weights loaded into the expert's class, then every tensor the
     adapter changes (`LoraCheckpoint.adapted`) set to base + ΔW or to the adapter's own."""
     if base_dir is None:
         raise CheckpointError(f"LoRA adapter {expert_dir}: loading it as a model needs the run's base directory")
     config = AutoConfig.from_pretrained(config_directory(expert_dir, base_dir), local_files_only=True)
     skeleton = Skeleton(config)
-    expert = expert_checkpoint(expert_dir, base_dir, skeleton)
+    expert = LoraCheckpoint(expert_dir, CanonicalCheckpoint(base_dir, skeleton.adapter), skeleton.adapter,
+                            skeleton.stored_in_out)
     model = getattr(transformers, skeleton.adapter.architecture).from_pretrained(base_dir, config=config,
                                                                                   local_files_only=True)
     body_state, model_state = skeleton.adapter.body(model).state_dict(), model.state_dict()
