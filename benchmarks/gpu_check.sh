@@ -52,6 +52,7 @@ carried_wheels() {  # installs .whl/ where it exists and puts it (and the checko
   echo "== installing .whl/ into $SITE"
   python3 -m pip install --quiet --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl
   export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  export FEATCAL_GPU_SITE="$SITE"  # vs_official.py gives the official code's process these wheels alone
 }
 
 pick_python() {  # prints the Python to use, creating the venv when none is ready

@@ -53,7 +53,11 @@ def run_official(official: Path, work: Path, run_dir: Path, experts: int, exampl
            "--work", str(work), "--experts", str(experts), "--examples", str(examples), "--threads", str(threads),
            "--device", device, "--out", str(run_dir)]
     run_dir.mkdir(parents=True)
-    wall, rss, cpu = child_cost(cmd, run_dir, child_env(threads, None))
+    env = child_env(threads, None)  # nothing of ours on its path: its package is also named featcal
+    site = os.environ.get("FEATCAL_GPU_SITE")  # gpu_check.sh's carried wheels (datasets, ...), which it needs too
+    if site and Path(site).is_dir():
+        env["PYTHONPATH"] = site
+    wall, rss, cpu = child_cost(cmd, run_dir, env)
     timing = json.loads((run_dir / "timing.json").read_text())
     return {"wall_s": wall, "cpu_s": cpu, "calibration_s": timing["calibration_s"], "peak_rss_gib": rss}
 

@@ -294,11 +294,28 @@ class BlockWalk:
         calls = [StageCall("prepare", f"prepare/{t}", f"prepare · {t}", self.p.key(
             "prepare", task=t, calibration=settings, data=cal["data"][t], precision=self.precision,
             data_bytes=self.p.inputs[f"calibration/{t}"], expert=self.p.inputs[f"expert/{t}"],
-            merged=self.merged_digest), needs={"merged": "merge"}, params={"task": t}) for t in self.tasks]
+            merged=self.merged_digest), needs={"merged": "merge"}, params=self._prepare_params(t, settings))
+            for t in self.tasks]
         self.prepared = dict(zip(self.tasks, self.p.call_all(calls), strict=True))
         for t in self.tasks:
             for s in ("merged", "expert"):
                 self.side[t, s] = (self.prepared[t], self.run.acts(t, 0, s))
+
+    def _prepare_params(self, t: str, settings: dict[str, Any]) -> dict[str, Any]:
+        """The prepare stage's arguments; with runtime.input_cache, the key of the task's entry there: what the model
+        inputs depend on (the data, its settings, the base's tokenizer or processor, and for an encoder–decoder the
+        expert, whose greedy output may make the targets), not the merge or the precision. Not in the stage's key:
+        the inputs are the same whether copied or prepared."""
+        if self.p.cfg.runtime.input_cache is None:
+            return {"task": t}
+        source = self.p.cfg.slice("calibration")["calibration"]["data"][t]
+        fields: dict[str, Any] = {"code": self.p.code, "calibration": settings,
+                                  "data": {k: v for k, v in source.items() if k != "path"},
+                                  "data_bytes": self.p.inputs[f"calibration/{t}"], "base": self.p.inputs["base"],
+                                  "architecture": self.adapter.architecture}
+        if self.adapter.has_decoder:
+            fields["expert"] = self.p.inputs[f"expert/{t}"]
+        return {"task": t, "inputs_key": digest_of(fields)}
 
     def block(self, layer: int) -> None:
         grams = dict(zip(self.tasks, self.p.call_all([self._gram_call(layer, t) for t in self.tasks]), strict=True))

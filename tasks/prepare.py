@@ -13,6 +13,7 @@ from featcal.hub import local_dir
 from featcal.t5 import column_targets, decoder_batches, greedy_targets
 from tasks.boundary import mask_of, stored_inputs, tokens_of, write_rows
 from tasks.context import RunContext
+from tasks.input_cache import InputCache
 from tasks.merge import MERGED
 
 Batches = Callable[[], Iterator[dict[str, torch.Tensor]]]
@@ -61,13 +62,35 @@ def _model_inputs(ctx: RunContext, task: str) -> tuple[Batches, int, dict[str, A
 
 
 
-def prepare(ctx: RunContext, task: str) -> tuple[list[str], dict[str, Any]]:
+def prepare(ctx: RunContext, task: str, inputs_key: str | None = None) -> tuple[list[str], dict[str, Any]]:
+    """A task's model inputs (from runtime.input_cache when it holds them under `inputs_key`, else prepared, and
+    then kept there), and both sides' embeddings of them: boundary 0."""
+    store, bs = ctx.run.store, ctx.cfg.calibration.batch_size
+    inputs_rel = ctx.run.inputs(task)
+    location = store.location(inputs_rel)
+    cache = InputCache(ctx.cfg.runtime.input_cache, inputs_key) if ctx.cfg.runtime.input_cache and inputs_key else None
+    if cache is not None and cache.info() is not None:
+        info = {**cache.restore(store, location, bs), "inputs": "from runtime.input_cache"}
+    else:
+        info = _stored_model_inputs(ctx, task)
+        if cache is not None:
+            cache.save(store, location, bs, info)
+            info["inputs"] = "prepared, then kept in runtime.input_cache"
+    mask = store.open_array(mask_of(ctx, task))
+    info.update(tokens_per_example=mask.shape[1], real_tokens=int(np.asarray(mask[:]).sum()))
+    outputs = [inputs_rel]
+    for side, ckpt in (("merged", MERGED), ("expert", task)):
+        outputs += _embedded(ctx, task, side, ckpt, mask.shape[0])
+    return outputs, info
+
+
+def _stored_model_inputs(ctx: RunContext, task: str) -> dict[str, Any]:
+    """The task's model inputs written to the run's store, and what the prepare record says about them."""
     batches, n, info = _model_inputs(ctx, task)
     bs = ctx.cfg.calibration.batch_size
-    inputs_rel = ctx.run.inputs(task)
     first = next(batches())
     store = ctx.run.store
-    with store.staged(store.location(inputs_rel)) as tmp:
+    with store.staged(store.location(ctx.run.inputs(task))) as tmp:
         for name, value in first.items():
             shape = (n, *value.shape[1:])
             store.write_array(f"{tmp}/{name}", shape, bs, str(value.numpy().dtype), (b[name] for b in batches()))
@@ -76,12 +99,7 @@ def prepare(ctx: RunContext, task: str) -> tuple[list[str], dict[str, Any]]:
             tokens = ctx.adapter.embed(ctx.skeleton.embedding(ctx.checkpoint(MERGED)), first).shape[1]
             store.write_array(f"{tmp}/attention_mask", (n, tokens), bs, "int64",
                               [np.ones((n, tokens), dtype=np.int64)])
-    mask = store.open_array(mask_of(ctx, task))
-    info.update(tokens_per_example=mask.shape[1], real_tokens=int(np.asarray(mask[:]).sum()))
-    outputs = [inputs_rel]
-    for side, ckpt in (("merged", MERGED), ("expert", task)):
-        outputs += _embedded(ctx, task, side, ckpt, n)
-    return outputs, info
+    return info
 
 
 def _embedded(ctx: RunContext, task: str, side: str, ckpt: str, n: int) -> list[str]:
