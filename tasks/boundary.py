@@ -99,8 +99,9 @@ def write_rows(ctx: RunContext, rel: str, shape: tuple[int, ...], chunk_rows: in
 
     def as_stored() -> Iterator[torch.Tensor]:
         for block in rows:
-            # What the store holds and hands back: rounded to bf16 (as the store rounds) or float32, on the CPU.
-            block = block.detach().to("cpu", stored)
+            # What the store holds and hands back: rounded to bf16 (as the store rounds) or float32, on the CPU;
+            # rounded where it was computed, so a GPU copies half the bytes in bf16.
+            block = block.detach().to(stored).to("cpu")
             if ctx.resident is not None:
                 kept.append(block)
             yield block
