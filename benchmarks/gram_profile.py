@@ -110,9 +110,16 @@ def main() -> None:
 
     convert_s = cpu_seconds(convert)
     upcast = convert()
-    fp32_s = cpu_seconds(lambda: [fp32_products(x32, e32, w, wt, y32)
-                                  for (x32, e32, y32), (_, _, _, wt, _) in zip(upcast, inputs, strict=True)])
-    bf16_s = cpu_seconds(lambda: [bf16_path(x, e, w, wt, y) for _, x, e, wt, y in inputs])
+    def fp32_all() -> None:
+        for (x32, e32, y32), (_, _, _, wt, _) in zip(upcast, inputs, strict=True):
+            fp32_products(x32, e32, w, wt, y32)
+
+    def bf16_all() -> None:
+        for _, x, e, wt, y in inputs:
+            bf16_path(x, e, w, wt, y)
+
+    fp32_s = cpu_seconds(fp32_all)
+    bf16_s = cpu_seconds(bf16_all)
     sums = [dual_gram(x32, e32, w) for x32, e32, _ in upcast]
     f64 = [(torch.zeros(s.c_ss.shape, dtype=torch.float64), torch.zeros(s.c_se.shape, dtype=torch.float64))
            for s in sums]

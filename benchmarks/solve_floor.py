@@ -33,7 +33,13 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.gram_profile import cpu_seconds  # noqa: E402
 from benchmarks.solve_precision import cpu_line  # noqa: E402
-from featcal.closed_form import Hyper, LinearRows, solve_linear_weight, solve_linear_weight_rows  # noqa: E402
+from featcal.closed_form import (  # noqa: E402
+    Hyper,
+    LinearRows,
+    LinearSolution,
+    solve_linear_weight,
+    solve_linear_weight_rows,
+)
 from featcal.statistics import row_form_pays  # noqa: E402
 from featcal_kernels import ridge_solve  # noqa: E402
 
@@ -54,7 +60,7 @@ def unit_rows(tasks: int, rows: int, d_in: int, d_out: int, g: torch.Generator) 
     return out
 
 
-def _solve_from_moments(moments: list, merged: torch.Tensor, base: torch.Tensor, hp: Hyper) -> torch.Tensor:
+def _solve_from_moments(moments: list, merged: torch.Tensor, base: torch.Tensor, hp: Hyper) -> LinearSolution:
     return solve_linear_weight(((m, merged) for m in moments), merged, base, hp)
 
 
@@ -92,7 +98,7 @@ def main() -> None:
             zero = torch.zeros(d_in, dtype=torch.float64)
             moments = [r.moments(zero, zero) for r in rows]
             whole = cpu_seconds(partial(_solve_from_moments, moments, merged, base, hp), repeats=args.repeats)
-            system = sum(m.c_ss / m.normaliser() for m in moments)
+            system = sum((m.c_ss / m.normaliser() for m in moments), torch.zeros(d_in, d_in, dtype=torch.float64))
             system.diagonal().add_(hp.lam)
             rhs = torch.randn(d_out, d_in, generator=g, dtype=torch.float64).T  # column-major, as the solve's
             solve = cpu_seconds(partial(ridge_solve, system, rhs, damping=hp.eps), repeats=args.repeats)
