@@ -181,7 +181,8 @@ import cProfile, json, pstats, shutil, sys, time
 from pathlib import Path
 import torch
 torch.set_num_threads(1)
-from tasks.calibration import gram, solve
+from tasks.gram import gram
+from tasks.solve import solve
 from tasks.context import context
 run, stage, precision, keep = sys.argv[1], sys.argv[2], sys.argv[4], sys.argv[6]
 layer, repeats = int(sys.argv[3]), int(sys.argv[5])

@@ -11,10 +11,13 @@
 #   - or, on a machine with no package index (this workplace's GPU machines), wheels for the packages its Python
 #     lacks lie in .whl/ (benchmarks/gpu_wheels.sh downloads them here for Python 3.12): they are installed with
 #     --no-deps into $FEATCAL_GPU_SITE (default /tmp/featcal-gpu-site), which goes first on PYTHONPATH.
-# Steps: `gpu_check.sh [tests] [cost] [resume]` runs those named (default: all three). Seen on an H200 (16 cores,
+# Steps: `gpu_check.sh [tests] [official] [cost] [resume]` runs those named (default: all four). `official` runs
+# benchmarks/vs_official.py on the GPU: the official code (a checkout of github.com/egangu/featcal whose path is given
+# at run time in $OFFICIAL_CHECKOUT, never copied here) and ours in fp32 and bf16, ViT-B/32 shape 8 × 256, in one
+# call (skipped, and reported, without $OFFICIAL_CHECKOUT); it comes second so a short session still gets it. Seen on an H200 (16 cores,
 # 2026-12-04, benchmarks/results/gpu_check*.log): tests 111 s; the cost step's input build 43 s and one fp32 run 125 s,
 # so fp32 + bf16 needs over 300 s; resume over 133 s. A 10-minute call holds one of cost or tests + resume.
-# The whole stays within GPU_CHECK_SECONDS (default 500 s; under 9 minutes with the kill grace): each step has a
+# The whole stays within GPU_CHECK_SECONDS (default 470 s; under 8 minutes with the kill grace): each step has a
 # time limit and the benchmark gets what the earlier steps left (skipped with under 60 s left). A failed or
 # timed-out step is reported and the next still runs, so one GPU session yields both the tests and the table;
 # the exit status is non-zero when any step failed. Everything printed also goes to $GPU_CHECK_LOG (default
@@ -24,10 +27,10 @@ shopt -s inherit_errexit
 cd "$(dirname "$0")/.."
 mkdir -p benchmarks/results
 LOG=${GPU_CHECK_LOG:-benchmarks/results/gpu_check.log}
-BUDGET=${GPU_CHECK_SECONDS:-500}
+BUDGET=${GPU_CHECK_SECONDS:-470}
 VENV=${FEATCAL_GPU_VENV:-/tmp/featcal-gpu-venv}
 SITE=${FEATCAL_GPU_SITE:-/tmp/featcal-gpu-site}
-STEPS=" ${*:-tests cost resume} "
+STEPS=" ${*:-tests official resume cost} "
 FAILED=()
 
 step() {  # step NAME SECONDS CMD...: run under a time limit; a failure is logged and remembered, not fatal
@@ -49,6 +52,7 @@ carried_wheels() {  # installs .whl/ where it exists and puts it (and the checko
   echo "== installing .whl/ into $SITE"
   python3 -m pip install --quiet --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl
   export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  export FEATCAL_GPU_SITE="$SITE"  # vs_official.py gives the official code's process these wheels alone
 }
 
 pick_python() {  # prints the Python to use, creating the venv when none is ready
@@ -78,6 +82,15 @@ main() {
   if [[ $STEPS == *" tests "* ]]; then
     step tests 240 env FEATCAL_TEST_DEVICE=cuda "$py" -m pytest -q tests/test_devices.py tests/test_kernels*.py \
       tests/test_precision.py
+  fi
+  if [[ $STEPS == *" official "* ]]; then
+    if [ -z "${OFFICIAL_CHECKOUT:-}" ]; then
+      FAILED+=("official (skipped: no OFFICIAL_CHECKOUT)")
+    else
+      step official 200 "$py" benchmarks/vs_official.py --official "$OFFICIAL_CHECKOUT" --device cuda --experts 8 \
+        --examples 256 --threads "${GPU_CHECK_THREADS:-16}" --precision fp32 bf16 \
+        --out benchmarks/results/vs_official_gpu.md
+    fi
   fi
   if [[ $STEPS == *" resume "* ]]; then
     step cross_device 300 "$py" -m benchmarks.cross_device --first cuda --then cpu --gpus 1 \

@@ -10,7 +10,7 @@ machine inflates them less than wall time. Parts, per task and block on the ViT-
 - the statistics of each module input as `featcal.statistics` keeps them (q/k/v share one input; out_proj and fc1
   keep C_ss and C_se; fc2 keeps C_ss, P_e and P_s), split into bf16 → fp32 conversion, products, and the float64
   accumulation of the chunk's sums, on the fp32 path (rows upcast, as before) and on the bf16 units;
-- the whole Gram stage (`tasks.calibration.gram`) with the bf16 units off and on.
+- the whole Gram stage (`tasks.gram.gram`) with the bf16 units off and on.
 The 768-wide inputs are the run's own rows; the 3072-wide ones and fc2's output are seeded random bf16 rows of the
 same count (the run does not keep module inputs inside a block)."""
 
@@ -33,8 +33,8 @@ from featcal_kernels import bf16 as bf16_module
 from featcal_kernels.bf16 import bf16_target_product
 from featcal_kernels.gram import bf16_dual_gram, dual_gram
 from flows.pipeline import machine
-from tasks.calibration import gram
 from tasks.context import context
+from tasks.gram import gram
 
 ALPHA = 0.25  # featcal.alpha's default: the products' cost does not depend on it
 
@@ -106,9 +106,16 @@ def main() -> None:
 
     convert_s = cpu_seconds(convert)
     upcast = convert()
-    fp32_s = cpu_seconds(lambda: [fp32_products(x32, e32, w, wt, y32)
-                                  for (x32, e32, y32), (_, _, _, wt, _) in zip(upcast, inputs, strict=True)])
-    bf16_s = cpu_seconds(lambda: [bf16_path(x, e, w, wt, y) for _, x, e, wt, y in inputs])
+    def fp32_all() -> None:
+        for (x32, e32, y32), (_, _, _, wt, _) in zip(upcast, inputs, strict=True):
+            fp32_products(x32, e32, w, wt, y32)
+
+    def bf16_all() -> None:
+        for _, x, e, wt, y in inputs:
+            bf16_path(x, e, w, wt, y)
+
+    fp32_s = cpu_seconds(fp32_all)
+    bf16_s = cpu_seconds(bf16_all)
     sums = [dual_gram(x32, e32, w) for x32, e32, _ in upcast]
     f64 = [(torch.zeros(s.c_ss.shape, dtype=torch.float64), torch.zeros(s.c_se.shape, dtype=torch.float64))
            for s in sums]
@@ -152,7 +159,7 @@ def main() -> None:
         f"| products, bf16 units | {bf16_s:.3f} | {gf / bf16_s:.0f} GFLOP/s = {gf / bf16_s / (rate['bf16'] / 1e9):.0%} "
         f"of the bf16 rate (two bf16 products each) |",
         f"| float64 accumulation of the chunk sums | {accumulate_s:.3f} | |",
-        "", "| whole Gram stage (`tasks.calibration.gram`) | CPU s |", "|---|---:|",
+        "", "| whole Gram stage (`tasks.gram.gram`) | CPU s |", "|---|---:|",
         *(f"| {label} | {s:.3f} |" for label, s in stage.items()),
         "",
         f"Products + conversion: fp32 path {fp32_s + convert_s:.3f} s, bf16 units {bf16_s:.3f} s "

@@ -45,17 +45,17 @@ def child(run_dir: str, reps: int, setting: str) -> None:
 
     torch.set_num_threads(1)
     from featcal.devices import keep_freed_memory
-    from tasks import calibration
+    from tasks import gram, solve
     from tasks.context import context
 
     if setting == "keep-freed-memory":
         keep_freed_memory()
     if setting in KEEPS_HEAP:  # the kept run's config leaves runtime.keep_freed_memory false
-        calibration.release_freed_memory = lambda: None
+        solve.release_freed_memory = lambda: None
     ctx = context(run_dir)
     for rep in range(reps):
-        stages = [(f"gram {task}", lambda task=task: calibration.gram(ctx, task, 0)) for task in ctx.tasks]
-        for name, stage in [*stages, ("solve", lambda: calibration.solve(ctx, 0))]:
+        stages = [(f"gram {task}", lambda task=task: gram.gram(ctx, task, 0)) for task in ctx.tasks]
+        for name, stage in [*stages, ("solve", lambda: solve.solve(ctx, 0))]:
             before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             stage()
             after = resource.getrusage(resource.RUSAGE_SELF)

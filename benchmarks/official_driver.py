@@ -2,7 +2,7 @@
 
     PYTHONPATH=CHECKOUT/src python benchmarks/official_driver.py --official CHECKOUT \
         --work /tmp/featcal-bench/vit-b32 --experts 8 \
-        --examples 32 --threads 1 --out RUN_DIR
+        --examples 32 --threads 1 --out RUN_DIR [--device cuda]
 
 The checkout (github.com/egangu/featcal, read-only, outside this repository) is imported from `CHECKOUT/src`, which
 the caller puts first on PYTHONPATH (`vs_official` does); its package is also named `featcal`, so this script must not
@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--examples", type=int, required=True)
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--scaling", type=float, default=0.3, help="Task Arithmetic scaling (ours: merge.scaling)")
+    parser.add_argument("--device", default="cpu", help="the calibrator's device (cpu, cuda, cuda:N)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     source = (args.official / "src").resolve()
@@ -43,10 +44,11 @@ def main() -> None:
     from torch.utils.data import DataLoader
     from transformers import CLIPVisionModel
 
+    # The official checkout's package (its src/ is first on the path), which ships no type information.
     import featcal
-    import featcal.featcal as official
-    from featcal.merge import save_vision_model, task_arithmetic_merge
-    from featcal.models import load_vision_model
+    import featcal.featcal as official  # type: ignore[import-untyped]
+    from featcal.merge import save_vision_model, task_arithmetic_merge  # type: ignore[import-untyped]
+    from featcal.models import load_vision_model  # type: ignore[import-untyped]
 
     if Path(featcal.__file__).resolve().parent != source / "featcal":
         raise SystemExit(f"imported featcal from {featcal.__file__}, expected the checkout at {source} "
@@ -59,13 +61,14 @@ def main() -> None:
         return ds["pixel_values"][: args.examples]
 
     def pixel_batches(pixels: torch.Tensor, processor: object, *, batch_size: int, **_: object) -> DataLoader:
-        return DataLoader(pixels, batch_size=batch_size, shuffle=False)
+        # A tensor is a map-style dataset (__getitem__, __len__); torch's stubs ask for a Dataset.
+        return DataLoader(pixels, batch_size=batch_size, shuffle=False)  # type: ignore[arg-type]
 
     official.load_task_dataset = task_pixels
     if not hasattr(CLIPVisionModel, "vision_model"):
         # transformers 5 flattened CLIPVisionModel (its embeddings and encoder are its own children); the official
         # code reaches them through the 4.x attribute `vision_model`, which is the model itself here.
-        CLIPVisionModel.vision_model = property(lambda self: self)
+        CLIPVisionModel.vision_model = property(lambda self: self)  # type: ignore[attr-defined]  # added here
     official.make_clip_loader = pixel_batches
 
     start = time.perf_counter()
@@ -73,12 +76,15 @@ def main() -> None:
     merged = task_arithmetic_merge(base_model_id=str(args.work / "base"), expert_model_ids=experts,
                                    scaling_factor=args.scaling)
     config = official.FeatCalConfig(num_calibration_examples=args.examples)
-    calibrator = official.CLIPFeatCalibrator(config, processor=None, device=torch.device("cpu"))
+    device = torch.device(args.device)
+    calibrator = official.CLIPFeatCalibrator(config, processor=None, device=device)
     calibrated = calibrator.calibrate(merged_model=merged, base_model=load_vision_model(args.work / "base"),
                                       expert_models=official.load_expert_models(experts), tasks=tasks)
     save_vision_model(calibrated, args.out / "calibrated")
     seconds = time.perf_counter() - start
-    (args.out / "timing.json").write_text(json.dumps({"calibration_s": seconds, "config": vars(config)}))
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    (args.out / "timing.json").write_text(json.dumps({"calibration_s": seconds, "config": vars(config),
+                                                      "device": str(device), "peak_device_gib": peak}))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A run whose Prefect server is killed mid-run against an undisturbed run, measured side by side in one invocation.
 
-    python benchmarks/server_kill.py --out benchmarks/results/server_kill.md [--example DIR] [--repeats 2]
+    python -m benchmarks.server_kill --out benchmarks/results/server_kill.md [--example DIR] [--repeats 2]
 
 Each repeat runs the tiny example without evaluation (built into a temporary directory unless --example names
 one) twice, as a user would with `featcal server start` and `featcal run`: once undisturbed, once with the server
@@ -26,14 +26,12 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from featcal.example import build_tiny_example  # noqa: E402
-from flows import server  # noqa: E402
-from flows.pipeline import machine  # noqa: E402
-from storage.atomic import digest  # noqa: E402
-from storage.rundir import RunDir  # noqa: E402
+from benchmarks.common import ROOT
+from featcal_bench.example import build_tiny_example
+from flows import server
+from flows.pipeline import machine
+from storage.atomic import digest
+from storage.rundir import RunDir
 
 KILL_AFTER = "[  2/"  # the progress line of the second stage
 
@@ -110,7 +108,7 @@ def write(out: Path, results: dict[str, list[dict]], repeats: int) -> None:
     lines = [
         "# A run whose Prefect server is killed mid-run, against an undisturbed run",
         "",
-        f"`python benchmarks/server_kill.py` on {machine()}; the machine was shared with other jobs while it ran, so "
+        f"`python -m benchmarks.server_kill` on {machine()}; the machine was shared with other jobs while it ran, so "
         "stage times vary by a few seconds from run to run. The tiny example without evaluation (23 stages), "
         f"{repeats} repeat(s), the two cases alternating, each with a fresh `featcal server` and run directory; the "
         "server is killed with SIGKILL to its process group once the second stage has finished.",

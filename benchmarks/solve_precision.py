@@ -1,6 +1,6 @@
 """The solve stage's linear solves in float64 and in mixed precision (runtime.solve_precision), side by side in one
 process, on ViT-B/32-shaped modules: per block q/k/v/out_proj (768 → 768), fc1 (768 → 3072) and fc2 (3072 → 768),
-each solved by the FeatCal method exactly as tasks/calibration.py's solve stage calls it.
+each solved by the FeatCal method exactly as tasks/solve.py calls it.
 
     python -m benchmarks.solve_precision --experts 4 --examples 32 --blocks 2 \
         --out benchmarks/results/solve_precision.md
@@ -44,7 +44,9 @@ def module_data(name: str, d_in: int, d_out: int, experts: int, rows: int, seed:
     base = 0.02 * torch.randn(d_out, d_in, generator=g, dtype=torch.float64)
     weights = [base + 0.002 * torch.randn(d_out, d_in, generator=g, dtype=torch.float64) for _ in range(experts)]
     biases = [0.01 * torch.randn(d_out, generator=g, dtype=torch.float64) for _ in range(experts)]
-    merged = {"weight": base + sum(w - base for w in weights) * 0.3, "bias": sum(biases) / experts}
+    zero = torch.zeros_like(base)  # sum()'s start: 0.0 + x is x, bit for bit
+    merged = {"weight": base + sum((w - base for w in weights), zero) * 0.3,
+              "bias": sum(biases, torch.zeros(d_out, dtype=torch.float64)) / experts}
     return ModuleData(where=name, tasks=tuple(f"t{t}" for t in range(experts)), task_weights=(1.0,) * experts,
                       has_bias=True, stats=lambda: ({k: v.clone() for k, v in s.items()} for s in stats),  # fresh
                       merged=lambda part: merged[part],

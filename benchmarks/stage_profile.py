@@ -25,8 +25,9 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as `featcal run` sets it, 
 import torch
 
 from flows.pipeline import machine
-from tasks.calibration import gram, solve
 from tasks.context import context
+from tasks.gram import gram
+from tasks.solve import solve
 
 
 def best_of(fn: Callable[[], object], before: Callable[[], None], repeats: int = 3) -> float:

@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -34,19 +35,24 @@ RSS_GOAL = 0.25
 GAP_GOAL = 1e-5
 
 
-def run_official(official: Path, work: Path, run_dir: Path, experts: int, examples: int, threads: int) -> dict:
+def run_official(official: Path, work: Path, run_dir: Path, experts: int, examples: int, threads: int,
+                 device: str = "cpu") -> dict:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "official_driver.py"), "--official", str(official),
            "--work", str(work), "--experts", str(experts), "--examples", str(examples), "--threads", str(threads),
-           "--out", str(run_dir)]
+           "--device", device, "--out", str(run_dir)]
     run_dir.mkdir(parents=True)
-    wall, rss, cpu = child_cost(cmd, run_dir, child_env(threads, official.resolve() / "src"))
+    env = child_env(threads, official.resolve() / "src")  # its package is also named featcal: nothing of ours
+    site = os.environ.get("FEATCAL_GPU_SITE")  # gpu_check.sh's carried wheels (datasets, ...), which it needs too
+    if site and Path(site).is_dir():
+        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], site])
+    wall, rss, cpu = child_cost(cmd, run_dir, env)
     timing = json.loads((run_dir / "timing.json").read_text())
     return {"wall_s": wall, "cpu_s": cpu, "calibration_s": timing["calibration_s"], "peak_rss_gib": rss}
 
 
 def run_ours(work: Path, run_dir: Path, experts: int, examples: int, threads: int, precision: str,
-             solve: str, extra: dict[str, str]) -> dict:
-    runtime = {"precision": precision, "solve_precision": solve, "device": "cpu", **extra}
+             solve: str, extra: dict[str, str], device: str = "cpu") -> dict:
+    runtime = {"precision": precision, "solve_precision": solve, "device": device, **extra}
     result = run_once(config_file(work, experts, examples, runtime), run_dir, threads, prefect=False)
     return {**result, "calibration_s": sum(result["stages_s"].get(k, 0.0) for k in KINDS)}
 
@@ -70,6 +76,7 @@ def main() -> None:
     parser.add_argument("--runtime", nargs="+", default=[], type=runtime_field, metavar="KEY=VALUE",
                         help="more runtime fields for our runs (keep_freed_memory=true, ...)")
     parser.add_argument("--shape", default="vit-b32", help="a pipeline_cost.py shape (tiny: a quick check)")
+    parser.add_argument("--device", default="cpu", help="where both codes compute: cpu, cuda or cuda:N")
     parser.add_argument("--work", type=Path, default=Path("/tmp/featcal-bench"))
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -79,16 +86,18 @@ def main() -> None:
     build_inputs(work, args.shape, args.experts, args.examples)
     extra = dict(args.runtime)
     stamp = time.time_ns()
-    dirs = {"official": args.work / f"official-{args.shape}-{stamp}"}
-    jobs = {"official": lambda: run_official(args.official.resolve(), work, dirs["official"], args.experts,
-                                             args.examples, args.threads)}
+    # "official", then (precision, solve) for each of our runs
+    dirs: dict[str | tuple[str, str], Path] = {"official": args.work / f"official-{args.shape}-{stamp}"}
+    jobs: dict[str | tuple[str, str], Callable[[], dict]] = {
+        "official": lambda: run_official(args.official.resolve(), work, dirs["official"], args.experts, args.examples,
+                                         args.threads, args.device)}
     ours = [(p, s) for p in args.precision for s in args.solve]
     for precision, solve in ours:
         dirs[precision, solve] = args.work / f"ours-{args.shape}-{precision}-{solve}-{stamp}"
         jobs[precision, solve] = partial(run_ours, work, dirs[precision, solve], args.experts, args.examples,
-                                         args.threads, precision, solve, extra)
+                                         args.threads, precision, solve, extra, args.device)
     loads = [os.getloadavg()[0]]
-    results = {}
+    results: dict[str | tuple[str, str], dict] = {}
     with ThreadPoolExecutor(max_workers=len(jobs) if args.concurrent else 1) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}
         for name, future in futures.items():
@@ -103,7 +112,7 @@ def main() -> None:
     order = "all at once" if args.concurrent else "one after another, the official code first"
     lines = [
         f"# Ours against the official FeatCal code — {args.shape} shape, {args.experts} experts × {args.examples} "
-        f"examples, {args.threads} thread(s), evaluation off",
+        f"examples, {args.threads} thread(s), device {args.device}, evaluation off",
         "",
         f"Machine: {machine()}. CPU: {cpu_line()}. Date: {time.strftime('%Y-%m-%d %H:%M %Z')}. Runs: {order}. "
         f"1-minute load average at the start and as each run was collected: "
@@ -111,8 +120,7 @@ def main() -> None:
         f"Command: `python -m benchmarks.vs_official {' '.join(sys.argv[1:])}`",
         "",
         "| code | precision | solve | CPU (s) | wall (s) | calibration (s) | peak RSS (GiB) | CPU speed-up "
-        "| wall speed-up "
-        "| RSS / official's | weight matrices vs official |",
+        "| wall speed-up | RSS / official's | weight matrices vs official |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -134,10 +142,9 @@ def main() -> None:
               "CPU: user + system seconds of the child process (each run is one process, one thread); wall: that",
               "process from start to exit (interpreter, imports, model loads), which on a shared machine also counts",
               "the time it waited for a core. Calibration (wall): the official code from its Task Arithmetic merge to",
-              "the saved model (timed in `official_driver.py`); ours, the sum of its stages (merge, prepare, Gram, "
-              "solve,",
-              "propagate, assemble) from the run's records. Weight gap: the largest relative Frobenius difference over",
-              "the calibrated weight matrices (`pipeline_cost.weight_gap`)."]
+              "the saved model (timed in `official_driver.py`); ours, the sum of its stages (merge, prepare, Gram,",
+              "solve, propagate, assemble) from the run's records. Weight gap: the largest relative Frobenius",
+              "difference over the calibrated weight matrices (`pipeline_cost.weight_gap`)."]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print(args.out.read_text())

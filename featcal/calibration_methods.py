@@ -2,9 +2,10 @@
 
 A method is one registered class: its name, the `featcal.*` keys it reads (it is handed those and no others, so a
 key it does not declare cannot change its weights), the statistics it needs per module (`StatisticsPlan`), and its
-solve of a linear module and of a norm. The stages in tasks/calibration.py walk blocks and modules and ask the run's
-method; adding a method is a class here (its name and any new keys go into `FeatCalConfig` too, where the YAML is
-validated). `FeatCal` is docs/design.md §2; `RegMean` and `RegMeanPlusPlus` are its closed-form baselines."""
+solve of a linear module and of a norm. The Gram and solve stages (tasks/gram.py, tasks/solve.py) walk blocks and
+modules and ask the run's method; adding a method is a class here (its name and any new keys go into `FeatCalConfig`
+too, where the YAML is validated). `FeatCal` is docs/design.md §2; `RegMean` and `RegMeanPlusPlus` are its
+closed-form baselines."""
 
 from __future__ import annotations
 

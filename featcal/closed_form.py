@@ -38,7 +38,7 @@ class LinearMoments:
     def add_target(self, out: torch.Tensor, alpha: float, w_t: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         """out += scale·C_st·W_tᵀ, in place, with C_st·W_tᵀ = E_w[x_s (W_t x_t)ᵀ], x_t = α·x_e + (1−α)·x_s, [in, out]
         float64 and W_t [out, in]. The product goes straight into `out`: [in, out] temporaries cost a tenth of the
-        solve on ViT-B/32. P_t already holds the product, summed for the run's α (tasks/calibration.py checks the
+        solve on ViT-B/32. P_t already holds the product, summed for the run's α (tasks/solve.py checks the
         statistics file's α against the run's)."""
         if self.p_st is not None:
             return out.add_(self.p_st, alpha=scale)

@@ -301,6 +301,16 @@ class RuntimeConfig(_Strict):
     keep_freed_memory: bool = Field(False, description="glibc keeps the memory a stage frees for the next one (no "
                                     "block mapped on its own, no heap trimming, one arena): fewer page faults, a "
                                     "higher peak RSS; Linux/glibc only (docs/performance.md)")
+    input_cache: str | None = Field(None, description="a directory where each task's model inputs (tokenised "
+                                     "text, preprocessed images) are kept once per data fingerprint and input "
+                                     "settings, for later runs on the same data to copy instead of preparing them "
+                                     "again; default: none")
+    resident: Literal["auto"] | bool = Field(
+        "auto", description="true (on): the boundaries a block's stages write are also kept in memory and read "
+                            "from there, and each layer's merged and calibrated blocks are built once (the store is "
+                            "still written: resume reads it); auto: on when they fit in half the memory available at "
+                            "the start (`featcal plan` says which); false (off): the streaming path. The weights do "
+                            "not change")
     strict: bool = Field(False, description="refuse degenerate set-ups (an expert equal to the base, two tasks on one "
                          "checkpoint, calibration rows among the evaluation rows, ...) instead of warning; --strict")
 

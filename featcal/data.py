@@ -18,6 +18,8 @@ from featcal.input_checks import malformed_file_error, pad_with_eos, text_length
 
 log = logging.getLogger("featcal")
 
+# A batch of rows, column by column: lists, or one numpy array for a fixed-shape array column (`row_batches`).
+Rows = dict[str, list[Any] | np.ndarray]
 TEXT_COLUMNS = ("text", "sentence", "sentence1", "question", "premise")
 IMAGE_COLUMNS = ("image", "img")
 # What a saved tokenizer writes (one at least): its fast form, its settings, or a slow tokenizer's vocabulary.
@@ -180,7 +182,7 @@ class InputBuilder:
             self.special_ids = frozenset(self.processor.all_special_ids)
         self.pad_id = getattr(self.processor, "pad_token_id", None) or 0
 
-    def text_inputs(self, rows: dict[str, list]) -> dict[str, torch.Tensor]:
+    def text_inputs(self, rows: Rows) -> dict[str, torch.Tensor]:
         """Unpadded token lists → tensors padded to the longest row of these rows."""
         if "input_ids" in self.ready:
             ids = [list(r)[: self.max_length] for r in rows["input_ids"]]
@@ -196,24 +198,30 @@ class InputBuilder:
             return {"input_ids": pad(ids, self.pad_id), "attention_mask": pad(masks, 0),
                     "token_type_ids": pad(types, 0)}
         pair = rows[self.pair_column] if self.pair_column else None
-        enc = self.processor(rows[self._raw_column()], pair, padding=True, truncation=True, max_length=self.max_length,
-                             return_tensors="pt")
+        enc = self._processor()(rows[self._raw_column()], pair, padding=True, truncation=True,
+                                max_length=self.max_length, return_tensors="pt")
         enc = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
         enc.setdefault("token_type_ids", torch.zeros_like(enc["input_ids"]))
         return enc
 
-    def image_inputs(self, rows: dict[str, list]) -> dict[str, torch.Tensor]:
+    def image_inputs(self, rows: Rows) -> dict[str, torch.Tensor]:
         if "pixel_values" in self.ready:
             return {"pixel_values": torch.tensor(np.asarray(rows["pixel_values"], dtype=np.float32))}
-        return {"pixel_values": self.processor(rows[self._raw_column()], return_tensors="pt")["pixel_values"].float()}
+        pixels = self._processor()(rows[self._raw_column()], return_tensors="pt")["pixel_values"]
+        return {"pixel_values": pixels.float()}
+
+    def _processor(self) -> Any:
+        """The base's tokenizer or image processor, which only raw columns load."""
+        if self.processor is None:
+            raise DataError(f"{self.where}: ready model inputs need no tokenizer or image processor")
+        return self.processor
 
     def _raw_column(self) -> str:
-        """The raw column the tokenizer or image processor reads: set whenever the data lacks ready inputs."""
         if self.column is None:
-            raise DataError(f"{self.where}: the data holds ready inputs, not a raw column to tokenize")
+            raise DataError(f"{self.where}: no raw text or image column to read")
         return self.column
 
-    def __call__(self, rows: dict[str, list]) -> dict[str, torch.Tensor]:
+    def __call__(self, rows: Rows) -> dict[str, torch.Tensor]:
         return self.text_inputs(rows) if self.is_text else self.image_inputs(rows)
 
 
@@ -283,7 +291,7 @@ def _dropped(droppable: torch.Tensor, drop: float, rng: np.random.Generator) -> 
 ARRAY_FEATURES = (datasets.Array2D, datasets.Array3D, datasets.Array4D, datasets.Array5D)
 
 
-def row_batches(ds: datasets.Dataset, batch_size: int) -> Iterator[dict[str, list | np.ndarray]]:
+def row_batches(ds: datasets.Dataset, batch_size: int) -> Iterator[Rows]:
     """`ds` in batches of rows, column by column. Fixed-shape array columns (ready pixel values) come as one numpy
     array a batch: as Python lists, 32 ViT-B/32 images took 0.37 s to read (0.04 s as numpy), more than a block's
     forward over them."""

@@ -79,11 +79,11 @@ class Skeleton:
                 persistent[name].copy_(tensor)
         return module.eval()
 
-    def block(self, layer: int, checkpoint: CanonicalCheckpoint) -> nn.Module:
+    def block(self, layer: int, checkpoint: CanonicalCheckpoint | LoraCheckpoint) -> nn.Module:
         prefix = self.adapter.block_prefix(layer)
         return self.materialize(prefix.rstrip("."), checkpoint.with_prefix(prefix))
 
-    def embedding(self, checkpoint: CanonicalCheckpoint) -> dict[str, nn.Module]:
+    def embedding(self, checkpoint: CanonicalCheckpoint | LoraCheckpoint) -> dict[str, nn.Module]:
         return {
             name: self.materialize(name, checkpoint.with_prefix(f"{name}."))
             for name in self.adapter.embedding_modules()
@@ -103,7 +103,7 @@ def calibrated_modules(block: nn.Module) -> dict[str, nn.Module]:
 def linear_dims(module: nn.Module) -> tuple[int, int]:
     """(in, out) features of a calibrated linear map."""
     if isinstance(module, Conv1D):
-        return module.nx, module.nf
+        return int(module.nx), int(module.nf)
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
     raise TypeError(f"{type(module).__name__} is not a linear map (nn.Linear or Conv1D)")

@@ -32,7 +32,7 @@ from storage.atomic import read_json, write_bytes, write_json
 from storage.checkpoint import MODEL_CARD
 from storage.fingerprint import fingerprint
 from storage.rundir import MissingOutput, Record, RunDir
-from tasks import assemble, calibration, evaluate, merge
+from tasks import assemble, evaluate, gram, merge, prepare, propagate, solve
 from tasks.assemble import CALIBRATED
 from tasks.context import CONFIG_NAME, context
 from tasks.merge import MERGED
@@ -43,10 +43,10 @@ log = logging.getLogger("featcal")
 
 STAGES: dict[str, StageFn] = {
     "merge": merge.run,
-    "prepare": calibration.prepare,
-    "gram": calibration.gram,
-    "solve": calibration.solve,
-    "propagate": calibration.propagate,
+    "prepare": prepare.prepare,
+    "gram": gram.gram,
+    "solve": solve.solve,
+    "propagate": propagate.propagate,
     "assemble": assemble.run,
     "evaluate": evaluate.run,
 }
@@ -157,15 +157,17 @@ class Pipeline:
             self.inputs["zero_shot"] = fingerprint(self.cfg.zero_shot.clip_model, memo)
             self.head_inputs = [self.cfg.slice("zero_shot"), self.inputs["zero_shot"],
                                 {t: class_names(self.cfg, t) for t in self.cfg.tasks}]
-        self.solve_groups = [calibration.solve_groups(calibrated_modules(self.ctx.skeleton.block_template(layer)),
+        self.solve_groups = [solve.solve_groups(calibrated_modules(self.ctx.skeleton.block_template(layer)),
                                                       self.ctx.solve_group_count(layer))
                              for layer in range(self.ctx.calibrated_blocks)]
         self.visited: set[str] = set()  # the stages of this config, for the manifest and what is dropped
         self.progress = Progress(stage_count(len(self.ctx.tasks), self.ctx.num_blocks, self.cfg.runtime.solve_groups,
                                              self.cfg.evaluation.enabled, self.cfg.featcal.calibrate_head_side))
 
-    def key(self, *parts: Any) -> str:
-        return digest_of([self.code, *parts])
+    def key(self, kind: str, **fields: Any) -> str:
+        """A stage's cache key: the code, its kind and its named fields. A field left out (an option while it is off,
+        say) keeps the keys of the configs that never set it."""
+        return digest_of({"code": self.code, "stage": kind, **fields})
 
     def call(self, call: StageCall) -> Record:
         signals.at_stage(call.label, self.progress.done, self.progress.total)
@@ -198,115 +200,52 @@ class Pipeline:
             self.on_stage(call, record)
 
     def release(self, record: Record, rel: str, reuse: bool = False) -> None:
+        """`rel` has had its last reader: deleted (unless runtime.keep_activations), and let go from memory."""
+        if self.ctx.resident is not None:
+            self.ctx.resident.drop(rel)
         if not self.cfg.runtime.keep_activations:
             self.run.release(rel, record["outputs"][rel], reuse)
 
     def stages(self) -> dict[str, Record]:
-        cfg, run, tasks, L = self.cfg, self.run, self.ctx.tasks, self.ctx.num_blocks
-        last = self.ctx.calibrated_blocks - 1  # L - 1, or L: the head side (featcal.calibrate_head_side)
-        cal = cfg.slice("calibration")["calibration"]
-        # bf16 activations are other activations; the device is not in any key: a run may resume elsewhere.
-        precision = cfg.runtime.precision
-        merged = self.call(StageCall("merge", "merge", "merge", self.key(
-            "merge", cfg.slice("merge"), self.inputs["base"], [self.inputs[f"expert/{t}"] for t in tasks],
-            *self.head_inputs, *([self.inputs["merge"]] if "merge" in self.inputs else []))))
-        merged_digest = merged["outputs"]["merged"]
-        # (record, rel) of the current block boundary per task and side: S (merged) and E (expert).
-        side: dict[tuple[str, str], tuple[Record, str]] = {}
-        prepared = dict(zip(tasks, self.call_all([StageCall("prepare", f"prepare/{t}", f"prepare · {t}", self.key(
-            "prepare", t, keyed({k: v for k, v in cal.items() if k != "data"}), cal["data"][t], precision,
-            self.inputs[f"calibration/{t}"], self.inputs[f"expert/{t}"], merged_digest),
-            needs={"merged": "merge"}, params={"task": t}) for t in tasks]), strict=True))
-        for t in tasks:
-            for s in ("merged", "expert"):
-                side[t, s] = (prepared[t], run.acts(t, 0, s))
-        # An encoder–decoder's encoder output per task and side, (record, rel), read by every decoder block.
-        memory: dict[tuple[str, str], tuple[Record, str]] = {}
-
-        def read(*boundaries: tuple[Record, str]) -> tuple[list[str], dict[str, str]]:
-            """The digests of `boundaries` (for a key) and their producers (for `needs`)."""
-            return [rec["outputs"][rel] for rec, rel in boundaries], {rel: rec["stage"] for rec, rel in boundaries}
-
-        blocks: list[dict[str, Record]] = []  # per block: {solve group's file: its record}
-        featcal_cfg = cfg.slice("featcal")["featcal"]
-        # The head side changes no transformer block's solve: switching it on reruns only the stages it adds.
-        solve_cfg = keyed({k: v for k, v in featcal_cfg.items() if k != "calibrate_head_side"})
-        plan = calibration_method(cfg.featcal).statistics
-        # The Gram then also sums held-out rows, fold by fold.
-        held_out = [plan.held_out_every, plan.held_out_folds] if plan.held_out_every else []
-        adapter = self.ctx.adapter
-        for layer in range(last + 1):
-            # With the head side, the last transformer block's Gram also writes E_t(L): not the same stage.
-            hands_on = ["head side"] if layer == L - 1 and last == L else []
-            gram_calls = []
-            for t in tasks:
-                cross = [memory[t, s] for s in ("merged", "expert")] if adapter.reads_encoder(layer) else []
-                digests, needs = read(side[t, "merged"], side[t, "expert"], *cross)
-                gram_calls.append(StageCall("gram", f"gram/l{layer:02d}/{t}", f"block {layer:02d} · gram · {t}", self.key(
-                    "gram", layer, t, *digests, merged_digest, precision,
-                    self.inputs[f"expert/{t}"], featcal_cfg["pooled_token_weight"], featcal_cfg["method"],
-                    featcal_cfg["alpha"], *held_out, *hands_on,
-                    *(["rows"] if plan.keeps_rows(cfg.runtime.row_statistics) else [])),
-                    needs={**needs, run.inputs(t): prepared[t]["stage"], "merged": "merge"},
-                    params={"task": t, "layer": layer}))
-            grams = dict(zip(tasks, self.call_all(gram_calls), strict=True))
-            groups = self.solve_groups[layer]
-            solved = self.call_all([StageCall(
-                "solve", solve_stage(layer, g, len(groups)),
-                f"block {layer:02d} · solve" + (f" · {g + 1}/{len(groups)}" if len(groups) > 1 else ""), self.key(
-                    "solve", layer, [grams[t]["outputs"][run.stats(t, layer)] for t in tasks], solve_cfg,
-                    merged_digest, self.inputs["base"], [self.inputs[f"expert/{t}"] for t in tasks],
-                    *([modules] if len(groups) > 1 else []),
-                    *(["mixed"] if cfg.runtime.solve_precision == "mixed" else [])),  # float64 keys stay as they were
-                needs={**{run.stats(t, layer): grams[t]["stage"] for t in tasks}, "merged": "merge"},
-                params={"layer": layer, "group": g, "groups": len(groups)}) for g, modules in enumerate(groups)])
-            parts = {run.block(layer, g, len(groups)): rec for g, rec in enumerate(solved)}
-            blocks.append(parts)
-            for t in tasks:  # spares for the next block's statistics, as large
-                self.release(grams[t], run.stats(t, layer), reuse=layer < last)
-            part_digests = [rec["outputs"][rel] for rel, rec in parts.items()]
-            prop_calls = []
-            for t in tasks if layer < last else []:
-                cross = [memory[t, "merged"]] if adapter.reads_encoder(layer) else []
-                digests, needs = read(side[t, "merged"], *cross)
-                prop_calls.append(StageCall("propagate", f"propagate/l{layer:02d}/{t}",
-                                            f"block {layer:02d} · propagate · {t}", self.key(
-                    "propagate", layer, t, *digests, *part_digests, precision),
-                    needs={**needs, **{rel: rec["stage"] for rel, rec in parts.items()},
-                           run.inputs(t): prepared[t]["stage"]},
-                    params={"task": t, "layer": layer}))
-            props = dict(zip([c.params["task"] for c in prop_calls], self.call_all(prop_calls), strict=True))
-            for t in tasks:
-                (s_rec, s_rel), (e_rec, e_rel) = side[t, "merged"], side[t, "expert"]
-                if adapter.ends_stack(layer):  # the encoder's output; the decoder starts from prepare's boundary
-                    memory[t, "merged"] = (props[t], run.encoder_output(t, "merged"))
-                    memory[t, "expert"] = (grams[t], run.encoder_output(t, "expert"))
-                if layer + 1 in adapter.stack_starts():
-                    for s in ("merged", "expert"):
-                        side[t, s] = (prepared[t], run.acts(t, layer + 1, s))
-                elif layer < last:
-                    side[t, "merged"] = (props[t], run.acts(t, layer + 1, "merged"))
-                    side[t, "expert"] = (grams[t], run.acts(t, layer + 1, "expert"))
-                self.release(s_rec, s_rel)
-                self.release(e_rec, e_rel)
-        for t in tasks:  # the model inputs (and encoder outputs) were read by every Gram and propagation, now all done
-            self.release(prepared[t], run.inputs(t))
-            for s in ("merged", "expert"):
-                if (t, s) in memory:
-                    self.release(*memory[t, s])
-        run.drop_spares()  # every Gram stage has written its statistics
-        block_digests = [rec["outputs"][rel] for parts in blocks for rel, rec in parts.items()]
-        out = {"merge": merged, "assemble": self.call(StageCall("assemble", "assemble", "assemble calibrated checkpoint",
-                                                                self.key("assemble", merged_digest, block_digests),
-                                                                needs={rel: rec["stage"] for parts in blocks
-                                                                       for rel, rec in parts.items()}))}
-        if cfg.evaluation.enabled:
-            out["evaluate"] = self.call(StageCall("evaluate", "evaluate", "evaluate", self.key(
-                "evaluate", out["assemble"]["outputs"]["calibrated"], merged_digest, cfg.slice("evaluation"),
-                cal["seed"], cal["max_length"], self.inputs, *([self.warnings] if self.warnings else [])),
-                needs={"calibrated": "assemble", "merged": "merge"},
-                params={"warnings": self.warnings} if self.warnings else {}))
+        """Every stage of the run in order, each called (or found cached) as soon as its inputs are recorded."""
+        merged = self.call(self._merge_call())
+        walk = BlockWalk(self, merged["outputs"]["merged"])
+        walk.prepare()
+        for layer in range(self.ctx.calibrated_blocks):
+            walk.block(layer)
+        walk.release_inputs()
+        self.run.drop_spares()  # every Gram stage has written its statistics
+        out = {"merge": merged, "assemble": self.call(self._assemble_call(walk))}
+        if self.cfg.evaluation.enabled:
+            out["evaluate"] = self.call(self._evaluate_call(out["assemble"], walk.merged_digest))
         return out
+
+    def _merge_call(self) -> StageCall:
+        inputs, tasks = self.inputs, self.ctx.tasks
+        fields: dict[str, Any] = {"merge": self.cfg.slice("merge"), "base": inputs["base"],
+                                  "experts": [inputs[f"expert/{t}"] for t in tasks]}
+        if self.head_inputs:  # zero-shot heads: their config, CLIP model and class names
+            fields["zero_shot"] = self.head_inputs
+        if "merge" in inputs:
+            fields["given_merge"] = inputs["merge"]
+        return StageCall("merge", "merge", "merge", self.key("merge", **fields))
+
+    def _assemble_call(self, walk: BlockWalk) -> StageCall:
+        parts = {rel: rec for block in walk.solved for rel, rec in block.items()}
+        return StageCall("assemble", "assemble", "assemble calibrated checkpoint", self.key(
+            "assemble", merged=walk.merged_digest, blocks=[rec["outputs"][rel] for rel, rec in parts.items()]),
+            needs={rel: rec["stage"] for rel, rec in parts.items()})
+
+    def _evaluate_call(self, assembled: Record, merged_digest: str) -> StageCall:
+        cal = self.cfg.slice("calibration")["calibration"]
+        fields: dict[str, Any] = {"calibrated": assembled["outputs"]["calibrated"], "merged": merged_digest,
+                                  "evaluation": self.cfg.slice("evaluation"), "seed": cal["seed"],
+                                  "max_length": cal["max_length"], "inputs": self.inputs}
+        if self.warnings:
+            fields["warnings"] = self.warnings
+        return StageCall("evaluate", "evaluate", "evaluate", self.key("evaluate", **fields),
+                         needs={"calibrated": "assemble", "merged": "merge"},
+                         params={"warnings": self.warnings} if self.warnings else {})
 
     def run_all(self, max_rewinds: int = 64) -> dict[str, Record]:
         for _ in range(max_rewinds):
@@ -320,6 +259,147 @@ class Pipeline:
                     self.run.invalidate(producer)
                 self.progress = Progress(self.progress.total)
         raise RuntimeError(f"gave up after {max_rewinds} attempts to rebuild missing intermediates in {self.run.root}")
+
+
+# A boundary as a later stage reads it: (its producer's record, its output name).
+Boundary = tuple[Record, str]
+
+
+class BlockWalk:
+    """The calibration stages of one pass of `Pipeline.stages`: prepare, then per block its Grams, solve groups and
+    propagations, tracking where each task's current boundary (merged side S, expert side E) and encoder output
+    come from, and releasing each once every stage that reads it is done."""
+
+    def __init__(self, pipeline: Pipeline, merged_digest: str):
+        self.p, self.merged_digest = pipeline, merged_digest
+        self.run, self.tasks, self.adapter = pipeline.run, pipeline.ctx.tasks, pipeline.ctx.adapter
+        self.last = pipeline.ctx.calibrated_blocks - 1  # L - 1, or L: the head side (featcal.calibrate_head_side)
+        # bf16 activations are other activations; the device is not in any key: a run may resume elsewhere.
+        self.precision = pipeline.cfg.runtime.precision
+        self.prepared: dict[str, Record] = {}
+        self.side: dict[tuple[str, str], Boundary] = {}  # (task, "merged" | "expert") → the current boundary
+        self.memory: dict[tuple[str, str], Boundary] = {}  # an encoder–decoder's encoder output, per task and side
+        self.solved: list[dict[str, Record]] = []  # per block: {solve group's file: its record}
+        featcal_cfg = pipeline.cfg.slice("featcal")["featcal"]
+        self.featcal = featcal_cfg
+        # The head side changes no transformer block's solve: switching it on reruns only the stages it adds.
+        self.solve_cfg = keyed({k: v for k, v in featcal_cfg.items() if k != "calibrate_head_side"})
+        self.plan = calibration_method(pipeline.cfg.featcal).statistics
+
+    def prepare(self) -> None:
+        cal = self.p.cfg.slice("calibration")["calibration"]
+        settings = keyed({k: v for k, v in cal.items() if k != "data"})
+        calls = [StageCall("prepare", f"prepare/{t}", f"prepare · {t}", self.p.key(
+            "prepare", task=t, calibration=settings, data=cal["data"][t], precision=self.precision,
+            data_bytes=self.p.inputs[f"calibration/{t}"], expert=self.p.inputs[f"expert/{t}"],
+            merged=self.merged_digest), needs={"merged": "merge"}, params=self._prepare_params(t, settings))
+            for t in self.tasks]
+        self.prepared = dict(zip(self.tasks, self.p.call_all(calls), strict=True))
+        for t in self.tasks:
+            for s in ("merged", "expert"):
+                self.side[t, s] = (self.prepared[t], self.run.acts(t, 0, s))
+
+    def _prepare_params(self, t: str, settings: dict[str, Any]) -> dict[str, Any]:
+        """The prepare stage's arguments; with runtime.input_cache, the key of the task's entry there: what the model
+        inputs depend on (the data, its settings, the base's tokenizer or processor, and for an encoder–decoder the
+        expert, whose greedy output may make the targets), not the merge or the precision. Not in the stage's key:
+        the inputs are the same whether copied or prepared."""
+        if self.p.cfg.runtime.input_cache is None:
+            return {"task": t}
+        source = self.p.cfg.slice("calibration")["calibration"]["data"][t]
+        fields: dict[str, Any] = {"code": self.p.code, "calibration": settings,
+                                  "data": {k: v for k, v in source.items() if k != "path"},
+                                  "data_bytes": self.p.inputs[f"calibration/{t}"], "base": self.p.inputs["base"],
+                                  "architecture": self.adapter.architecture}
+        if self.adapter.has_decoder:
+            fields["expert"] = self.p.inputs[f"expert/{t}"]
+        return {"task": t, "inputs_key": digest_of(fields)}
+
+    def block(self, layer: int) -> None:
+        grams = dict(zip(self.tasks, self.p.call_all([self._gram_call(layer, t) for t in self.tasks]), strict=True))
+        groups = self.p.solve_groups[layer]
+        solved = self.p.call_all([self._solve_call(layer, grams, g, groups) for g in range(len(groups))])
+        parts = {self.run.block(layer, g, len(groups)): rec for g, rec in enumerate(solved)}
+        self.solved.append(parts)
+        for t in self.tasks:  # spares for the next block's statistics, as large
+            self.p.release(grams[t], self.run.stats(t, layer), reuse=layer < self.last)
+        calls = [self._propagate_call(layer, t, parts) for t in (self.tasks if layer < self.last else [])]
+        props = dict(zip([c.params["task"] for c in calls], self.p.call_all(calls), strict=True))
+        for t in self.tasks:
+            self._advance(layer, t, grams[t], props.get(t))
+
+    def _read(self, *boundaries: Boundary) -> tuple[list[str], dict[str, str]]:
+        """The digests of `boundaries` (for a key) and their producers (for `needs`)."""
+        return [rec["outputs"][rel] for rec, rel in boundaries], {rel: rec["stage"] for rec, rel in boundaries}
+
+    def _gram_call(self, layer: int, t: str) -> StageCall:
+        cross = [self.memory[t, s] for s in ("merged", "expert")] if self.adapter.reads_encoder(layer) else []
+        digests, needs = self._read(self.side[t, "merged"], self.side[t, "expert"], *cross)
+        fc, plan = self.featcal, self.plan
+        fields: dict[str, Any] = {
+            "layer": layer, "task": t, "boundaries": digests, "merged": self.merged_digest,
+            "precision": self.precision, "expert": self.p.inputs[f"expert/{t}"],
+            "pooled_token_weight": fc["pooled_token_weight"], "method": fc["method"], "alpha": fc["alpha"]}
+        if plan.held_out_every:  # the Gram then also sums held-out rows, fold by fold
+            fields["held_out"] = [plan.held_out_every, plan.held_out_folds]
+        if layer == self.p.ctx.num_blocks - 1 and self.last == self.p.ctx.num_blocks:
+            fields["head_side"] = True  # the last transformer block's Gram also writes E_t(L): not the same stage
+        if plan.keeps_rows(self.p.cfg.runtime.row_statistics):
+            fields["rows"] = True
+        return StageCall("gram", f"gram/l{layer:02d}/{t}", f"block {layer:02d} · gram · {t}",
+                         self.p.key("gram", **fields),
+                         needs={**needs, self.run.inputs(t): self.prepared[t]["stage"], "merged": "merge"},
+                         params={"task": t, "layer": layer})
+
+    def _solve_call(self, layer: int, grams: dict[str, Record], g: int, groups: list[list[str]]) -> StageCall:
+        run, inputs = self.run, self.p.inputs
+        fields: dict[str, Any] = {
+            "layer": layer, "statistics": [grams[t]["outputs"][run.stats(t, layer)] for t in self.tasks],
+            "featcal": self.solve_cfg, "merged": self.merged_digest, "base": inputs["base"],
+            "experts": [inputs[f"expert/{t}"] for t in self.tasks]}
+        if len(groups) > 1:
+            fields["modules"] = groups[g]
+        if self.p.cfg.runtime.solve_precision == "mixed":  # float64 keys stay as they were
+            fields["solve_precision"] = "mixed"
+        label = f"block {layer:02d} · solve" + (f" · {g + 1}/{len(groups)}" if len(groups) > 1 else "")
+        return StageCall("solve", solve_stage(layer, g, len(groups)), label, self.p.key("solve", **fields),
+                         needs={**{run.stats(t, layer): grams[t]["stage"] for t in self.tasks}, "merged": "merge"},
+                         params={"layer": layer, "group": g, "groups": len(groups)})
+
+    def _propagate_call(self, layer: int, t: str, parts: dict[str, Record]) -> StageCall:
+        cross = [self.memory[t, "merged"]] if self.adapter.reads_encoder(layer) else []
+        digests, needs = self._read(self.side[t, "merged"], *cross)
+        return StageCall("propagate", f"propagate/l{layer:02d}/{t}", f"block {layer:02d} · propagate · {t}",
+                         self.p.key("propagate", layer=layer, task=t, boundaries=digests,
+                                    blocks=[rec["outputs"][rel] for rel, rec in parts.items()],
+                                    precision=self.precision),
+                         needs={**needs, **{rel: rec["stage"] for rel, rec in parts.items()},
+                                self.run.inputs(t): self.prepared[t]["stage"]},
+                         params={"task": t, "layer": layer})
+
+    def _advance(self, layer: int, t: str, gram: Record, prop: Record | None) -> None:
+        """Task `t`'s boundaries after block `layer`, and block `layer`'s released."""
+        run, (s_rec, s_rel), (e_rec, e_rel) = self.run, self.side[t, "merged"], self.side[t, "expert"]
+        if self.adapter.ends_stack(layer):  # the encoder's output; the decoder starts from prepare's boundary
+            assert prop is not None  # an encoder's last block is never the last calibrated block
+            self.memory[t, "merged"] = (prop, run.encoder_output(t, "merged"))
+            self.memory[t, "expert"] = (gram, run.encoder_output(t, "expert"))
+        if layer + 1 in self.adapter.stack_starts():
+            for s in ("merged", "expert"):
+                self.side[t, s] = (self.prepared[t], run.acts(t, layer + 1, s))
+        elif prop is not None:
+            self.side[t, "merged"] = (prop, run.acts(t, layer + 1, "merged"))
+            self.side[t, "expert"] = (gram, run.acts(t, layer + 1, "expert"))
+        self.p.release(s_rec, s_rel)
+        self.p.release(e_rec, e_rel)
+
+    def release_inputs(self) -> None:
+        """The model inputs (and encoder outputs), read by every Gram and propagation, now all done."""
+        for t in self.tasks:
+            self.p.release(self.prepared[t], self.run.inputs(t))
+            for s in ("merged", "expert"):
+                if (t, s) in self.memory:
+                    self.p.release(*self.memory[t, s])
 
 
 def machine() -> str:
@@ -395,12 +475,14 @@ def run_pipeline(cfg: RunConfig, run_dir: str | Path, runner: Runner = direct_ru
                 targets[stage.split("/", 1)[1]] = rec["info"]["decoder_targets"]
         if targets:
             manifest["decoder_targets"] = targets
-        write_json(run / "manifest.json", {**manifest, "status": "complete", "finished_at": time.time(), "stages": stages})
+        write_json(run / "manifest.json",
+                   {**manifest, "status": "complete", "finished_at": time.time(), "stages": stages})
         return records
 
 
 def _mark_ended(run: RunDir, manifest: dict[str, Any], exc: BaseException) -> None:
     """The manifest of a run that did not finish: `stopped` (a signal) or `failed`, with the one-line reason."""
+    ended: dict[str, Any]
     if isinstance(exc, (signals.Stopped, KeyboardInterrupt)):
         ended = {"status": "stopped", "reason": f"stopped by {exc if isinstance(exc, signals.Stopped) else 'SIGINT'}"}
     else:

@@ -10,15 +10,15 @@ import torch
 from safetensors.torch import load_file
 
 from storage.checkpoint import read_metadata, write_checkpoint
-from tasks.calibration import calibrated_tensors
 from tasks.context import RunContext
 from tasks.merge import MERGED, head_file
+from tasks.propagate import calibrated_tensors
 
 CALIBRATED = "calibrated"
 
 
 def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
-    merged = ctx.checkpoint(MERGED)
+    merged = ctx.canonical(MERGED)
     prefixes = [ctx.adapter.block_prefix(layer) for layer in range(ctx.calibrated_blocks)]  # and the head side
 
     def tensors() -> Iterator[torch.Tensor]:

@@ -17,6 +17,7 @@ from storage.activations import BFLOAT16, ActivationStore
 from storage.checkpoint import CanonicalCheckpoint
 from storage.lora import LoraCheckpoint, config_directory
 from storage.rundir import CONFIG_NAME, RunDir
+from tasks.resident import Resident, resident_choice
 
 
 class RunContext:
@@ -35,6 +36,8 @@ class RunContext:
         self.skeleton = Skeleton.from_checkpoint(config_directory(local_dir(self.cfg.experts[self.cfg.tasks[0]]),
                                                                   local_dir(self.cfg.base)))
         self.adapter = self.skeleton.adapter
+        # Kept between this process's stages: never in a key (the weights are the same either way).
+        self.resident = Resident() if resident_choice(self.cfg, self.adapter)[0] else None
         self._checkpoints: dict[str, CanonicalCheckpoint | LoraCheckpoint] = {}
 
     @property
@@ -78,10 +81,18 @@ class RunContext:
         (storage/lora.py)."""
         if name not in self._checkpoints:
             if name in self.cfg.experts:
-                self._checkpoints[name] = expert_checkpoint(self.checkpoint_dir(name), self.checkpoint_dir("base"), self.skeleton)
+                self._checkpoints[name] = expert_checkpoint(self.checkpoint_dir(name), self.checkpoint_dir("base"),
+                                                            self.skeleton)
             else:
                 self._checkpoints[name] = CanonicalCheckpoint(self.checkpoint_dir(name), self.adapter)
         return self._checkpoints[name]
+
+    def canonical(self, name: str) -> CanonicalCheckpoint:
+        """`base`, `merged` or `calibrated`: always a full checkpoint (only an expert may be a LoRA adapter)."""
+        found = self.checkpoint(name)
+        if not isinstance(found, CanonicalCheckpoint):
+            raise TypeError(f"{name} is a LoRA adapter; expected a full checkpoint")
+        return found
 
 
 @functools.lru_cache(maxsize=4)

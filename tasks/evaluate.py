@@ -58,7 +58,7 @@ def _split(ctx: RunContext, task: str) -> _Split:
 def _task_model(ctx: RunContext, task: str, name: str) -> torch.nn.Module:
     """The task's expert with the body of checkpoint `name` (its own for "expert") and the task's head: the expert's
     own, or with `zero_shot` the zero-shot head the merge stage stored for it (featcal/zeroshot.py)."""
-    model = task_model(ctx.checkpoint_dir(task), None if name == "expert" else ctx.checkpoint(name),
+    model = task_model(ctx.checkpoint_dir(task), None if name == "expert" else ctx.canonical(name),
                        ctx.checkpoint_dir("base"))
     if ctx.cfg.zero_shot is None:
         return model
@@ -69,8 +69,8 @@ def _models(ctx: RunContext, task: str) -> tuple[dict[str, torch.nn.Module], lis
     """The listed models for one task, plus the expert whenever its hidden states are the drift reference; and the
     models whose drift is measured."""
     listed = ctx.cfg.evaluation.models
-    drifting = [m for m in DRIFT_MODELS if m in listed]
-    models = {name: _task_model(ctx, task, name) for name in listed}
+    drifting: list[str] = [m for m in DRIFT_MODELS if m in listed]
+    models: dict[str, torch.nn.Module] = {name: _task_model(ctx, task, name) for name in listed}
     if drifting and "expert" not in models:
         models["expert"] = _task_model(ctx, task, "expert")
     return models, drifting
@@ -97,7 +97,7 @@ def _task_scores(ctx: RunContext, task: str, split: _Split, progress: EvalProgre
                 out = ctx.adapter.evaluate_forward(m, inputs)
                 hidden[name] = out.hidden_states
                 if lm and name in listed:  # scored now: one [B, T, vocab] logits tensor alive at a time
-                    scores.add_next_tokens(name, out.logits, inputs["input_ids"], mask)
+                    scores.add_next_tokens(name, out.logits, inputs["input_ids"], inputs["attention_mask"])
                 elif not lm and hasattr(out, "logits"):
                     logits[name] = out.logits
                 del out
@@ -151,7 +151,7 @@ def _text_to_text_scores(ctx: RunContext, task: str, split: _Split, progress: Ev
             scores.add_reference(hidden["expert"], masks)
             for name in drifting:
                 scores.add_drift(name, hidden[name], hidden["expert"], masks)
-        if label_column:
+        if label_column and tokenizer is not None:  # a tokenizer is loaded whenever there are labels
             for name in ev.models:
                 texts = tokenizer.batch_decode(sequences[name], skip_special_tokens=True)
                 if words is None:
@@ -198,7 +198,8 @@ def run(ctx: RunContext, warnings: list[str] | None = None) -> tuple[list[str], 
         tasks[task] = _task_scores(ctx, task, splits[task], progress)
         log.info("evaluate · %s: %s", task, {k: round(v, 4) for k, v in tasks[task]["accuracy"].items()})
     report = {"method": ctx.cfg.featcal.method, "models": [m for m in MODELS if m in ctx.cfg.evaluation.models],
-              "tasks": tasks, "summary": summarize(tasks), "drift_definition": drift_definition(ctx.adapter.pooled_index()),
+              "tasks": tasks, "summary": summarize(tasks),
+              "drift_definition": drift_definition(ctx.adapter.pooled_index()),
               "config_fingerprint": ctx.cfg.fingerprint(), **({"warnings": warnings} if warnings else {})}
     write_json(ctx.run / "report.json", report)
     write_bytes(ctx.run / "report.md", markdown(report).encode())

@@ -14,6 +14,7 @@ from featcal.hub import local_dir
 from featcal.merging import DARE, chunk_rows, drop_masks, merged_rows, merged_tensor, whole_tensor_rows
 from featcal.zeroshot import zero_shot_heads
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError, finite, write_checkpoint
+from storage.lora import LoraCheckpoint
 from tasks.context import RunContext
 
 MERGED = "merged"
@@ -25,14 +26,17 @@ def head_file(task: str) -> str:
 
 def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
     cfg = ctx.cfg
-    base = ctx.checkpoint("base")
+    base = ctx.canonical("base")
     experts = {f"experts.{t}": ctx.checkpoint(t) for t in ctx.tasks}
 
-    def read(owner: str, ckpt: CanonicalCheckpoint, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    def read(owner: str, ckpt: CanonicalCheckpoint | LoraCheckpoint, name: str,
+             rows: tuple[int, int] | None = None) -> torch.Tensor:
         return finite(ckpt.get(name, rows), name, owner, ckpt.directory)
 
     given = None
     if cfg.merge.method == "given":
+        if cfg.merge.path is None:  # the config refuses this before any stage
+            raise ValueError("merge.path: required with merge.method given")
         path = local_dir(cfg.merge.path)  # a hub id: its snapshot, fetched by preflight
         if Path(path).resolve() == Path(ctx.run / MERGED).resolve():
             raise CheckpointError(f"merge.path: {cfg.merge.path} is this run's own merged/, which the merge writes; "

@@ -45,7 +45,8 @@ def _inputs(cfg: RunConfig) -> list[tuple[str, str, str, DataSource | None, Call
     def expert(task: str) -> Callable[[str], None]:
         return lambda value: cfg.experts.__setitem__(task, value)
 
-    found = [("base", cfg.base, "model", None, setter(cfg, "base")),
+    found: list[tuple[str, str, str, DataSource | None, Callable[[str], None]]] = [
+             ("base", cfg.base, "model", None, setter(cfg, "base")),
              *((f"experts.{t}", cfg.experts[t], "model", None, expert(t)) for t in cfg.tasks)]
     if cfg.zero_shot is not None:
         found.append(("zero_shot.clip_model", cfg.zero_shot.clip_model, "model", None,
@@ -149,13 +150,14 @@ def check_checkpoints(cfg: RunConfig) -> Adapter:
     adapter = adapter_for(_expert_config(cfg, first))
     base_cfg = _config(cfg.base, "base")
     if adapter_for(base_cfg).model_types != adapter.model_types:
-        raise CheckpointError(f"base is a {base_cfg.model_type} model but experts.{first} is a {adapter.model_types[0]} model")
+        raise CheckpointError(f"base is a {base_cfg.model_type} model but experts.{first} is a "
+                              f"{adapter.model_types[0]} model")
     base = body_signature(CanonicalCheckpoint(cfg.base, adapter), adapter)
     for task in cfg.tasks:
         expert = _expert_checkpoint(cfg, task, adapter)
         check_same_body(f"experts.{task}", _expert_config(cfg, task), expert, adapter, base)
         check_lora_head(task, cfg.experts[task], Skeleton(_expert_config(cfg, task)), expert)
-    if cfg.merge.method == "given":
+    if cfg.merge.method == "given" and cfg.merge.path is not None:  # the config requires the path with "given"
         config = _config(cfg.merge.path, "merge.path")  # a missing directory named before its tensors are read
         check_same_body("merge.path", config, CanonicalCheckpoint(cfg.merge.path, adapter), adapter, base)
     return adapter
@@ -163,7 +165,7 @@ def check_checkpoints(cfg: RunConfig) -> Adapter:
 
 def given_dtype_notice(cfg: RunConfig, adapter: Adapter) -> list[str]:
     """A `given` merge stored in other dtypes than the base is written to merged/ in the base's: said once."""
-    if cfg.merge.method != "given":
+    if cfg.merge.method != "given" or cfg.merge.path is None:
         return []
     base, given = CanonicalCheckpoint(cfg.base, adapter), CanonicalCheckpoint(cfg.merge.path, adapter)
     differ = sorted({(str(given.dtype(n)), str(base.dtype(n))) for n in body_signature(base, adapter)
@@ -184,7 +186,8 @@ def check_method_reads(cfg: RunConfig) -> None:
     fc = cfg.featcal
     reads = calibration_method(fc).keys
     for key in METHOD_OPTIONS:
-        if key not in reads and getattr(fc, key) != FeatCalConfig.model_fields[key].get_default(call_default_factory=True):
+        default = FeatCalConfig.model_fields[key].get_default(call_default_factory=True)
+        if key not in reads and getattr(fc, key) != default:
             readers = " or ".join(sorted(n for n, method in METHODS.items() if key in method.keys))
             raise ConfigError(f"featcal.{key}: only with featcal.method {readers}, not {fc.method}")
 
@@ -243,7 +246,8 @@ def check_zero_shot(cfg: RunConfig) -> list[str]:
         if architecture != "CLIPVisionModel":
             raise CheckpointError(
                 f"{field}: a {architecture}; with zero_shot, base and every expert must be head-less CLIPVisionModels "
-                "(save a CLIPModel's vision tower with CLIPVisionModel.from_pretrained(CLIP_DIR).save_pretrained(DIR)); "
+                "(save a CLIPModel's vision tower with "
+                "CLIPVisionModel.from_pretrained(CLIP_DIR).save_pretrained(DIR)); "
                 "the CLIPModel itself goes in zero_shot.clip_model")
     adapter = adapter_for(clip_config)  # reads the vision tower of a CLIPModel and of a CLIPVisionModel alike
     probe = adapter.probe_key
@@ -327,13 +331,14 @@ def _check_source(cfg: RunConfig, adapter: Adapter, section: str, task: str, sou
                 raise DataError(wrong)
     if section == "evaluation.data" and source.label_column and source.label_column not in ds.column_names:
         raise ValueError(f"{where}.label_column: {source.label_column!r} is not a column ({ds.column_names})")
-    num_labels = _head_labels(cfg, adapter, task) if section == "evaluation.data" and source.label_column else None
-    if num_labels is not None:
-        wrong = label_range_error(ds, source.label_column, num_labels, where)
+    label_column = source.label_column if section == "evaluation.data" else None
+    num_labels = _head_labels(cfg, adapter, task) if label_column else None
+    if label_column and num_labels is not None:
+        wrong = label_range_error(ds, label_column, num_labels, where)
         if wrong:
             raise DataError(wrong)
         if cfg.zero_shot is None:  # zero-shot heads are made from the class names themselves
-            wrong, differ = label_names_check(ds, source.label_column, _expert_config(cfg, task).id2label, num_labels,
+            wrong, differ = label_names_check(ds, label_column, _expert_config(cfg, task).id2label, num_labels,
                                               where, f"experts.{task}")
             if wrong:
                 raise DataError(wrong)

@@ -25,7 +25,7 @@ from featcal_bench.surgery import (
 from flows.pipeline import run_pipeline
 from storage.checkpoint import CanonicalCheckpoint
 from storage.rundir import RunDir
-from tasks.calibration import stored_inputs
+from tasks.boundary import stored_inputs
 from tasks.context import context
 from tests.conftest import example_config
 
@@ -35,9 +35,8 @@ D_IN, D_OUT = 7, 5
 # ---- the RegMean closed form ---------------------------------------------------------------------
 def _task(seed: int, n: int):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, D_IN, generator=g, dtype=torch.float64) @ torch.randn(
-        D_IN, D_IN, generator=g, dtype=torch.float64
-    )
+    x = (torch.randn(n, D_IN, generator=g, dtype=torch.float64)
+         @ torch.randn(D_IN, D_IN, generator=g, dtype=torch.float64))
     w = (torch.rand(n, generator=g) > 0.2).double()  # 0 = padding
     return x, w, torch.randn(D_OUT, D_IN, generator=g, dtype=torch.float64)
 
@@ -125,11 +124,9 @@ def _linear_reference(cfg, run_dir, layer: int, stream: str) -> dict[str, torch.
         block = copy.deepcopy(expert.bert.encoder.layer[layer])  # hooked alone: the feeder may be the expert
         linears = {n: m for n, m in block.named_modules() if isinstance(m, nn.Linear)}
         seen: dict[str, list[torch.Tensor]] = {n: [] for n in linears}
-        hooks = [
-            m.register_forward_pre_hook(
-                lambda _, args, n=n, seen=seen: seen[n].append(args[0].reshape(-1, args[0].shape[-1])))
-            for n, m in linears.items()
-        ]
+        hooks = [m.register_forward_pre_hook(
+                     lambda _, args, n=n, seen=seen: seen[n].append(args[0].reshape(-1, args[0].shape[-1])))
+                 for n, m in linears.items()]
         real = []
         for batch in stored_inputs(ctx, task):
             inputs = {k: v for k, v in batch.items() if k in ctx.adapter.model_input_names()}
@@ -260,10 +257,8 @@ def test_surgery_on_tiny_bert(regmean_runs, torch_on_one_thread):
     states = {cache: train_surgery(run_dir / "merged", cfg.experts, batches, steps=40, seed=0, cache_features=cache)
               for cache in (False, True)}
     for t in cfg.tasks:
-        assert set(states[False][t]) == {"down.weight", "up.weight"} and states[False][t]["down.weight"].shape == (
-            16,
-            64,
-        )
+        assert set(states[False][t]) == {"down.weight", "up.weight"}
+        assert states[False][t]["down.weight"].shape == (16, 64)
         for k, v in states[False][t].items():
             torch.testing.assert_close(states[True][t][k], v, rtol=1e-3, atol=1e-4)
     task = cfg.tasks[0]

@@ -20,7 +20,7 @@ from featcal.statistics import accumulate, captured_inputs, new_stats
 from flows.pipeline import run_pipeline
 from storage.checkpoint import INDEX_NAME, CanonicalCheckpoint
 from storage.rundir import RunDir
-from tasks.calibration import token_weights
+from tasks.gram import token_weights
 from tests.perturbed_experts import perturbed
 
 EXAMPLES = 16

@@ -22,7 +22,7 @@ from featcal.statistics import (
     stats_layout,
 )
 from flows.pipeline import run_pipeline
-from tasks import calibration
+from tasks import solve
 from tasks.context import context
 from tests.conftest import example_config, torch_threads_restored
 
@@ -152,8 +152,8 @@ def test_product_sums_for_another_alpha_are_refused(product_run, tmp_path):
     (run / "run.yaml").write_text(yaml.safe_dump(raw))
     ctx = context(run)
     with pytest.raises(ValueError, match=r"P_t was summed for featcal.alpha 0.25, the run asks 0.5; rerun its Gram"):
-        next(calibration._task_stats(ctx, 0, ("attention.self.query",)))
+        next(solve._task_stats(ctx, 0, ("attention.self.query",)))
     raw["featcal"]["alpha"] = 0.25  # the α it was summed for: read as it is
     (run / "run.yaml").write_text(yaml.safe_dump(raw))
-    sums = next(calibration._task_stats(context(run), 0, ("attention.self.query",)))
+    sums = next(solve._task_stats(context(run), 0, ("attention.self.query",)))
     assert sums["pt"].shape == (64, 64) and "se" not in sums

@@ -1,5 +1,5 @@
 """Linear maps that read one input (q/k/v, gate/up) solved as one map with their outputs stacked: one system matrix,
-one Cholesky factor (tasks/calibration.py, _solve_units). Each output row's solve is on its own, so the weights must
+one Cholesky factor (tasks/solve.py, _solve_units). Each output row's solve is on its own, so the weights must
 be those of solving the maps one by one."""
 
 import pytest
@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from featcal.calibration_methods import CalibrationMethod, FeatCal, calibration_method
 from featcal.modeling import calibrated_modules
-from tasks import calibration
+from tasks import solve
 from tasks.context import context
 from tasks.merge import MERGED
 from tests.test_row_statistics import _llama_run
@@ -19,10 +19,10 @@ MLP = ("mlp.gate_proj", "mlp.up_proj")
 
 def _units(ctx, layer: int) -> list[tuple[str, ...]]:
     modules = calibrated_modules(ctx.skeleton.block_template(layer))
-    _, inputs = calibration._block_layout(ctx, layer, modules)
+    _, inputs = solve._block_layout(ctx, layer, modules)
     merged = ctx.checkpoint(MERGED).with_prefix(ctx.adapter.block_prefix(layer))
-    return calibration._solve_units(ctx, layer, list(modules), merged, inputs,
-                                    calibration_method(ctx.cfg.featcal))
+    return solve._solve_units(ctx, layer, list(modules), merged, inputs,
+                              calibration_method(ctx.cfg.featcal))
 
 
 @pytest.mark.parametrize("row_statistics, hidden", [("off", 32), ("auto", 256)])
@@ -36,7 +36,7 @@ def test_readers_of_one_input_solved_together_give_the_weights_of_one_by_one(tmp
     together = load_file(run.root / run.block(1))
     monkeypatch.setattr(FeatCal, "joins_readers", property(lambda self: False))
     assert all(len(u) == 1 for u in _units(ctx, 1))
-    calibration.solve(ctx, 1)
+    solve.solve(ctx, 1)
     alone = load_file(run.root / run.block(1))
     assert together.keys() == alone.keys() and len(together) == 9
     assert all(torch.equal(together[k], alone[k]) for k in alone)
@@ -48,10 +48,10 @@ def test_regmean_solves_readers_of_one_input_together_as_one_by_one(tmp_path, mo
     ctx = context(run.root)
     ctx.cfg.featcal.method = "regmean"
     assert [u for u in _units(ctx, 0) if len(u) > 1] == [ATTENTION, MLP]
-    calibration.solve(ctx, 0)
+    solve.solve(ctx, 0)
     together = load_file(run.root / run.block(0))
     monkeypatch.setattr(CalibrationMethod, "joins_readers", property(lambda self: False))
-    calibration.solve(ctx, 0)
+    solve.solve(ctx, 0)
     alone = load_file(run.root / run.block(0))
     assert all(torch.equal(together[k], alone[k]) for k in alone)
     assert not torch.equal(together["self_attn.q_proj.weight"], load_file(run.root / "merged" / "model.safetensors")[

@@ -13,8 +13,8 @@ from storage.activations import ActivationError
 from storage.atomic import digest
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
 from storage.rundir import RunDir
-from tasks.calibration import solve_groups
 from tasks.context import context
+from tasks.solve import solve_groups
 from tests.conftest import example_config
 
 ARCHS = ["bert", "clip"]
@@ -66,15 +66,13 @@ def test_report_files_and_accuracy_table(three_expert_run):
 
 def test_calibrated_checkpoint_loads_with_from_pretrained(three_expert_run):
     arch, cfg, run_dir, _ = three_expert_run
-    base_cls = getattr(
-        transformers, json.loads((run_dir / "calibrated" / "config.json").read_text())["architectures"][0]
-    )
+    architecture = json.loads((run_dir / "calibrated" / "config.json").read_text())["architectures"][0]
+    base_cls = getattr(transformers, architecture)
     model = base_cls.from_pretrained(run_dir / "calibrated")
     blocks = load_file(run_dir / "blocks" / "l00.safetensors")
     ctx = context(run_dir)
-    loaded = ctx.adapter.blocks(ctx.adapter.body(model) if ctx.adapter.body_attr.get(type(model).__name__) else model)[
-        0
-    ]
+    body = ctx.adapter.body(model) if ctx.adapter.body_attr.get(type(model).__name__) else model
+    loaded = ctx.adapter.blocks(body)[0]
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, blocks[name]), name
     task = cfg.tasks[0]
@@ -115,7 +113,7 @@ def test_single_expert_exactness(tiny_example, tmp_path, arch):
         ctx = context(run_dir)
         expert = task_model(cfg.experts[task])
         calibrated = task_model(cfg.experts[task], CanonicalCheckpoint(run_dir / "calibrated", ctx.adapter))
-        from tasks.calibration import stored_inputs
+        from tasks.boundary import stored_inputs
 
         worst = 0.0
         for batch in stored_inputs(ctx, task):
@@ -151,9 +149,8 @@ def test_mismatched_expert_is_refused_before_any_work(tiny_example, tmp_path):
 
     save_file(tensors, str(bad / "model.safetensors"))
     cfg = cfg.model_copy(update={"experts": {**cfg.experts, cfg.tasks[1]: str(bad)}})
-    with pytest.raises(
-        CheckpointError, match=rf"experts\.{cfg.tasks[1]}: tensor .*intermediate\.dense\.weight has shape"
-    ):
+    wrong = rf"experts\.{cfg.tasks[1]}: tensor .*intermediate\.dense\.weight has shape"
+    with pytest.raises(CheckpointError, match=wrong):
         run_pipeline(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
 
@@ -216,8 +213,7 @@ def test_a_named_column_that_is_not_there_is_named(tiny_example, tmp_path):
     cfg = example_config(tiny_example, "bert")
     task = cfg.tasks[0]
     cfg.calibration.data[task].column = "txt"
-    with pytest.raises(
-        ValueError, match=rf"calibration\.data\.{task}\.column: 'txt' is not a column of the data \(it has \["
-    ):
+    wrong = rf"calibration\.data\.{task}\.column: 'txt' is not a column of the data \(it has \["
+    with pytest.raises(ValueError, match=wrong):
         run_pipeline(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()

@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import flows.plan
 import tasks.preflight
+import tasks.resident
 from featcal.config import config_from_dict
 from featcal.statistics import expert_side_form
 from flows.plan import GIB, plan, render
@@ -18,7 +19,8 @@ from tests.test_decoders import SHAPE, _rows
 def _config(root, dtype: torch.dtype, vocab: int = 64, examples: int = 16, **shape):
     torch.manual_seed(0)
     config = LlamaConfig(**{**SHAPE, "vocab_size": vocab, **shape}, tie_word_embeddings=True)
-    model = LlamaForCausalLM(config).to(dtype)
+    # transformers wraps PreTrainedModel.to in a decorator whose stub loses the signature
+    model = LlamaForCausalLM(config).to(dtype)  # type: ignore[arg-type]
     model.save_pretrained(root / "base")
     with torch.no_grad():  # an expert equal to its base would be a degenerate set-up, warned about in every plan
         for p in model.parameters():
@@ -87,9 +89,27 @@ def test_plan_says_when_bf16_would_be_emulated(tmp_path, monkeypatch, caplog):
     assert "warning           runtime.precision: bf16 on a CPU without bf16 instructions" in text
     assert caplog.records == []
     tasks.preflight.preflight(bf16)
-    assert [r.getMessage()[:58] for r in caplog.records] == [
-        "runtime.precision: bf16 on a CPU without bf16 instructions"
-    ]
+    messages = [r.getMessage()[:58] for r in caplog.records]
+    assert messages == ["runtime.precision: bf16 on a CPU without bf16 instructions"]
     assert plan(cfg)["warning"] is None and "warning" not in render(plan(cfg))
     monkeypatch.setattr(flows.plan, "cpu_has_native_bf16", lambda: True)
     assert plan(bf16)["warning"] is None
+
+
+def test_plan_says_whether_the_resident_path_runs_and_counts_it(tmp_path, monkeypatch):
+    cfg = _config(tmp_path, torch.float32, examples=64)
+    boundary = 64 * SHAPE["max_position_embeddings"] * SHAPE["hidden_size"] * 4  # one side, one task, as stored
+    monkeypatch.setattr(tasks.resident, "available_memory", lambda: 8 * boundary)  # half of it: room for 4
+    auto = plan(cfg)
+    assert auto["resident"] and auto["resident_reason"].startswith("on: boundaries 0.")
+    assert "resident path     on: boundaries" in render(auto)
+    monkeypatch.setattr(tasks.resident, "available_memory", lambda: 8 * boundary - 2)  # just too little
+    streaming = plan(cfg)
+    assert not streaming["resident"] and " > " in streaming["resident_reason"]
+    # On the resident path the estimate holds the 4 boundaries and 2 more blocks on top.
+    extra = auto["estimated_peak_ram_gib"] - streaming["estimated_peak_ram_gib"]
+    block = sum(p.numel() * 4 for p in LlamaForCausalLM(LlamaConfig(**SHAPE)).model.layers[0].parameters())
+    assert math.isclose(extra, (4 * boundary + 2 * block) / GIB, abs_tol=0.001)
+    cfg.runtime.resident = False
+    forced = plan(cfg)
+    assert not forced["resident"] and forced["resident_reason"].startswith("off: runtime.resident is false")

@@ -63,7 +63,7 @@ def test_hooked_statistics_match_direct_moments():
 
 
 def test_token_weights_padding_and_pooled_emphasis():
-    from tasks.calibration import token_weights
+    from tasks.gram import token_weights
 
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
     plain = token_weights(mask, ["q", "k"], None, 0)
