@@ -54,12 +54,14 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig
+from transformers import AutoConfig, BertForSequenceClassification
 
 from featcal.adapters import adapter_for
 from featcal.config import digest_of
@@ -130,7 +132,7 @@ def features(model: nn.Module, inputs: Batch) -> torch.Tensor:
     if isinstance(model, ZeroShotClassifier):
         pooled = model.vision(pixel_values=inputs["pixel_values"]).pooler_output.float()
         return pooled @ model.head["visual_projection.weight"].T
-    return model.bert(**inputs).pooler_output
+    return cast(BertForSequenceClassification, model).bert(**inputs).pooler_output  # the one other SUPPORTED name
 
 
 class SurgeryClassifier(nn.Module):
@@ -146,7 +148,8 @@ class SurgeryClassifier(nn.Module):
         if isinstance(self.model, ZeroShotClassifier):  # featcal.zeroshot.zero_shot_logits, after the projection
             head = self.model.head
             return head["logit_scale"].exp() * F.normalize(z, dim=-1) @ head["class_embeddings"].T
-        return self.model.classifier(self.model.dropout(z))
+        bert = cast(BertForSequenceClassification, self.model)  # the one other SUPPORTED name
+        return bert.classifier(bert.dropout(z))
 
 
 def _task_model(expert_dir: str | Path, body_from: CanonicalCheckpoint | None, head: Head | None) -> nn.Module:
@@ -183,6 +186,10 @@ def _pool(batches: Sequence[Batch], where: str) -> Batch:
             parts = [F.pad(p, (0, width - p.shape[1])) for p in parts]
         pool[key] = torch.cat(parts)
     return pool
+
+
+def _row_features(model: nn.Module, pool: Batch, idx: torch.Tensor) -> torch.Tensor:
+    return features(model, _rows(pool, idx))
 
 
 def _rows(pool: Batch, idx: torch.Tensor) -> Batch:
@@ -278,11 +285,12 @@ def train_surgery(
     # The body is shared and the heads are not used (a zero-shot head's visual projection is the CLIPModel's, the
     # same in every task's head).
     merged = _merged_task_model(merged_dir, expert_dirs[tasks[0]], heads[tasks[0]] if heads else None)
+    fns: dict[str, Callable[[torch.Tensor], torch.Tensor]]
     if cache_features:
         cached = {t: _pool_features(merged, pools[t], batch_size) for t in tasks}
         fns = {t: cached[t].__getitem__ for t in tasks}
     else:
-        fns = {t: (lambda idx, pool=pools[t]: features(merged, _rows(pool, idx))) for t in tasks}
+        fns = {t: partial(_row_features, merged, pools[t]) for t in tasks}
     adapters = fit_adapters(fns, targets, method=method, rank=rank, lr=lr, steps=steps, batch_size=batch_size,
                             seed=seed)
     return {t: {k: v.detach().clone() for k, v in adapters[t].state_dict().items()} for t in tasks}

@@ -41,7 +41,7 @@ def _batches(cfg: RunConfig, task: str, split: str,
         ds = pick_examples(ds, cfg.calibration.examples_per_task, cfg.calibration.seed, where)
     builder = InputBuilder(cfg.base, inputs, sources[task], cfg.calibration.max_length, ds.column_names, where)
     for rows in row_batches(ds, cfg.evaluation.batch_size):
-        yield builder(rows), rows.get("label", [])
+        yield builder(rows), list(rows.get("label", []))
 
 
 def surgery_result(bench: Path, cfg: RunConfig, cache_features: bool, method: str = "surgery") -> dict[str, Any]:
@@ -65,15 +65,18 @@ def surgery_result(bench: Path, cfg: RunConfig, cache_features: bool, method: st
                            seed=cfg.calibration.seed, cache_features=cache_features, heads=heads)
     seconds = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    accuracy, predictions, labels = {}, {}, {}
+    accuracy: dict[str, dict[str, float]] = {}
+    predictions: dict[str, dict[str, list[int]]] = {}
+    labels: dict[str, list[int]] = {}
     for t in cfg.tasks:
         model = surgery_classifier(str(merged), cfg.experts[t], states[t], heads[t] if heads else None, method)
-        predicted, labels[t] = [], []
+        parts: list[torch.Tensor] = []
+        labels[t] = []
         for batch, rows in _batches(cfg, t, "test", inputs):
             with torch.inference_mode():
-                predicted.append(model(**batch).argmax(-1))
+                parts.append(model(**batch).argmax(-1))
             labels[t] += rows
-        predicted = torch.cat(predicted)
+        predicted = torch.cat(parts)
         accuracy[t] = {"calibrated": float((predicted == torch.tensor(labels[t])).float().mean())}
         predictions[t] = {"calibrated": predicted.tolist()}
         log.info("%s · %s: %.4f", label, t, accuracy[t]["calibrated"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from featcal import merging
 from featcal.config import digest_of
@@ -21,7 +21,7 @@ from featcal_bench.minilm import spec as spec_module
 from featcal_bench.minilm.presets import PRESETS
 from featcal_bench.minilm.spec import BenchSpec
 from featcal_bench.minilm.task_data import RECIPES
-from featcal_bench.recipe import NO_OPTIONS, BuildOptions, Call, Preset, Recipe, Report
+from featcal_bench.recipe import NO_OPTIONS, BuildOptions, Call, Preset, Recipe, Report, Stage
 from featcal_bench.report import build_report, save_report
 from featcal_bench.runs import MethodRun, model_sections
 from featcal_bench.sources import locate
@@ -134,7 +134,8 @@ RECIPE = Recipe(
     located=located_spec,
     build=build_graph,
     build_modules=(build, finetune, sources_module, spec_module, task_data),
-    stages={**build.BUILD_STAGES, "check": competence.check},
+    # build.py's stage map is inferred as plain functions; its bytes key the experts, so it stays unannotated
+    stages={**cast("dict[str, Stage]", build.BUILD_STAGES), "check": competence.check},
     study=STUDY,
     run_config=pipeline_config,
     method_modules=(sys.modules[__name__],),
