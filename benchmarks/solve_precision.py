@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import platform
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
 import featcal_kernels
+from benchmarks.common import cpu_line
 from featcal.calibration_methods import ModuleData, calibration_method
 from featcal.config import FeatCalConfig
 
@@ -52,14 +52,6 @@ def module_data(name: str, d_in: int, d_out: int, experts: int, rows: int, seed:
                       merged=lambda part: merged[part],
                       base=lambda part: base if part == "weight" else torch.zeros(d_out, dtype=torch.float64),
                       expert=lambda t, part: weights[t] if part == "weight" else biases[t])
-
-
-def cpu_line() -> str:
-    info = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("Model name")), "?")
-    flags = next((ln for ln in info.splitlines() if ln.startswith("Flags")), "")
-    bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in flags.split()]
-    return f"{model}; bf16 flags: {', '.join(bf16) if bf16 else 'none (no avx512_bf16, no amx_bf16)'}"
 
 
 def main() -> None:

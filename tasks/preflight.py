@@ -154,9 +154,10 @@ def check_checkpoints(cfg: RunConfig) -> Adapter:
                               f"{adapter.model_types[0]} model")
     base = body_signature(CanonicalCheckpoint(cfg.base, adapter), adapter)
     for task in cfg.tasks:
+        config = _expert_config(cfg, task)  # first: it refuses an unreadable safetensors header in one line
         expert = _expert_checkpoint(cfg, task, adapter)
-        check_same_body(f"experts.{task}", _expert_config(cfg, task), expert, adapter, base)
-        check_lora_head(task, cfg.experts[task], Skeleton(_expert_config(cfg, task)), expert)
+        check_same_body(f"experts.{task}", config, expert, adapter, base)
+        check_lora_head(task, cfg.experts[task], Skeleton(config), expert)
     if cfg.merge.method == "given" and cfg.merge.path is not None:  # the config requires the path with "given"
         config = _config(cfg.merge.path, "merge.path")  # a missing directory named before its tensors are read
         check_same_body("merge.path", config, CanonicalCheckpoint(cfg.merge.path, adapter), adapter, base)

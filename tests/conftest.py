@@ -121,6 +121,15 @@ def torch_threads_restored() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """Every test starts at the process's thread count: an in-process run whose config sets runtime.threads (or a
+    tool that calls torch.set_num_threads) would otherwise change the rounding of every later in-process run on the
+    same worker, and their weights would no longer match a reference run bit for bit."""
+    with torch_threads_restored():
+        yield
+
+
 @pytest.fixture
 def torch_on_one_thread():
     """Tiny training loops are many small ops: one thread, or they wait on a busy machine's second core."""
