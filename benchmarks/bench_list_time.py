@@ -2,30 +2,21 @@
 checkouts side by side, runs alternating between them so the machine's load falls on each alike; and the modules
 whose import costs the most in the last checkout (python -X importtime).
 
-    python benchmarks/bench_list_time.py --repeat 3 --out benchmarks/results/bench_list_time.md BEFORE_DIR AFTER_DIR
+    python -m benchmarks.bench_list_time --repeat 3 --out benchmarks/results/bench_list_time.md BEFORE_DIR AFTER_DIR
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-
-def machine() -> str:
-    """The CPU model, its bf16 instruction sets and the torch build: what the timings were taken on."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                 platform.machine())
-    flags = [f for f in ("avx512_bf16", "amx_bf16") if f" {f}" in info]
-    torch = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"], text=True,
-                           stdout=subprocess.PIPE, check=True).stdout.strip()
-    return f"{model}, {os.cpu_count()} logical CPUs ({', '.join(flags) or 'no bf16 flags'}), torch {torch}"
+from benchmarks.common import cpu_line
+from flows.pipeline import machine
 
 
 def wall_seconds(checkout: Path) -> float:
@@ -63,9 +54,9 @@ def main() -> None:
             times[checkout].append(wall_seconds(checkout))
     load = os.getloadavg()
     lines = ["# `featcal bench list`: wall time per checkout", "",
-             f"Machine: {machine()}, Python {platform.python_version()}; shared with other jobs (load average "
-             f"{load[0]:.1f} at the end). Written by `benchmarks/bench_list_time.py --repeat {args.repeat}`; runs "
-             "alternate between checkouts.", "",
+             f"Machine: {machine()}; CPU: {cpu_line()}; shared with other jobs (load average "
+             f"{load[0]:.1f} at the end). Written by `python -m benchmarks.bench_list_time --repeat {args.repeat}`; "
+             "runs alternate between checkouts.", "",
              "| checkout | median wall (s) | runs (s) |", "|---|---:|---|"]
     for checkout, walls in times.items():
         lines.append(f"| {checkout} | {statistics.median(walls):.2f} | {', '.join(f'{w:.2f}' for w in walls)} |")
