@@ -1,25 +1,29 @@
-"""The one place a recipe is registered: the recipes we ship, in the order `featcal bench list` shows them, and the
-one that builds a user's recipe file; and the look-ups by name, preset and built directory. Adding a built-in benchmark
-is one folder (featcal_bench/NAME/, its recipe.py defining RECIPE) and one line here (docs/adding-a-benchmark.md).
+"""The recipes themselves, loaded from the catalog (featcal_bench/catalog.py: every recipe we ship, in the order
+`featcal bench list` shows them, and the one that builds a user's recipe file); and the look-ups by name, preset and
+built directory. Adding a built-in benchmark is one folder (featcal_bench/NAME/, its recipe.py defining RECIPE) and
+one entry in the catalog (docs/adding-a-benchmark.md).
 
-It sits at the top of featcal_bench: it imports every recipe, and only the generic machinery that runs any recipe
-(stages.py, method.py, cli.py) imports it."""
+It sits at the top of featcal_bench: it imports every recipe (by the module its catalog entry names, when first asked
+for), and only the generic machinery that runs any recipe (stages.py, method.py, cli.py) imports it."""
 
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from featcal_bench import user
-from featcal_bench.clip import recipe as clip
-from featcal_bench.llm import recipe as mergebench
-from featcal_bench.minilm import recipe as minilm
+from featcal_bench.catalog import CATALOG, Entry
 from featcal_bench.recipe import Recipe
-from featcal_bench.t5 import recipe as t5
-from featcal_bench.tinyllama import recipe as tinyllama
 
-RECIPES = (minilm.RECIPE, tinyllama.RECIPE, clip.RECIPE, t5.RECIPE, mergebench.RECIPE, user.RECIPE)
+
+def loaded(listed: Entry) -> Recipe:
+    """The recipe a catalog entry names, imported now: a listing never gets here."""
+    recipe = importlib.import_module(listed.module).RECIPE
+    if recipe.entry is not listed:
+        raise ValueError(f"{listed.module}.RECIPE is recipe {recipe.name!r}, not {listed.name!r} as "
+                         "featcal_bench/catalog.py says")
+    return recipe
 
 
 def registry(listed: Sequence[Recipe]) -> dict[str, Recipe]:
@@ -38,16 +42,16 @@ def registry(listed: Sequence[Recipe]) -> dict[str, Recipe]:
 
 @functools.cache
 def recipes() -> dict[str, Recipe]:
-    """Every recipe, in the order RECIPES lists them."""
-    return registry(RECIPES)
+    """Every recipe, in the order the catalog lists them."""
+    return registry([loaded(listed) for listed in CATALOG])
 
 
 def recipe_for(preset: str) -> Recipe:
     """The recipe whose presets include `preset`."""
-    for recipe in recipes().values():
-        if preset in recipe.presets:
-            return recipe
-    known = [p for r in recipes().values() for p in r.presets]
+    for listed in CATALOG:
+        if preset in listed.presets:
+            return loaded(listed)  # that recipe's code alone: `bench build NAME` imports no other
+    known = [p for listed in CATALOG for p in listed.presets]
     raise ValueError(f"unknown benchmark {preset!r}; known: {sorted(known)} (or --recipe FILE.yaml)")
 
 

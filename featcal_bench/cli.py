@@ -78,7 +78,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "list":
-        print(bench_list())
+        from featcal_bench.catalog import listing
+
+        print(listing())
         return 0
     if args.bench_command == "build":
         return _build(args)
@@ -95,19 +97,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     records = stages.run_flow(str(bench), args.runs, args.report_dir, study)
     print((bench / next(r for r in records["report"]["outputs"] if r.endswith(".md"))).read_text())
     return 0
-
-
-def bench_list() -> str:
-    """One line per benchmark `bench build` takes: name, where its models and data come from, its tasks, its cost."""
-    from featcal_bench.builtin import recipes
-
-    lines = []
-    for recipe in recipes().values():
-        for name, preset in recipe.presets.items():
-            lines.append(f"{name:<24} {recipe.access:<14} {preset.about}; cost: {preset.cost}")
-    lines.append(f"{'--recipe FILE.yaml':<24} {'local files':<14} your own base, experts and data files "
-                 "(docs/adding-a-benchmark.md)")
-    return "\n".join(lines)
 
 
 def _build(args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel
 
+from featcal_bench.catalog import Entry, Preset
 from featcal_bench.runs import MethodRun
 from featcal_bench.study import Study
 from storage.atomic import read_json, write_json
@@ -79,14 +80,6 @@ NO_OPTIONS = BuildOptions()  # `bench build NAME --out DIR` and nothing else
 
 
 @dataclass(frozen=True)
-class Preset:
-    """A name `bench build` takes, as `featcal bench list` shows it: what it is (its tasks) and what it costs here."""
-
-    about: str
-    cost: str  # measured (with where), or what decides it
-
-
-@dataclass(frozen=True)
 class Report:
     """A recipe's report: its title line, what was built (`about`), and the report stage that writes the files.
 
@@ -105,10 +98,8 @@ class Recipe:
     """One benchmark family: its presets, how a preset becomes a spec, its build graph, its study (method runs, report
     rows and curves) and its report."""
 
-    name: str
+    entry: Entry  # its name, presets (the names `bench build` takes) and access, from featcal_bench/catalog.py
     spec: type[SavedSpec]
-    presets: Mapping[str, Preset]  # the names `bench build` takes
-    access: str  # where its models and data come from: "offline", "hub or mirror", "local files"
     options: frozenset[str]  # the BuildOptions it reads; any other given is refused in one line
     located: Callable[[str, BuildOptions], Any]  # (preset name, options) → its spec, sources checked before any work
     build: Callable[[Path, Any, Call, str, Path], dict[str, Record]]  # (bench, spec, stage, code digest, memo)
@@ -128,3 +119,15 @@ class Recipe:
     cache_surgery_features: bool = False
     threads: int | None = None  # torch threads of a method run's process (None: the pipeline config decides)
     write_configs: bool = False  # write every run's pipeline config under configs/ at build time
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def presets(self) -> Mapping[str, Preset]:
+        return self.entry.presets
+
+    @property
+    def access(self) -> str:
+        return self.entry.access

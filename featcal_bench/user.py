@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from featcal.config import DataSource, config_from_dict, digest_of
 from featcal.data import load_split, pick_examples
+from featcal_bench.catalog import entry
 from featcal_bench.estimate import split_sizes
 from featcal_bench.layout import BASE, data_dir, expert_dir
 from featcal_bench.recipe import BuildOptions, Call, Recipe, Report, SavedSpec
@@ -314,10 +315,8 @@ def _by_file(name: str, options: BuildOptions) -> UserRecipe:
 
 
 RECIPE = Recipe(
-    name="user",
+    entry=entry("user"),
     spec=UserRecipe,
-    presets={},  # built from a file, never by name
-    access="local files",
     options=frozenset(),
     located=_by_file,
     build=build_graph,

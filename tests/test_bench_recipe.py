@@ -5,8 +5,11 @@ data file rebuilds only its own task's data. Also `featcal bench list` and the r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import datasets
@@ -15,7 +18,8 @@ import yaml
 
 from featcal.devices import one_thread
 from featcal_bench import stages
-from featcal_bench.builtin import recipes, registry
+from featcal_bench.builtin import loaded, recipes, registry
+from featcal_bench.catalog import CATALOG, entry
 from featcal_bench.cli import main
 from featcal_bench.method import run_method
 from featcal_bench.stages import build_stages, direct_call, run_stages
@@ -203,10 +207,27 @@ def test_bench_list_names_every_benchmark_once(capsys):
     assert all("cost: " in line for line in lines[:-1])
 
 
+def test_bench_list_imports_no_recipe_and_no_torch():
+    """A listing reads the catalog alone: a recipe module pulls in torch, transformers and the pipeline (seconds)."""
+    code = ("import sys; from featcal_bench.cli import main; main(['bench', 'list']); "
+            "heavy = ('torch', 'transformers', 'prefect', 'datasets'); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy "
+            "or m.endswith('.recipe') or m in ('featcal_bench.user', 'featcal_bench.builtin')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_registry_refuses_a_second_claim_on_a_name():
     clip = recipes()["clip"]
     with pytest.raises(ValueError, match="recipe copy: preset clip-vit-b32-ta8 is already clip's"):
-        registry([clip, clip.__class__(**{**vars(clip), "name": "copy"})])
+        registry([clip, dataclasses.replace(clip, entry=dataclasses.replace(clip.entry, name="copy"))])
+
+
+def test_a_catalog_entry_must_name_the_module_of_its_recipe():
+    assert [r.entry for r in recipes().values()] == list(CATALOG)
+    with pytest.raises(ValueError, match="featcal_bench.clip.recipe.RECIPE is recipe 'clip', not 't5'"):
+        loaded(dataclasses.replace(entry("t5"), module="featcal_bench.clip.recipe"))
 
 
 def test_the_docs_template_is_a_valid_recipe():

@@ -10,13 +10,14 @@ from typing import Any
 
 from featcal.config import digest_of
 from featcal_bench import mirror
+from featcal_bench.catalog import entry
 from featcal_bench.clip import build, methods, prompts, report
 from featcal_bench.clip import spec as spec_module
 from featcal_bench.clip.estimate import clip_cost_estimate
 from featcal_bench.clip.spec import BASE_MODEL, CLIP_PRESETS, ClipBenchSpec
 from featcal_bench.estimate import rows_about, split_sizes, write_estimate
 from featcal_bench.mirror import mirrored_task_stages
-from featcal_bench.recipe import Call, Preset, Recipe, Report
+from featcal_bench.recipe import Call, Recipe, Report
 from featcal_bench.report import save_report
 from featcal_bench.study import Study
 from storage.fingerprint import fingerprint
@@ -43,15 +44,8 @@ def write_report(bench: Path, spec: ClipBenchSpec, results: dict[str, dict[str, 
 
 
 RECIPE = Recipe(
-    name="clip",
+    entry=entry("clip"),
     spec=ClipBenchSpec,
-    presets={
-        "clip-vit-b32-ta8": Preset(
-            "the paper's CLIP ViT-B/32 on 8 image tasks, zero-shot heads",
-            "`bench build` prints it: passes timed here on the base (estimate.md)",
-        )
-    },
-    access="hub or mirror",
     options=frozenset({"models_from", "data_from", "tasks", "test_rows"}),
     located=mirror.located(CLIP_PRESETS),
     build=build_graph,

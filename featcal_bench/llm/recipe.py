@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from featcal_bench import mirror
+from featcal_bench.catalog import entry
 from featcal_bench.estimate import rows_about
 from featcal_bench.llm import build, methods, report
 from featcal_bench.llm import spec as spec_module
 from featcal_bench.llm.spec import BASE_MODEL, LLM_PRESETS, LlmBenchSpec
 from featcal_bench.mirror import mirrored_build
-from featcal_bench.recipe import Preset, Recipe, Report
+from featcal_bench.recipe import Recipe, Report
 from featcal_bench.report import save_loss_report
 from featcal_bench.study import Study
 
@@ -27,12 +28,8 @@ def write_report(bench: Path, spec: LlmBenchSpec, results: dict[str, dict[str, A
 
 
 RECIPE = Recipe(
-    name="mergebench",
+    entry=entry("mergebench"),
     spec=LlmBenchSpec,
-    presets={"mergebench-llama-3.2-3b": Preset(
-        "the paper's MergeBench on Llama-3.2-3B, 5 domains, held-out token loss",
-        "not run here: ~45 PFLOP a FeatCal run, minutes on a GPU, days on a CPU (llm/spec.py)")},
-    access="hub or mirror",
     options=frozenset({"models_from", "data_from", "tasks", "test_rows"}),
     located=mirror.located(LLM_PRESETS),
     build=mirrored_build("llm"),

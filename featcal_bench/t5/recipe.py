@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from featcal_bench import mirror
+from featcal_bench.catalog import entry
 from featcal_bench.estimate import rows_about, split_sizes, write_estimate
 from featcal_bench.mirror import mirrored_build
-from featcal_bench.recipe import Preset, Recipe, Report
+from featcal_bench.recipe import Recipe, Report
 from featcal_bench.report import save_report
 from featcal_bench.study import Study
 from featcal_bench.t5 import build, methods, prompts, report
@@ -31,15 +32,8 @@ def t5_estimate(bench: Path, spec: T5BenchSpec) -> str:
 
 
 RECIPE = Recipe(
-    name="t5",
+    entry=entry("t5"),
     spec=T5BenchSpec,
-    presets={
-        "flan-t5-base-glue8": Preset(
-            "the paper's FLAN-T5-base on 8 GLUE tasks, text to text",
-            "`bench build` prints it: passes timed here on the base (estimate.md)",
-        )
-    },
-    access="hub or mirror",
     options=frozenset({"models_from", "data_from", "tasks", "test_rows"}),
     located=mirror.located(T5_PRESETS),
     build=mirrored_build("t5"),

@@ -15,8 +15,9 @@ from typing import Any, cast
 
 from featcal.config import digest_of
 from featcal_bench import sources
+from featcal_bench.catalog import entry
 from featcal_bench.layout import BASE, data_dir
-from featcal_bench.recipe import NO_OPTIONS, BuildOptions, Call, Preset, Recipe, Report, Stage
+from featcal_bench.recipe import NO_OPTIONS, BuildOptions, Call, Recipe, Report, Stage
 from featcal_bench.report import save_loss_report
 from featcal_bench.study import Study
 from featcal_bench.tinyllama import build, methods, report
@@ -94,11 +95,8 @@ def write_report(bench: Path, spec: TinyLlamaSpec, results: dict[str, dict[str, 
 
 
 RECIPE = Recipe(
-    name="tinyllama",
+    entry=entry("tinyllama"),
     spec=TinyLlamaSpec,
-    presets={NAME: Preset("a small Llama pretrained here, one expert per text domain (4 offline domains)",
-                          "build 31 min, run 8 min of pipeline stages: benchmarks/results/tinyllama_domains.md")},
-    access="offline",
     options=frozenset(),
     located=located_spec,
     build=build_graph,
