@@ -116,10 +116,11 @@ def _expert_config(cfg: RunConfig, task: str):
 
 
 def _expert_checkpoint(cfg: RunConfig, task: str, adapter: Adapter) -> CanonicalCheckpoint | LoraCheckpoint:
-    """Expert `task`'s tensors; a LoRA adapter's problems (base, modules, shapes) as one line naming the field."""
-    if not is_lora_adapter(cfg.experts[task]):
-        return CanonicalCheckpoint(cfg.experts[task], adapter)
+    """Expert `task`'s tensors; their problems (a LoRA adapter's base, modules, shapes; a layout not of the adapter's
+    family) as one line naming the field."""
     try:
+        if not is_lora_adapter(cfg.experts[task]):
+            return CanonicalCheckpoint(cfg.experts[task], adapter)
         return expert_checkpoint(cfg.experts[task], cfg.base, Skeleton(_expert_config(cfg, task)))
     except CheckpointError as exc:
         raise CheckpointError(f"experts.{task}: {exc}") from None
@@ -127,10 +128,8 @@ def _expert_checkpoint(cfg: RunConfig, task: str, adapter: Adapter) -> Canonical
 
 def check_same_body(field: str, config, ckpt: CanonicalCheckpoint | LoraCheckpoint, adapter: Adapter,
                     base: dict[str, tuple[int, ...]]) -> None:
-    """The checkpoint of config field `field` is of the base's architecture family, with the base's body tensors:
-    the same names, none missing or extra, and the same shapes."""
-    if adapter_for(config).model_types != adapter.model_types:
-        raise CheckpointError(f"{field}: a {config.model_type} model, but the experts are {adapter.model_types[0]}")
+    """The checkpoint of config field `field` has the base's body tensors: the same names, none missing or extra, and
+    the same shapes (`check_family` has passed)."""
     body = body_signature(ckpt, adapter)
     missing, extra = sorted(set(base) - set(body)), sorted(set(body) - set(base))
     if missing or extra:
@@ -141,6 +140,13 @@ def check_same_body(field: str, config, ckpt: CanonicalCheckpoint | LoraCheckpoi
     for name, shape in body.items():
         if shape != base[name]:
             raise CheckpointError(f"{field}: tensor {name} has shape {shape}, the base has {base[name]}")
+
+
+def check_family(field: str, config, adapter: Adapter) -> None:
+    """The checkpoint of config field `field` is of the base's architecture family: told by its config, before any
+    of its tensors is read under the family's names."""
+    if adapter_for(config).model_types != adapter.model_types:
+        raise CheckpointError(f"{field}: a {config.model_type} model, but base is a {adapter.model_types[0]} model")
 
 
 def check_checkpoints(cfg: RunConfig) -> Adapter:
@@ -155,12 +161,18 @@ def check_checkpoints(cfg: RunConfig) -> Adapter:
     base = body_signature(CanonicalCheckpoint(cfg.base, adapter), adapter)
     for task in cfg.tasks:
         config = _expert_config(cfg, task)  # first: it refuses an unreadable safetensors header in one line
+        check_family(f"experts.{task}", config, adapter)
         expert = _expert_checkpoint(cfg, task, adapter)
         check_same_body(f"experts.{task}", config, expert, adapter, base)
         check_lora_head(task, cfg.experts[task], Skeleton(config), expert)
     if cfg.merge.method == "given" and cfg.merge.path is not None:  # the config requires the path with "given"
         config = _config(cfg.merge.path, "merge.path")  # a missing directory named before its tensors are read
-        check_same_body("merge.path", config, CanonicalCheckpoint(cfg.merge.path, adapter), adapter, base)
+        check_family("merge.path", config, adapter)
+        try:
+            merged = CanonicalCheckpoint(cfg.merge.path, adapter)
+        except CheckpointError as exc:
+            raise CheckpointError(f"merge.path: {exc}") from None
+        check_same_body("merge.path", config, merged, adapter, base)
     return adapter
 
 

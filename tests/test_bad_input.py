@@ -111,10 +111,12 @@ def _write_in(field: str, name: str, text: str) -> Callable[[Path], None]:
     return lambda root: (own_checkpoint_copy(root, field) / name).write_text(text)
 
 
-def _other_architecture(root: Path) -> None:
-    """experts.count pointed at the example's CLIP expert (a vision model) while the base is BERT."""
-    clip = (root / "base").resolve().parent.parent / "clip" / "experts"
-    edit_example_yaml(root, lambda raw: raw["experts"].__setitem__("count", str(sorted(clip.iterdir())[0])))
+def _other_architecture(task: str) -> Callable[[Path], None]:
+    """experts.TASK pointed at the example's CLIP expert (a vision model) while the base is BERT."""
+    def breaks(root: Path) -> None:
+        clip = (root / "base").resolve().parent.parent / "clip" / "experts"
+        edit_example_yaml(root, lambda raw: raw["experts"].__setitem__(task, str(sorted(clip.iterdir())[0])))
+    return breaks
 
 
 def _no_experts(raw: dict) -> None:
@@ -237,8 +239,11 @@ CASES = [
          ["experts.topic: checkpoint directory", "has no config.json"]),
     Case("expert-config-not-json", "checkpoint", _write_in("experts/negation", "config.json", "{not json"),
          ["experts.negation: cannot read the config of", "not a valid JSON file"]),
-    Case("expert-other-architecture", "checkpoint", _other_architecture,
+    Case("expert-other-architecture", "checkpoint", _other_architecture("count"),
          ["base is a bert model but experts.count is a clip model"]),
+    # not the first task in order, whose config chooses the tensor layout: told by its config, before its tensors
+    Case("later-expert-other-architecture", "checkpoint", _other_architecture("topic"),
+         ["experts.topic: a clip model, but base is a bert model"]),
     Case("expert-tensor-missing", "checkpoint", _tensors("experts/negation", _drop_query_bias),
          ["experts.negation: tensor names differ from the base", "missing [", "layer.1.attention.self.query.bias"]),
     Case("expert-tensor-shape", "checkpoint", _tensors("experts/topic", _widen_query_bias),
@@ -346,7 +351,7 @@ def test_the_table_holds_every_kind_once():
     """The count the issue asks for (40 across config, checkpoint, data, run directory and degenerate set-ups: the
     last two are in tests/test_run_dir_config.py and tests/test_setup_checks.py)."""
     kinds = [c.kind for c in CASES]
-    assert len(set(kinds)) == len(kinds) == 66
+    assert len(set(kinds)) == len(kinds) == 67
     assert {c.area for c in CASES} == {"config", "checkpoint", "data"}
 
 
