@@ -9,13 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from datasets import Dataset, DatasetDict
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from featcal_bench.llm.build import rendered
 from featcal_bench.llm.spec import BASE_MODEL, DOMAINS, HEADER
-from tests.perturbed_experts import trained_copy
+from tests.perturbed_experts import perturbed, trained_copy
 
 SPECIAL = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2
 # Each domain's words; its text walks them in order (from a random start), which its expert learns.
@@ -84,3 +85,30 @@ def llm_mirror(root: Path, domains: list[str], rows: int) -> tuple[Path, Path]:
     for d, ds in held_out.items():
         DatasetDict({"train": ds}).save_to_disk(str(data_dir / DOMAINS[d].dataset(d)))
     return models_dir, data_dir
+
+
+def tiny_llama_run(root: Path, eos: bool = True, base: str = "base", experts: tuple[str, str] = ("e0", "e1"),
+                   config: str = "llama.yaml") -> Path:
+    """A run config over a tiny Llama whose tokenizer, like Llama's and GPT-2's, has no padding token, two perturbed
+    copies as experts and raw text to calibrate and evaluate on, each at the path given (relative to `root`);
+    `eos=False` drops its EOS token too."""
+    texts = [" ".join(words) for words in WORDS.values()]
+    tokenizer = llm_tokenizer(texts)
+    if not eos:
+        tokenizer.eos_token = None
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llm_config(len(tokenizer))).eval()
+    model.save_pretrained(root / base)
+    tokenizer.save_pretrained(root / base)
+    raw: dict = {"base": base, "experts": {}, "calibration": {"data": {}, "examples_per_task": 8, "batch_size": 4},
+                 "evaluation": {"data": {}}, "featcal": {"lambda": 0.05, "rho": 1.0}}
+    for t, (words, expert) in enumerate(zip(list(WORDS.values())[:2], experts, strict=True)):
+        model.load_state_dict(perturbed(model, seed=10 + t))
+        model.save_pretrained(root / expert)
+        rows = [" ".join(words[(i + k) % len(words)] for k in range(2 + i % 5)) for i in range(8)]  # ragged lengths
+        Dataset.from_dict({"text": rows}).save_to_disk(str(root / f"d{t}"))
+        raw["experts"][f"task{t}"] = expert
+        raw["calibration"]["data"][f"task{t}"] = {"path": f"d{t}"}
+        raw["evaluation"]["data"][f"task{t}"] = {"path": f"d{t}"}
+    (root / config).write_text(yaml.safe_dump(raw))
+    return root / config

@@ -11,12 +11,12 @@ from typing import NamedTuple
 import datasets
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 import featcal.devices
 from flows.cli import main
 from tests.conftest import one_error_line, plan_or_run_args
+from tests.llm_fixture import tiny_llama_run
 from tests.tiny_example_inputs import (
     copied_bert_example,
     edit_example_yaml,
@@ -412,36 +412,6 @@ def test_a_run_on_texts_longer_than_the_model_takes_completes(tiny_example, tmp_
     assert all(t.isfinite().all() for t in load_file(run_dir / "calibrated" / "model.safetensors").values())
 
 
-def _tiny_llama(root: Path, eos: bool = True) -> Path:
-    """A tiny Llama whose tokenizer, like Llama's and GPT-2's, has no padding token (tests/llm_fixture.py), two
-    perturbed copies as experts and raw text to calibrate and evaluate on; `eos=False` drops its EOS token too."""
-    from transformers import LlamaForCausalLM
-
-    from tests.llm_fixture import WORDS, llm_config, llm_tokenizer
-    from tests.perturbed_experts import perturbed
-
-    texts = [" ".join(words) for words in WORDS.values()]
-    tokenizer = llm_tokenizer(texts)
-    if not eos:
-        tokenizer.eos_token = None
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(llm_config(len(tokenizer))).eval()
-    base.save_pretrained(root / "base")
-    tokenizer.save_pretrained(root / "base")
-    raw = {"base": "base", "experts": {}, "calibration": {"data": {}, "examples_per_task": 8, "batch_size": 4},
-           "evaluation": {"data": {}}, "featcal": {"lambda": 0.05, "rho": 1.0}}
-    for t, words in enumerate(list(WORDS.values())[:2]):
-        base.load_state_dict(perturbed(base, seed=10 + t))
-        base.save_pretrained(root / f"e{t}")
-        rows = [" ".join(words[(i + k) % len(words)] for k in range(2 + i % 5)) for i in range(8)]  # ragged lengths
-        datasets.Dataset.from_dict({"text": rows}).save_to_disk(str(root / f"d{t}"))
-        raw["experts"][f"task{t}"] = f"e{t}"
-        raw["calibration"]["data"][f"task{t}"] = {"path": f"d{t}"}
-        raw["evaluation"]["data"][f"task{t}"] = {"path": f"d{t}"}
-    (root / "llama.yaml").write_text(yaml.safe_dump(raw))
-    return root / "llama.yaml"
-
-
 def test_a_tokenizer_without_padding_pads_with_eos_after_one_notice(tmp_path, capsys):
     """Llama's tokenizer has no padding token: `Asking to pad but the tokenizer does not have a padding token` came
     after merged/ was written. Preflight now says, once, that EOS pads (lm-evaluation-harness's choice); the plan
@@ -449,7 +419,7 @@ def test_a_tokenizer_without_padding_pads_with_eos_after_one_notice(tmp_path, ca
     from featcal.config import load_config
     from featcal.data import InputBuilder
 
-    config = _tiny_llama(tmp_path)
+    config = tiny_llama_run(tmp_path)
     notice = (f"base: the tokenizer of {tmp_path / 'base'} has no padding token; padding with its EOS token '</s>' "
               "(id 2), as lm-evaluation-harness does (padding is masked out)")
     assert main(["plan", str(config)]) == 0
@@ -476,7 +446,7 @@ def test_a_tokenizer_without_padding_pads_with_eos_after_one_notice(tmp_path, ca
 
 @pytest.mark.parametrize("command", ["plan", "run"])
 def test_a_tokenizer_without_padding_or_eos_is_refused(tmp_path, capsys, command):
-    config = _tiny_llama(tmp_path, eos=False)
+    config = tiny_llama_run(tmp_path, eos=False)
     run_dir = tmp_path / "run"
     capsys.readouterr()
     assert main(plan_or_run_args(command, config, run_dir)) == 2

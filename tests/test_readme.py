@@ -14,11 +14,14 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from tests.llm_fixture import tiny_llama_run
 from tests.prefect_helpers import cli_env
 
 pytest_plugins = ("tests.prefect_server",)
@@ -133,6 +136,21 @@ def test_every_readme_block_runs_as_written_or_is_marked(workdir, reader_env):
     problems = unmarked(found) + failures(found, workdir, reader_env)
     assert not problems, "README blocks that do not run as written:\n" + "\n".join(problems)
     assert (workdir / "runs" / "ex1" / "calibrated" / "config.json").is_file()
+
+
+def test_the_mergekit_block_runs_as_written_on_a_tiny_llama(tmp_path, reader_env):
+    """The README's MergeKit block, unchanged, at its own placeholder paths: a tiny Llama base and two experts there,
+    `config.yaml` over them; MergeKit's DARE-TIES merge is then what FeatCal calibrates."""
+    block = next(b for b in blocks(README.read_text(encoding="utf-8")) if "mergekit-yaml" in b.code)
+    tiny_llama_run(tmp_path, base="path/to/base", experts=("path/to/expert1", "path/to/expert2"), config="config.yaml")
+    assert failures([replace(block, illustrative=False)], tmp_path, reader_env) == []
+    merged = load_file(tmp_path / "out" / "model.safetensors")
+    base, expert = (load_file(tmp_path / "path" / "to" / d / "model.safetensors") for d in ("base", "expert1"))
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(merged[name], base[name]) and not torch.equal(merged[name], expert[name])
+    run = tmp_path / "runs" / "mk"
+    assert (run / "calibrated" / "config.json").is_file()
+    assert torch.equal(load_file(run / "merged" / "model.safetensors")[name], merged[name])  # MergeKit's, as given
 
 
 def test_a_broken_or_unmarked_block_is_reported(tmp_path):
