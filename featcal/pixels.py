@@ -11,9 +11,11 @@ Pillow's `precompute_coeffs`.
 
 One difference remains: for some pairs of sizes the Pillow we run (13.0) does the vertical pass first, by a rule
 its source (as far as we have read it) does not show; there the 8-bit rounding between the passes falls elsewhere
-and a pixel can differ by one level (1/255 before normalisation). tests/test_pixels.py checks each pass bit for
-bit and whole images within that level. On the CPU Pillow itself stays faster (it sums only a window of taps), so
-`featcal.data.InputBuilder` uses this off the CPU only, and the input cache keys the two apart.
+and a value can differ by a level or two (1/255 each before normalisation; at most 2 over 16 mixed photo sizes in
+benchmarks/results/pixels_cost.md). tests/test_pixels.py checks each pass bit for bit, whole images bit for bit
+where Pillow goes horizontally first, and bounds one vertical-first case. On the CPU Pillow itself stays faster
+(about 3-4x in CPU seconds there: it sums only a window of taps), so `featcal.data.InputBuilder` uses this off the
+CPU only, and the input cache keys the two apart.
 
 Processors or images this does not cover (another backend, a resample filter other than bilinear or bicubic, padding,
 images that are not 8-bit RGB or grey PIL images, a crop larger than the resized image) go through the processor.

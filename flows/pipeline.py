@@ -318,7 +318,7 @@ class BlockWalk:
             fields["expert"] = self.p.inputs[f"expert/{t}"]
         if "pixel_values" in self.adapter.model_input_names() and on_accelerator(
                 resolve_device(self.p.cfg.runtime.device)):
-            fields["image_ops"] = "tensor ops on the device"  # may differ from Pillow's by one level (pixels.py)
+            fields["image_ops"] = "tensor ops on the device"  # may be a level or two from Pillow's (pixels.py)
         return {"task": t, "inputs_key": digest_of(fields)}
 
     def block(self, layer: int) -> None:
