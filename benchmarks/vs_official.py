@@ -10,6 +10,9 @@ calibrated weights are from the official code's.
 ρ = 2.2, α = 0.25), which are also our config's defaults; ours runs `featcal run` with evaluation off. The official
 code runs first, then ours, back to back (or, with `--concurrent`, all at once, for a machine so busy that one after
 another would not finish in time): the machine may be shared, so the ratios are what to read, CPU seconds first.
+
+`--ours-before DIR` also runs another checkout of this project (the commit before a change) with the same precisions
+and solves, in the same invocation, so that one table says whether the change made the CPU path slower.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
-from benchmarks.common import ROOT, child_cost, child_env, cpu_line, runtime_field, weight_gap
+from benchmarks.common import ROOT, child_cost, child_env, cpu_line, runtime_field, same_weights, weight_gap
 from benchmarks.pipeline_cost import KINDS, build_inputs, config_file, run_once
 from flows.pipeline import machine
 
@@ -51,9 +54,10 @@ def run_official(official: Path, work: Path, run_dir: Path, experts: int, exampl
 
 
 def run_ours(work: Path, run_dir: Path, experts: int, examples: int, threads: int, precision: str,
-             solve: str, extra: dict[str, str], device: str = "cpu") -> dict:
+             solve: str, extra: dict[str, str], device: str = "cpu", code: Path = ROOT) -> dict:
+    """One `featcal run` of the checkout at `code` (this one by default)."""
     runtime = {"precision": precision, "solve_precision": solve, "device": device, **extra}
-    result = run_once(config_file(work, experts, examples, runtime), run_dir, threads, prefect=False)
+    result = run_once(config_file(work, experts, examples, runtime), run_dir, threads, prefect=False, code=code)
     return {**result, "calibration_s": sum(result["stages_s"].get(k, 0.0) for k in KINDS)}
 
 
@@ -77,6 +81,8 @@ def main() -> None:
                         help="more runtime fields for our runs (keep_freed_memory=true, ...)")
     parser.add_argument("--shape", default="vit-b32", help="a pipeline_cost.py shape (tiny: a quick check)")
     parser.add_argument("--device", default="cpu", help="where both codes compute: cpu, cuda or cuda:N")
+    parser.add_argument("--ours-before", type=Path, metavar="CHECKOUT",
+                        help="another checkout of this project (before a change) run beside this one, same runs")
     parser.add_argument("--work", type=Path, default=Path("/tmp/featcal-bench"))
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -86,18 +92,21 @@ def main() -> None:
     build_inputs(work, args.shape, args.experts, args.examples)
     extra = dict(args.runtime)
     stamp = time.time_ns()
-    # "official", then (precision, solve) for each of our runs
-    dirs: dict[str | tuple[str, str], Path] = {"official": args.work / f"official-{args.shape}-{stamp}"}
-    jobs: dict[str | tuple[str, str], Callable[[], dict]] = {
+    codes = {"ours": ROOT} if args.ours_before is None else {"ours-before": args.ours_before.resolve(), "ours": ROOT}
+    # "official", then (code, precision, solve) for each of our runs
+    Key = str | tuple[str, str, str]
+    dirs: dict[Key, Path] = {"official": args.work / f"official-{args.shape}-{stamp}"}
+    jobs: dict[Key, Callable[[], dict]] = {
         "official": lambda: run_official(args.official.resolve(), work, dirs["official"], args.experts, args.examples,
                                          args.threads, args.device)}
-    ours = [(p, s) for p in args.precision for s in args.solve]
-    for precision, solve in ours:
-        dirs[precision, solve] = args.work / f"ours-{args.shape}-{precision}-{solve}-{stamp}"
-        jobs[precision, solve] = partial(run_ours, work, dirs[precision, solve], args.experts, args.examples,
-                                         args.threads, precision, solve, extra, args.device)
+    ours = [(c, p, s) for c in codes for p in args.precision for s in args.solve]
+    for code, precision, solve in ours:
+        dirs[code, precision, solve] = args.work / f"{code}-{args.shape}-{precision}-{solve}-{stamp}"
+        jobs[code, precision, solve] = partial(run_ours, work, dirs[code, precision, solve], args.experts,
+                                               args.examples, args.threads, precision, solve, extra, args.device,
+                                               codes[code])
     loads = [os.getloadavg()[0]]
-    results: dict[str | tuple[str, str], dict] = {}
+    results: dict[Key, dict] = {}
     with ThreadPoolExecutor(max_workers=len(jobs) if args.concurrent else 1) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}
         for name, future in futures.items():
@@ -105,10 +114,10 @@ def main() -> None:
             loads.append(os.getloadavg()[0])
             print(name, json.dumps(results[name]), flush=True)
     rows = [{"code": "official", "precision": "fp32", "solve": "fp32", **results["official"]}]
-    rows += [{"code": "ours", "precision": p, "solve": s, **results[p, s],
-              "gap": weight_gap(dirs[p, s], dirs["official"]) if p == "fp32" else None} for p, s in ours]
+    rows += [{"code": c, "precision": p, "solve": s, **results[c, p, s],
+              "gap": weight_gap(dirs[c, p, s], dirs["official"]) if p == "fp32" else None} for c, p, s in ours]
     official = rows[0]
-    gap = max(r["gap"] for r in rows[1:] if r["gap"] is not None)
+    gap = max(r["gap"] for r in rows[1:] if r["gap"] is not None and r["code"] == "ours")
     order = "all at once" if args.concurrent else "one after another, the official code first"
     lines = [
         f"# Ours against the official FeatCal code — {args.shape} shape, {args.experts} experts × {args.examples} "
@@ -128,13 +137,24 @@ def main() -> None:
                      f"{r['calibration_s']:.1f} | {r['peak_rss_gib']:.2f} | {official['cpu_s'] / r['cpu_s']:.2f}× | "
                      f"{official['wall_s'] / r['wall_s']:.2f}× | {r['peak_rss_gib'] / official['peak_rss_gib']:.2f} | "
                      + (f"{r['gap']:.1e}" if r.get("gap") is not None else "–") + " |")
+    if args.ours_before is not None:
+        lines += ["", f"This checkout (`ours`) against `ours-before` ({args.ours_before}), CPU seconds, the goal being "
+                  "no slower:"]
+        for _, p, s in ours[:len(ours) // 2]:
+            ratio = results["ours", p, s]["cpu_s"] / results["ours-before", p, s]["cpu_s"]
+            same = same_weights(dirs["ours", p, s], dirs["ours-before", p, s])
+            lines.append(f"- {p} ({s} solve): after / before = {ratio:.3f} — {met(ratio <= 1.0)}; calibrated "
+                         f"weights {'bit-identical' if same else 'differ'} "
+                         f"(gap {weight_gap(dirs['ours', p, s], dirs['ours-before', p, s]):.1e})")
     lines += ["", "Goals (issue 32 §3), speed on CPU seconds (wall in brackets):"]
     for r in rows[1:]:
+        if r["code"] != "ours":
+            continue
         speedup = official["cpu_s"] / r["cpu_s"]
         goal = SPEEDUP_GOALS[r["precision"]]
         lines.append(f"- {r['precision']} ({r['solve']} solve) ≥ {goal}× faster than the official code: {speedup:.2f}× "
                      f"({official['wall_s'] / r['wall_s']:.2f}×) — {met(speedup >= goal)}")
-    rss = max(r["peak_rss_gib"] for r in rows[1:]) / official["peak_rss_gib"]
+    rss = max(r["peak_rss_gib"] for r in rows[1:] if r["code"] == "ours") / official["peak_rss_gib"]
     lines += [f"- peak RSS ≤ {RSS_GOAL}× the official code's: {rss:.2f}× (our larger run) — {met(rss <= RSS_GOAL)}",
               f"- fp32 weights within {GAP_GOAL:.0e} of the official code's: {gap:.1e} (our farther fp32 run) — "
               f"{met(gap <= GAP_GOAL)}",

@@ -15,6 +15,7 @@ import torch
 from featcal.config import DataSource
 from featcal.hub import local_dir
 from featcal.input_checks import malformed_file_error, pad_with_eos, text_length_limit
+from featcal.pixels import DevicePixels, device_pixels
 
 log = logging.getLogger("featcal")
 
@@ -131,10 +132,12 @@ def picked_rows(size: int, n: int, seed: int) -> list[int]:
 
 
 class InputBuilder:
-    """Turns dataset rows into padded model inputs with the base checkpoint's tokenizer or image processor."""
+    """Turns dataset rows into padded model inputs with the base checkpoint's tokenizer or image processor; on an
+    accelerator (`device` not the CPU) the image processor's resize, crop and normalisation run there as tensor ops
+    (featcal/pixels.py), on the CPU Pillow does them, which is faster there."""
 
     def __init__(self, base_dir: str, input_names: tuple[str, ...], source: DataSource, max_length: int,
-                 columns: list[str], where: str):
+                 columns: list[str], where: str, device: torch.device | str = "cpu"):
         self.where = where
         self.is_text = "input_ids" in input_names
         self.max_length = text_length_limit(_base_config(base_dir), max_length) if self.is_text else max_length
@@ -150,6 +153,7 @@ class InputBuilder:
         # The tokenizer or image processor (transformers' Auto classes type what they load as Any), None with ready
         # inputs; the raw column it reads likewise.
         self.processor: Any = None
+        self.pixels: DevicePixels | None = None
         self.column: str | None = None
         if self.ready:
             self.pad_id = _pad_token_id(base_dir)
@@ -177,6 +181,8 @@ class InputBuilder:
                 self.processor = AutoTokenizer.from_pretrained(local, local_files_only=True)
         except Exception as exc:
             raise DataError(f"{where}: raw column {self.column!r} needs the base's tokenizer/processor: {exc}") from exc
+        if "pixel_values" in input_names and on_accelerator(device):
+            self.pixels = device_pixels(self.processor, device)
         if "pixel_values" not in input_names:
             self.padding_notice = pad_with_eos(self.processor, base_dir)
             self.special_ids = frozenset(self.processor.all_special_ids)
@@ -207,7 +213,10 @@ class InputBuilder:
     def image_inputs(self, rows: Rows) -> dict[str, torch.Tensor]:
         if "pixel_values" in self.ready:
             return {"pixel_values": torch.tensor(np.asarray(rows["pixel_values"], dtype=np.float32))}
-        pixels = self._processor()(rows[self._raw_column()], return_tensors="pt")["pixel_values"]
+        images = rows[self._raw_column()]
+        pixels = self.pixels(images) if self.pixels is not None else None  # None: images it does not cover
+        if pixels is None:
+            pixels = self._processor()(images, return_tensors="pt")["pixel_values"]
         return {"pixel_values": pixels.float()}
 
     def _processor(self) -> Any:
@@ -223,6 +232,11 @@ class InputBuilder:
 
     def __call__(self, rows: Rows) -> dict[str, torch.Tensor]:
         return self.text_inputs(rows) if self.is_text else self.image_inputs(rows)
+
+
+def on_accelerator(device: torch.device | str) -> bool:
+    """Whether image preprocessing runs as tensor ops on `device` rather than in Pillow: off the CPU only."""
+    return torch.device(device).type != "cpu"
 
 
 def _base_config(base_dir: str):

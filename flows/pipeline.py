@@ -23,6 +23,8 @@ import yaml
 from featcal.calibration_methods import calibration_method
 from featcal.config import RunConfig, digest_of
 from featcal.config_diff import check_same_config
+from featcal.data import on_accelerator
+from featcal.devices import resolve_device
 from featcal.evaluation import hms
 from featcal.model_card import model_card
 from featcal.modeling import calibrated_modules
@@ -301,8 +303,9 @@ class BlockWalk:
 
     def _prepare_params(self, t: str, settings: dict[str, Any]) -> dict[str, Any]:
         """The prepare stage's arguments; with runtime.input_cache, the key of the task's entry there: what the model
-        inputs depend on (the data, its settings, the base's tokenizer or processor, and for an encoder–decoder the
-        expert, whose greedy output may make the targets), not the merge or the precision. Not in the stage's key:
+        inputs depend on (the data, its settings, the base's tokenizer or processor, for an encoder–decoder the
+        expert, whose greedy output may make the targets, and for images whether an accelerator preprocesses them),
+        not the merge or the precision. Not in the stage's key:
         the inputs are the same whether copied or prepared."""
         if self.p.cfg.runtime.input_cache is None:
             return {"task": t}
@@ -313,6 +316,9 @@ class BlockWalk:
                                   "architecture": self.adapter.architecture}
         if self.adapter.has_decoder:
             fields["expert"] = self.p.inputs[f"expert/{t}"]
+        if "pixel_values" in self.adapter.model_input_names() and on_accelerator(
+                resolve_device(self.p.cfg.runtime.device)):
+            fields["image_ops"] = "tensor ops on the device"  # may be a level or two from Pillow's (pixels.py)
         return {"task": t, "inputs_key": digest_of(fields)}
 
     def block(self, layer: int) -> None:

@@ -27,7 +27,7 @@ def _model_inputs(ctx: RunContext, task: str) -> tuple[Batches, int, dict[str, A
     source = cal.data[task]
     picked = pick_examples(load_split(source, where), cal.examples_per_task, cal.seed, where)
     builder = InputBuilder(ctx.cfg.base, ctx.adapter.model_input_names(), source, cal.max_length, picked.column_names,
-                           where)
+                           where, ctx.device)
     width = (max(builder(rows)["input_ids"].shape[1] for rows in row_batches(picked, cal.batch_size))
              if builder.is_text else 0)
     views = cal.views.count  # preflight refused views of images and of encoder–decoder inputs

@@ -49,3 +49,26 @@ def test_an_incomplete_entry_is_prepared_again(tiny_example, tmp_path):
     assert all(r["info"]["inputs"] == "prepared, then kept in runtime.input_cache" for r in second.values())
     assert {s: r["outputs"] for s, r in second.items()} == {s: r["outputs"] for s, r in first.items()}
 
+
+
+def test_images_preprocessed_on_an_accelerator_get_entries_of_their_own(monkeypatch):
+    """There the tensor path (featcal/pixels.py) may put a pixel one level from Pillow's, so a CPU run's entry must
+    not serve it, nor its entry a CPU run; token inputs are the same anywhere and keep one key."""
+    from types import SimpleNamespace
+
+    import flows.pipeline
+    from flows.pipeline import BlockWalk
+
+    data = {"calibration": {"data": {"t": {"path": "/data"}}}}
+    cfg = SimpleNamespace(runtime=SimpleNamespace(input_cache="/cache", device="cpu"), slice=lambda name: data)
+    walk = BlockWalk.__new__(BlockWalk)  # only what _prepare_params reads
+    walk.p = SimpleNamespace(cfg=cfg, code="code", inputs={"calibration/t": "data digest", "base": "base digest"})
+
+    def key(names: tuple[str, ...]) -> str:
+        walk.adapter = SimpleNamespace(architecture="arch", has_decoder=False, model_input_names=lambda: names)
+        return walk._prepare_params("t", {})["inputs_key"]
+
+    on_cpu = {names: key(names) for names in [("pixel_values",), ("input_ids", "attention_mask")]}
+    monkeypatch.setattr(flows.pipeline, "on_accelerator", lambda device: True)
+    assert key(("pixel_values",)) != on_cpu[("pixel_values",)]
+    assert key(("input_ids", "attention_mask")) == on_cpu[("input_ids", "attention_mask")]
