@@ -97,6 +97,31 @@ class LinearSolution:
     weight: torch.Tensor
     damping: float
     path: str | None = None  # with a mixed solve: "mixed, N steps" or "float64: <why it fell back>"
+    unresolved: int = 0  # directions neither the data nor the ridge determines (unresolved_directions)
+
+
+# A Gram summed from fp32 products carries their rounding, about 2⁻²⁴ ≈ 6e-8 each: eigenvalues of a normalised Gram
+# below 1e-7 of its Frobenius norm are within it (the negative eigenvalues that rounding leaves in the tiny T5
+# decoder's rank-2 Grams reach −1.2e-7). Along such a direction the solve's weight is that rounding over λ + ε:
+# measured there, 1.2e-8/λ of the weight's size (~1 at λ = 1e-9, 1 % at 1e-6; docs/design.md §2).
+UNRESOLVED = 1e-7
+
+
+def unresolved_directions(a: torch.Tensor, reg: float) -> int:
+    """How many eigenvalues of a + reg·I (a the tasks' summed normalised Gram, reg = λ + ε) lie below UNRESOLVED·‖a‖_F:
+    directions that the data leaves within its rounding and the ridge does not lift out of it, so that the solve's
+    weights along them are rounding noise. 0 with no eigendecomposition when reg alone clears that level (every
+    λ ≥ 1e-7: all but λ → 0)."""
+    floor = UNRESOLVED * float(torch.linalg.matrix_norm(a))
+    if reg >= floor:
+        return 0
+    return int((torch.linalg.eigvalsh(a) + reg < floor).sum())
+
+
+def numerical_rank(c: torch.Tensor) -> int:
+    """How many eigenvalues of a Gram reach UNRESOLVED of its Frobenius norm: the directions its data resolves."""
+    floor = UNRESOLVED * float(torch.linalg.matrix_norm(c))
+    return int((torch.linalg.eigvalsh(c.double()) >= floor).sum())
 
 
 def _ridge(a: torch.Tensor, b: torch.Tensor, eps: float, mixed: bool) -> LinearSolution:
@@ -130,8 +155,9 @@ def solve_linear_weight(
     if hp.trust:  # + μ Σ_t E‖W x_s − W_m x_s‖²/n_t: the data Gram again, with the merged weight as target
         b += hp.trust * a @ merged.double().T
         a *= 1.0 + hp.trust
+    unresolved = unresolved_directions(a, hp.lam + hp.eps)
     a.diagonal().add_(hp.lam)  # + λI without a d×d identity
-    return _ridge(a, b, hp.eps, mixed)
+    return replace(_ridge(a, b, hp.eps, mixed), unresolved=unresolved)
 
 
 @dataclass
