@@ -102,20 +102,23 @@ class LinearSolution:
 
 # A Gram summed from fp32 products carries their rounding, about 2⁻²⁴ ≈ 6e-8 each: eigenvalues of a normalised Gram
 # below 1e-7 of its Frobenius norm are within it (the negative eigenvalues that rounding leaves in the tiny T5
-# decoder's rank-2 Grams reach −1.2e-7). Along such a direction the solve's weight is that rounding over λ + ε:
-# measured there, 1.2e-8/λ of the weight's size (~1 at λ = 1e-9, 1 % at 1e-6; docs/design.md §2).
+# decoder's rank-2 Grams reach −1.2e-7).
 UNRESOLVED = 1e-7
+# Along such a direction the solve's weight is that rounding over λ + ε, unless λ + ε is large against it: calibrated
+# towards itself on those Grams, that T5's first decoder boundary went 56 % from the expert's at λ 1e-9, 31 % at 1e-7,
+# 1.2 % at 1e-6 and 0.013 % at 1e-4 (benchmarks/results/exactness_floor.md). From 1e-6 of the norm on the ridge holds.
+LIFTED = 1e-6
 
 
 def unresolved_directions(a: torch.Tensor, reg: float) -> int:
-    """How many eigenvalues of a + reg·I (a the tasks' summed normalised Gram, reg = λ + ε) lie below UNRESOLVED·‖a‖_F:
-    directions that the data leaves within its rounding and the ridge does not lift out of it, so that the solve's
-    weights along them are rounding noise. 0 with no eigendecomposition when reg alone clears that level (every
-    λ ≥ 1e-7: all but λ → 0)."""
-    floor = UNRESOLVED * float(torch.linalg.matrix_norm(a))
-    if reg >= floor:
+    """How many eigenvalues of a (the tasks' summed normalised Gram) lie below UNRESOLVED·‖a‖_F while reg = λ + ε is
+    below LIFTED·‖a‖_F: directions the data leaves within its rounding and the ridge is too weak to hold, so that the
+    solve's weights along them are rounding noise. 0 with no eigendecomposition when reg is not that weak (every
+    λ ≥ 1e-6: all but λ → 0)."""
+    norm = float(torch.linalg.matrix_norm(a))
+    if reg >= LIFTED * norm:
         return 0
-    return int((torch.linalg.eigvalsh(a) + reg < floor).sum())
+    return int((torch.linalg.eigvalsh(a) < UNRESOLVED * norm).sum())
 
 
 def numerical_rank(c: torch.Tensor) -> int:

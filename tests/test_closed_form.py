@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from featcal.closed_form import (
+    LIFTED,
     UNRESOLVED,
     BiasTerm,
     Hyper,
@@ -233,23 +234,23 @@ def test_anchor_is_scaled_interpolation_and_leaves_its_inputs(dtype):
 
 
 def test_unresolved_directions_and_numerical_rank_count_eigenvalues_below_the_gram_rounding(monkeypatch):
-    """Against a Gram of known eigenvalues: unresolved_directions counts those of a + reg·I below UNRESOLVED·‖a‖_F,
-    numerical_rank those of a at or above it; a reg that clears that level alone answers 0 with no
+    """Against a Gram of known eigenvalues: while reg is below LIFTED·‖a‖_F, unresolved_directions counts those below
+    UNRESOLVED·‖a‖_F, and numerical_rank those at or above it; a reg that is not that weak answers 0 with no
     eigendecomposition."""
     eigen = torch.tensor([2.0, 1.0, 1e-3, 5e-8, 1e-9, 0.0], dtype=torch.float64)
     q, _ = torch.linalg.qr(torch.randn(6, 6, generator=torch.Generator().manual_seed(5), dtype=torch.float64))
     a = q @ torch.diag(eigen) @ q.T
-    floor = UNRESOLVED * float(eigen.norm())  # ‖a‖_F from the eigenvalues: 2.2e-7
-    for reg, want in ((1e-9, 3), (2e-7, 2)):  # 2e-7 lifts 5e-8 past the floor, not 1e-9 or 0
-        assert int((eigen + reg < floor).sum()) == want
-        assert unresolved_directions(a, reg) == want
+    norm = float(eigen.norm())  # ‖a‖_F from the eigenvalues: 2.24
+    assert int((eigen < UNRESOLVED * norm).sum()) == 3 and LIFTED * norm > 2e-6
+    for reg in (1e-9, 2e-6):
+        assert unresolved_directions(a, reg) == 3
     assert numerical_rank(a) == 3
 
     def refused(*args, **kwargs):
-        raise AssertionError("an eigendecomposition where reg alone clears the floor")
+        raise AssertionError("an eigendecomposition where reg is not below LIFTED")
 
     monkeypatch.setattr(torch.linalg, "eigvalsh", refused)
-    assert unresolved_directions(a, 3e-7) == 0
+    assert unresolved_directions(a, LIFTED * norm) == 0
 
 
 def test_weight_solve_reports_directions_a_repeated_row_leaves_unresolved():
