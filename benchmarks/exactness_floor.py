@@ -36,6 +36,7 @@ from tests import test_decoders as decoders
 from tests import test_decoders_gpt2_gemma as gpt2_gemma
 from tests import test_t5 as t5
 from tests.t5_fixture import t5_config
+from tests.test_decoders_gpt2_gemma import _module_io
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,17 +109,6 @@ def t5_row(targets: bool, lam: float, rho: float, work: Path) -> str:
             f"{unresolved_solves(work / 'run')} | {wall:.1f} |")
 
 
-def seen_at(model, layer: int, batch: dict[str, torch.Tensor], module: str, output: bool = False) -> torch.Tensor:
-    """Module `module` of block `layer`: its input (or output) on the batch's real tokens."""
-    seen: list[torch.Tensor] = []
-    hook = model.get_submodule(f"model.layers.{layer}.{module}").register_forward_hook(
-        lambda m, a, o: seen.append(o if output else a[0]))
-    with torch.inference_mode():
-        model(**batch)
-    hook.remove()
-    return seen[0][batch["attention_mask"].bool()]
-
-
 def gemma_o_proj_lines(work: Path) -> list[str]:
     """Block 1's o_proj of default-init Gemma2, calibrated at λ, ε → 0, solved again from its inputs."""
     with models_of("gemma2", 0.02):
@@ -131,7 +121,8 @@ def gemma_o_proj_lines(work: Path) -> list[str]:
     upstream = task_model(cfg.experts["task0"])
     upstream.model.layers[0].load_state_dict(calibrated.model.layers[0].state_dict())
     batch = decoders._batch(decoders._rows(0))
-    x_s, x_e = seen_at(upstream, 1, batch, "self_attn.o_proj"), seen_at(expert, 1, batch, "self_attn.o_proj")
+    o_proj = "model.layers.1.self_attn.o_proj"
+    x_s, x_e = _module_io(upstream, o_proj, batch), _module_io(expert, o_proj, batch)
     w_t = expert.model.layers[1].self_attn.o_proj.weight.detach().double()
     gram = x_e.double().T @ x_e.double()
     eigen = torch.linalg.eigvalsh(gram / torch.linalg.matrix_norm(gram))
@@ -169,7 +160,7 @@ def branch_lines() -> list[str]:
             residual: list[torch.Tensor] = []
             hook = built.model.layers[layer].register_forward_pre_hook(
                 lambda m, a, kw, into=residual: into.append(a[0] if a else kw["hidden_states"]), with_kwargs=True)
-            branch = seen_at(built, layer, batch, module, output=True)
+            branch = _module_io(built, f"model.layers.{layer}.{module}", batch, output=True)
             hook.remove()
             ratios.append(float(branch.norm() / residual[0][batch["attention_mask"].bool()].norm()))
         name = arch if init is None else f"{arch} (init {init:g})"

@@ -151,10 +151,10 @@ def test_single_expert_exactness(tmp_path, arch, head_side):
             assert facts["width"] == 128 and 115 <= facts["task_ranks"]["task0"] < 128 and facts["directions"] > 0
 
 
-def _o_proj_input(model, layer: int, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Block `layer`'s o_proj input on the batch's real tokens."""
+def _module_io(model, name: str, batch: dict[str, torch.Tensor], output: bool = False) -> torch.Tensor:
+    """Module `name`'s input (or output) on the batch's real tokens."""
     seen = []
-    hook = model.model.layers[layer].self_attn.o_proj.register_forward_hook(lambda m, a, o: seen.append(a[0]))
+    hook = model.get_submodule(name).register_forward_hook(lambda m, a, o: seen.append(o if output else a[0]))
     with torch.inference_mode():
         model(**batch)
     hook.remove()
@@ -194,7 +194,8 @@ def test_gemma2_default_init_exactness_floor(tmp_path, monkeypatch):
 
     upstream = task_model(cfg.experts["task0"])  # what the merged stream meets in block 1: calibrated block 0
     upstream.model.layers[0].load_state_dict(calibrated.model.layers[0].state_dict())
-    x_s, x_e = _o_proj_input(upstream, 1, batch), _o_proj_input(expert, 1, batch)
+    o_proj = "model.layers.1.self_attn.o_proj"
+    x_s, x_e = _module_io(upstream, o_proj, batch), _module_io(expert, o_proj, batch)
     assert 0 < float((x_s - x_e).norm() / x_e.norm()) < 1e-6
     w_t = expert.model.layers[1].self_attn.o_proj.weight.detach().double()
 
