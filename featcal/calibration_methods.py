@@ -27,6 +27,7 @@ from featcal.closed_form import (
     cross_validated,
     head_factor,
     head_metric,
+    numerical_rank,
     solve_linear_bias,
     solve_linear_weight,
     solve_linear_weight_head,
@@ -110,6 +111,17 @@ class Solved:
     damping: float | None = None
     eps: float | None = None
     report: dict[str, Any] = field(default_factory=dict)
+
+
+def _unresolved_report(module: ModuleData, directions: int, width: int) -> dict[str, Any]:
+    """What the solve record and its warning say of a module whose solve left `directions` of its `width` input
+    directions unresolved (featcal.closed_form.unresolved_directions): each task's own numerical rank, so the task whose
+    inputs span too little is named. A second read of the statistics, on this rare path only."""
+    ranks = {}
+    for t, stats in _each_task_stats(module):
+        ranks[module.tasks[t]] = numerical_rank(linear_moments(stats, module.where, in_place=True).c_ss)
+        del stats
+    return {"directions": directions, "width": width, "task_ranks": ranks}
 
 
 class CalibrationMethod(ABC):
@@ -311,6 +323,8 @@ class FeatCal(CalibrationMethod):
                 raise ValueError(f"{where}: {err}") from None
         if sol.path is not None:
             report["solve_path"] = sol.path
+        if sol.unresolved:
+            report["unresolved"] = _unresolved_report(module, sol.unresolved, w_merged.shape[1])
         solved = {"weight": sol.weight}
         if module.has_bias and self.settings["calibrate_bias"]:
             solved["bias"] = solve_linear_bias(bias_terms, sol.weight, module.merged("bias"), module.base("bias"), hp,

@@ -97,6 +97,34 @@ class LinearSolution:
     weight: torch.Tensor
     damping: float
     path: str | None = None  # with a mixed solve: "mixed, N steps" or "float64: <why it fell back>"
+    unresolved: int = 0  # directions neither the data nor the ridge determines (unresolved_directions)
+
+
+# A Gram summed from fp32 products carries their rounding, about 2⁻²⁴ ≈ 6e-8 each: eigenvalues of a normalised Gram
+# below 1e-7 of its Frobenius norm are within it (the negative eigenvalues that rounding leaves in the tiny T5
+# decoder's rank-2 Grams reach −1.2e-7).
+UNRESOLVED = 1e-7
+# Along such a direction the solve's weight is that rounding over λ + ε, unless λ + ε is large against it: calibrated
+# towards itself on those Grams, that T5's first decoder boundary went 56 % from the expert's at λ 1e-9, 31 % at 1e-7,
+# 1.2 % at 1e-6 and 0.013 % at 1e-4 (benchmarks/results/exactness_floor.md). From 1e-6 of the norm on the ridge holds.
+LIFTED = 1e-6
+
+
+def unresolved_directions(a: torch.Tensor, reg: float) -> int:
+    """How many eigenvalues of a (the tasks' summed normalised Gram) lie below UNRESOLVED·‖a‖_F while reg = λ + ε is
+    below LIFTED·‖a‖_F: directions the data leaves within its rounding and the ridge is too weak to hold, so that the
+    solve's weights along them are rounding noise. 0 with no eigendecomposition when reg is not that weak (every
+    λ ≥ 1e-6: all but λ → 0)."""
+    norm = float(torch.linalg.matrix_norm(a))
+    if reg >= LIFTED * norm:
+        return 0
+    return int((torch.linalg.eigvalsh(a) < UNRESOLVED * norm).sum())
+
+
+def numerical_rank(c: torch.Tensor) -> int:
+    """How many eigenvalues of a Gram reach UNRESOLVED of its Frobenius norm: the directions its data resolves."""
+    floor = UNRESOLVED * float(torch.linalg.matrix_norm(c))
+    return int((torch.linalg.eigvalsh(c.double()) >= floor).sum())
 
 
 def _ridge(a: torch.Tensor, b: torch.Tensor, eps: float, mixed: bool) -> LinearSolution:
@@ -130,8 +158,9 @@ def solve_linear_weight(
     if hp.trust:  # + μ Σ_t E‖W x_s − W_m x_s‖²/n_t: the data Gram again, with the merged weight as target
         b += hp.trust * a @ merged.double().T
         a *= 1.0 + hp.trust
+    unresolved = unresolved_directions(a, hp.lam + hp.eps)
     a.diagonal().add_(hp.lam)  # + λI without a d×d identity
-    return _ridge(a, b, hp.eps, mixed)
+    return replace(_ridge(a, b, hp.eps, mixed), unresolved=unresolved)
 
 
 @dataclass

@@ -106,6 +106,9 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
         if result is None:
             continue
         solved.update(stored(result.tensors))
+        if "unresolved" in result.report:
+            log.warning("block %d module %s: %s", layer, READERS.join(members),
+                        unresolved_warning(result.report["unresolved"]))
         for name in members:
             for kind, value in result.report.items():
                 reports.setdefault(kind, {})[name] = value
@@ -125,6 +128,17 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
         info["task_weights"] = dict(zip(ctx.tasks, weights, strict=True))
     info.update(reports)
     return [rel], info
+
+
+def unresolved_warning(unresolved: dict[str, Any]) -> str:
+    """The warning for a solve that left directions unresolved (featcal.closed_form.unresolved_directions), naming the
+    tasks whose own inputs span fewer directions than the module reads."""
+    width, ranks = unresolved["width"], unresolved["task_ranks"]
+    short = ", ".join(f"{task} (rank {rank})" for task, rank in ranks.items() if rank < width) or "none alone"
+    return (f"{unresolved['directions']} of its {width} input directions are within the fp32 rounding of the tasks' "
+            f"Grams and featcal.lambda does not lift them: its weights along them are rounding noise, not fitted "
+            f"(tasks spanning fewer than {width}: {short}); raise featcal.lambda (at 1e-4 that noise is ~1e-4 of the "
+            "weights) or calibrate on more varied inputs (a decoder's greedy targets repeating one token do this)")
 
 
 def _part_names(module: str) -> dict[str, str]:

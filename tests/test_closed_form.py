@@ -4,14 +4,18 @@ import pytest
 import torch
 
 from featcal.closed_form import (
+    LIFTED,
+    UNRESOLVED,
     BiasTerm,
     Hyper,
     LinearMoments,
     NormMoments,
     anchor,
+    numerical_rank,
     solve_linear_bias,
     solve_linear_weight,
     solve_norm_affine,
+    unresolved_directions,
 )
 
 torch.manual_seed(0)
@@ -227,3 +231,35 @@ def test_anchor_is_scaled_interpolation_and_leaves_its_inputs(dtype):
     assert torch.equal(merged, kept_m) and torch.equal(base, kept_b)
     torch.testing.assert_close(anchor(merged, base, 2.2), 2.2 * merged.double() - 1.2 * base.double(),
                                rtol=1e-14, atol=1e-16)
+
+
+def test_unresolved_directions_and_numerical_rank_count_eigenvalues_below_the_gram_rounding(monkeypatch):
+    """Against a Gram of known eigenvalues: while reg is below LIFTED·‖a‖_F, unresolved_directions counts those below
+    UNRESOLVED·‖a‖_F, and numerical_rank those at or above it; a reg that is not that weak answers 0 with no
+    eigendecomposition."""
+    eigen = torch.tensor([2.0, 1.0, 1e-3, 5e-8, 1e-9, 0.0], dtype=torch.float64)
+    q, _ = torch.linalg.qr(torch.randn(6, 6, generator=torch.Generator().manual_seed(5), dtype=torch.float64))
+    a = q @ torch.diag(eigen) @ q.T
+    norm = float(eigen.norm())  # ‖a‖_F from the eigenvalues: 2.24
+    assert int((eigen < UNRESOLVED * norm).sum()) == 3 and LIFTED * norm > 2e-6
+    for reg in (1e-9, 2e-6):
+        assert unresolved_directions(a, reg) == 3
+    assert numerical_rank(a) == 3
+
+    def refused(*args, **kwargs):
+        raise AssertionError("an eigendecomposition where reg is not below LIFTED")
+
+    monkeypatch.setattr(torch.linalg, "eigvalsh", refused)
+    assert unresolved_directions(a, LIFTED * norm) == 0
+
+
+def test_weight_solve_reports_directions_a_repeated_row_leaves_unresolved():
+    """A task whose rows repeat two inputs (as a decoder's greedy targets repeating one token): at λ → 0 the solve
+    reports the other d − 2 directions, at the default λ none (the ridge lifts them: no eigendecomposition)."""
+    g = torch.Generator().manual_seed(7)
+    rows = torch.randn(2, D_IN, generator=g, dtype=torch.float64).repeat(50, 1)
+    w = torch.ones(len(rows), dtype=torch.float64)
+    wt = torch.randn(D_OUT, D_IN, generator=g, dtype=torch.float64)
+    for lam, want in ((1e-9, D_IN - 2), (0.05, 0)):
+        hp = Hyper(lam=lam, rho=1.0, alpha=1.0, eps=1e-8)
+        assert solve_linear_weight([(_moments(rows, rows, w), wt)], wt, wt, hp).unresolved == want

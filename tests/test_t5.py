@@ -16,6 +16,7 @@ from featcal.modeling import task_model
 from featcal.t5 import decoder_batches, first_number, greedy_targets, normalised
 from flows.pipeline import run_pipeline
 from storage.checkpoint import CanonicalCheckpoint
+from storage.rundir import RunDir
 from tests.perturbed_experts import perturbed
 from tests.t5_fixture import t5_config, t5_tokenizer
 
@@ -140,6 +141,43 @@ def test_single_expert_exactness(tmp_path, lam, exact):
         assert max(deviation) > 1e-3, deviation
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["decoder_targets"] == {"task0": "column target"}
+    assert _unresolved(tmp_path / "run") == {}  # random target tokens span every direction: no warning
+
+
+def _unresolved(run_dir) -> dict[int, dict]:
+    """The solve records' `unresolved` facts (featcal.closed_form.unresolved_directions), by block, where any."""
+    run = RunDir(run_dir)
+    records = [run.record(f"solve/l{layer:02d}") for layer in range(4)]
+    return {layer: r["info"]["unresolved"] for layer, r in enumerate(records) if "unresolved" in r["info"]}
+
+
+def test_greedy_targets_leave_the_decoder_unresolved_and_the_solve_says_so(tmp_path, caplog):
+    """Issue 54: the random expert's greedy outputs repeat one token, so each decoder module's inputs span a few
+    directions (the self-attention's two: the start token and that one), and with λ → 0 the decoder's solve goes far
+    from the expert along the others (teacher-forced on other targets, ~60 % off), which it must not do silently: the
+    solve warns for each decoder module, naming it and the task whose Gram is short of rank, and records it. The
+    encoder's random inputs are full rank: nothing there."""
+    cfg = _build(tmp_path, experts=1, targets=(), merge={"method": "average"},
+                 featcal={"lambda": 1e-9, "rho": 2.2, "alpha": 1.0})
+    with caplog.at_level("WARNING", logger="featcal"):
+        run_pipeline(cfg, tmp_path / "run")
+    adapter = adapter_for(T5ForConditionalGeneration(t5_config()).config)
+    expert = task_model(cfg.experts["task0"])
+    calibrated = task_model(cfg.experts["task0"], CanonicalCheckpoint(tmp_path / "run" / "calibrated", adapter))
+    rows = _rows(0, targets=True)
+    deviation = _deviations(calibrated, expert, _teacher_forced(cfg.experts["task0"], rows, rows["target"]))
+    assert max(deviation[:3]) < 1e-4 and min(deviation[4:]) > 0.1, deviation  # encoder exact, decoder far
+    unresolved = _unresolved(tmp_path / "run")
+    assert sorted(unresolved) == [2, 3]
+    self_attention = unresolved[2]["layer.0.SelfAttention.q"]
+    assert self_attention["width"] == 32 and self_attention["task_ranks"] == {"task0": 2}
+    assert self_attention["directions"] >= 28
+    messages = [r.getMessage() for r in caplog.records if "rounding noise" in r.getMessage()]
+    named = {(int(m.split()[1]), module) for m in messages for module in m.split()[3].rstrip(":").split("+")}
+    assert named == {(layer, module) for layer, u in unresolved.items() for module in u}  # one line per solve
+    assert messages[0].startswith("block 2 module layer.0.SelfAttention.q+layer.0.SelfAttention.k+"
+                                  "layer.0.SelfAttention.v: ") and "(tasks spanning fewer than 32: task0 (rank 2))" \
+        in messages[0], messages[0]
 
 
 def test_encoder_model_single_expert_exactness(tmp_path):
@@ -176,6 +214,7 @@ def test_two_experts_drift_falls(tmp_path):
     assert (after[blocks] < before[blocks]).all(), (before, after)
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["decoder_targets"] == {"task0": "expert greedy output (at most 8 tokens)", "task1": "column target"}
+    assert _unresolved(tmp_path / "run") == {}  # task0's greedy targets, but λ 0.01 lifts what they leave out
 
 
 def _answer(model, tokenizer, text: str) -> str:
