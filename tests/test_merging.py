@@ -349,3 +349,10 @@ def test_a_method_is_handed_only_the_keys_it_declares():
         "scaling": 0.3, "density": 0.5, "seed": 42, "ties_merge": "sum"}
     a = merged_tensor(BASE, stream, MergeConfig(scaling=0.4, ties_top_k=0.1, seed=1, wudi_steps=3))
     assert torch.equal(a, merged_tensor(BASE, stream, MergeConfig(scaling=0.4)))
+
+
+def test_every_merge_method_has_a_model_card_tag():
+    from featcal.merging import CONFIG_METHODS
+    from featcal.model_card import MERGE_TAGS
+
+    assert set(MERGE_TAGS) == set(CONFIG_METHODS)
