@@ -25,7 +25,8 @@ class _Strict(BaseModel):
 class MergeConfig(_Strict):
     """How θ_m is made (featcal/merging.py), or, with `given`, where a merge made elsewhere is read from."""
 
-    method: Literal["task_arithmetic", "ties", "average", "dare_linear", "dare_ties", "given"] = "task_arithmetic"
+    method: Literal["task_arithmetic", "ties", "average", "dare_linear", "dare_ties", "tsv_m", "iso_c", "iso_cts",
+                    "wudi", "given"] = "task_arithmetic"
     scaling: float = Field(0.3, gt=0, description="s in θ0 + s·merged task vector (ignored by average)")
     ties_top_k: float = Field(0.2, gt=0, le=1, description="ties: int(top_k·n) entries of each task vector kept, "
                               "per tensor (MergeKit's density)")
@@ -34,6 +35,12 @@ class MergeConfig(_Strict):
     density: float = Field(0.5, gt=0, le=1, description="dare_*: each task-vector entry kept with this probability, "
                            "the kept ones divided by it")
     seed: int = Field(42, description="dare_*: the drop masks depend on (seed, task, tensor name) only")
+    svd_scaling: float = Field(1.0, gt=0, description="tsv_m, iso_c, iso_cts: α in θ0 + α·Δ (FusionBench's default 1; "
+                               "the papers tune it on validation data)")
+    iso_common_fraction: float = Field(0.8, ge=0, le=1, description="iso_cts: share of each matrix's k = min(m, n) "
+                                       "directions taken from the summed task matrix (the common subspace)")
+    wudi_steps: int = Field(300, ge=0, description="wudi: Adam steps per matrix")
+    wudi_lr: float = Field(1e-5, gt=0, description="wudi: Adam's learning rate")
     path: str | None = Field(None, description="given: a merged checkpoint of the base's architecture, used as θ_m")
 
     @model_validator(mode="after")

@@ -19,7 +19,8 @@ import yaml
 from featcal.hub import hub_ref
 
 MERGE_TAGS = {"task_arithmetic": "task_arithmetic", "ties": "ties", "average": "linear", "dare_linear": "dare_linear",
-              "dare_ties": "dare_ties", "given": "given"}
+              "dare_ties": "dare_ties", "tsv_m": "tsv_m", "iso_c": "iso_c", "iso_cts": "iso_cts", "wudi": "wudi",
+              "given": "given"}
 # What the hub's widgets call the task of a checkpoint, by the end of its architecture's class name.
 PIPELINE_TAGS = (
     ("ForSequenceClassification", "text-classification"),

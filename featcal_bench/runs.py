@@ -21,7 +21,7 @@ SURGERY_METHODS = ("surgery", "probsurgery")  # adapters trained outside the pip
 class MethodRun:
     """One process: a merge, optionally a calibration method, and which of its models to evaluate."""
 
-    merge: str  # task_arithmetic | ties | average | dare_linear | dare_ties | given (the checkpoint of run `start`)
+    merge: str  # a merge.method (featcal/merging.py), or given: the checkpoint of run `start`
     method: str | None  # featcal | regmean | regmean_plus_plus | surgery | probsurgery | None (merge only)
     examples: int = FULL
     models: tuple[str, ...] = ("calibrated",)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from featcal.hub import local_dir
-from featcal.merging import DARE, chunk_rows, drop_masks, merged_rows, merged_tensor, whole_tensor_rows
+from featcal.merging import chunk_rows, drop_masks, merged_rows, merged_tensor, method_class, whole_tensor_rows
 from featcal.zeroshot import zero_shot_heads
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError, finite, write_checkpoint
 from storage.lora import LoraCheckpoint
@@ -47,7 +47,7 @@ def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
         shape, dtype = base.shape(name), base.dtype(name)
         if given is not None:  # in the base's dtype, as every merge here writes it
             return read("merge.path", given, name).to(dtype)
-        masks = drop_masks(cfg.merge, ctx.tasks, name, shape) if cfg.merge.method in DARE else None
+        masks = drop_masks(cfg.merge, ctx.tasks, name, shape) if method_class(cfg.merge).draws_masks else None
         rows = chunk_rows(shape, cfg.merge) if dtype.is_floating_point else None
         if rows is None:
             kept = None if masks is None else (lambda t: masks(t, 0, whole_tensor_rows(shape)))

@@ -321,3 +321,38 @@ def test_dare_ties_run_is_reproducible_and_a_new_seed_is_another_merge(tiny_exam
     first = merged("a", 42)
     assert merged("b", 42) == first
     assert merged("c", 7) != first
+
+
+def test_every_config_method_but_given_is_a_registered_merge():
+    from featcal.merging import CONFIG_METHODS, MADE_ELSEWHERE, METHODS
+
+    assert set(METHODS) == set(CONFIG_METHODS) - {MADE_ELSEWHERE}
+
+
+def test_the_registry_refuses_unknown_names_and_keys_and_parts_that_read_undeclared_keys():
+    from featcal.merging import MAGNITUDE, TaskArithmeticFamily, register, register_family
+
+    with pytest.raises(ValueError, match="merge.method does not accept it"):
+        register(type("Other", (TaskArithmeticFamily,), {"name": "other", "keys": ()}))
+    with pytest.raises(ValueError, match=r"reads \['lambda'\], which are not merge.\* keys"):
+        register(type("Ta", (TaskArithmeticFamily,), {"name": "task_arithmetic", "keys": ("scaling", "lambda")}))
+    with pytest.raises(ValueError, match=r"declares \['scaling'\] but its parts read \['scaling', 'ties_top_k'\]"):
+        register_family(type("Ta", (TaskArithmeticFamily,), {"name": "task_arithmetic", "keys": ("scaling",),
+                                                             "sparsifier": MAGNITUDE}))
+
+
+def test_a_method_is_handed_only_the_keys_it_declares():
+    """A key a method does not read cannot change its merge: task arithmetic ignores ties_top_k and the seed."""
+    from featcal.merging import merge_method
+
+    assert dict(merge_method(MergeConfig(method="dare_ties")).settings) == {
+        "scaling": 0.3, "density": 0.5, "seed": 42, "ties_merge": "sum"}
+    a = merged_tensor(BASE, stream, MergeConfig(scaling=0.4, ties_top_k=0.1, seed=1, wudi_steps=3))
+    assert torch.equal(a, merged_tensor(BASE, stream, MergeConfig(scaling=0.4)))
+
+
+def test_every_merge_method_has_a_model_card_tag():
+    from featcal.merging import CONFIG_METHODS
+    from featcal.model_card import MERGE_TAGS
+
+    assert set(MERGE_TAGS) == set(CONFIG_METHODS)
