@@ -35,7 +35,7 @@ from featcal.closed_form import (
     solve_norm_affine,
     solve_regmean_weight,
 )
-from featcal.config import FeatCalConfig
+from featcal.config import FeatCalConfig, check_registration
 from featcal.statistics import fit_sums, held_out_sums, linear_moments, linear_rows, norm_moments
 
 Side = Literal["merged", "expert"]
@@ -166,12 +166,7 @@ CONFIG_KEYS = frozenset(f.alias or name for name, f in FeatCalConfig.model_field
 
 def register(cls: type[CalibrationMethod]) -> type[CalibrationMethod]:
     """Make `cls` the method of `featcal.method: cls.name`; the config must accept that name and every key."""
-    if cls.name not in CONFIG_METHODS:
-        raise ValueError(f"calibration method {cls.name!r}: featcal.method does not accept it (FeatCalConfig.method "
-                         f"lists {', '.join(CONFIG_METHODS)})")
-    unknown = sorted(set(cls.keys) - CONFIG_KEYS)
-    if unknown:
-        raise ValueError(f"calibration method {cls.name!r} reads {unknown}, which are not featcal.* keys")
+    check_registration("calibration method", "featcal", CONFIG_METHODS, CONFIG_KEYS, cls.name, cls.keys)
     METHODS[cls.name] = cls
     return cls
 

@@ -398,6 +398,18 @@ class RunConfig(_Strict):
         return secrets.redact(self.model_dump(mode="json", by_alias=True))
 
 
+def check_registration(kind: str, section: str, listed: tuple[str, ...], known: frozenset[str], name: str,
+                       keys: tuple[str, ...], refused: tuple[str, ...] = ()) -> None:
+    """A method class registering under `section.method: name` (featcal.merging, featcal.calibration_methods): the
+    config must list the name (`listed`, and it must not be one handled elsewhere, `refused`), and every key it reads
+    must be one of `known`, the section's keys, so no key it does not declare can change its result."""
+    if name not in listed or name in refused:
+        raise ValueError(f"{kind} {name!r}: {section}.method does not accept it (the config lists {', '.join(listed)})")
+    unknown = sorted(set(keys) - known)
+    if unknown:
+        raise ValueError(f"{kind} {name!r} reads {unknown}, which are not {section}.* keys")
+
+
 def digest_of(obj: Any) -> str:
     """A stable short hash of JSON-able data (sorted keys)."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:32]

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, get_args
 import numpy as np
 import torch
 
-from featcal.config import MergeConfig
+from featcal.config import MergeConfig, check_registration
 from featcal.subspace_merges import TaskVectors, iso_c, iso_cts, tsv_m, wudi
 
 ExpertTensors = Callable[[], Iterator[torch.Tensor]]  # yields expert t's copy of one tensor, t in task order
@@ -138,12 +138,8 @@ CONFIG_KEYS = frozenset(MergeConfig.model_fields) - {"method", "path"}
 
 def register(cls: type[MergeMethod]) -> type[MergeMethod]:
     """Make `cls` the method of `merge.method: cls.name`; the config must accept that name and every key."""
-    if cls.name not in CONFIG_METHODS or cls.name == MADE_ELSEWHERE:
-        raise ValueError(f"merge method {cls.name!r}: merge.method does not accept it (MergeConfig.method lists "
-                         f"{', '.join(CONFIG_METHODS)})")
-    unknown = sorted(set(cls.keys) - CONFIG_KEYS)
-    if unknown:
-        raise ValueError(f"merge method {cls.name!r} reads {unknown}, which are not merge.* keys")
+    check_registration("merge method", "merge", CONFIG_METHODS, CONFIG_KEYS, cls.name, cls.keys,
+                       refused=(MADE_ELSEWHERE,))
     METHODS[cls.name] = cls
     return cls
 

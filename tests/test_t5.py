@@ -2,6 +2,7 @@
 the adapter's block-by-block forward, single-expert exactness over encoder and decoder, and drift falling."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -118,6 +119,17 @@ def test_adapter_blocks_reproduce_the_model():
         assert torch.allclose(have[real], want[real], atol=1e-5), float((have[real] - want[real]).abs().max())
 
 
+def _calibrated_deviations(cfg, run_dir: Path) -> list[float]:
+    """Run `cfg` into `run_dir`; the calibrated model's relative distance to the expert at every boundary,
+    teacher-forced on task0's own target column."""
+    run_pipeline(cfg, run_dir)
+    adapter = adapter_for(T5ForConditionalGeneration(t5_config()).config)
+    expert = task_model(cfg.experts["task0"])
+    calibrated = task_model(cfg.experts["task0"], CanonicalCheckpoint(run_dir / "calibrated", adapter))
+    rows = _rows(0, targets=True)
+    return _deviations(calibrated, expert, _teacher_forced(cfg.experts["task0"], rows, rows["target"]))
+
+
 @pytest.mark.parametrize("lam, exact", [(1e-9, True), (0.5, False)])
 def test_single_expert_exactness(tmp_path, lam, exact):
     """One expert, average merge (the statistics are the expert's own), α=1, λ→0 with the anchor pointing elsewhere
@@ -129,12 +141,7 @@ def test_single_expert_exactness(tmp_path, lam, exact):
     plumbing). Greedy targets are covered by the two-expert run."""
     cfg = _build(tmp_path, experts=1, targets=(0,), merge={"method": "average"},
                  featcal={"lambda": lam, "rho": 2.2, "alpha": 1.0})
-    run_pipeline(cfg, tmp_path / "run")
-    adapter = adapter_for(T5ForConditionalGeneration(t5_config()).config)
-    expert = task_model(cfg.experts["task0"])
-    calibrated = task_model(cfg.experts["task0"], CanonicalCheckpoint(tmp_path / "run" / "calibrated", adapter))
-    rows = _rows(0, targets=True)
-    deviation = _deviations(calibrated, expert, _teacher_forced(cfg.experts["task0"], rows, rows["target"]))
+    deviation = _calibrated_deviations(cfg, tmp_path / "run")
     if exact:
         assert max(deviation) < 1e-4, deviation
     else:
@@ -160,12 +167,7 @@ def test_greedy_targets_leave_the_decoder_unresolved_and_the_solve_says_so(tmp_p
     cfg = _build(tmp_path, experts=1, targets=(), merge={"method": "average"},
                  featcal={"lambda": 1e-9, "rho": 2.2, "alpha": 1.0})
     with caplog.at_level("WARNING", logger="featcal"):
-        run_pipeline(cfg, tmp_path / "run")
-    adapter = adapter_for(T5ForConditionalGeneration(t5_config()).config)
-    expert = task_model(cfg.experts["task0"])
-    calibrated = task_model(cfg.experts["task0"], CanonicalCheckpoint(tmp_path / "run" / "calibrated", adapter))
-    rows = _rows(0, targets=True)
-    deviation = _deviations(calibrated, expert, _teacher_forced(cfg.experts["task0"], rows, rows["target"]))
+        deviation = _calibrated_deviations(cfg, tmp_path / "run")
     assert max(deviation[:3]) < 1e-4 and min(deviation[4:]) > 0.1, deviation  # encoder exact, decoder far
     unresolved = _unresolved(tmp_path / "run")
     assert sorted(unresolved) == [2, 3]
