@@ -133,6 +133,26 @@ def _paired_with_start(correct: dict[str, Draws | None], tasks: list[str],
     return {"resamples": RESAMPLES, "seed": SEED, "comparisons": comparisons, "without_predictions": missing}
 
 
+def _paired_against(correct: dict[str, Draws | None], tasks: list[str],
+                    pairs: list[tuple[str, str]]) -> dict[str, Any]:
+    """Each row the study pairs with another (`against`: the same run without one option) against that row, on the
+    same test rows (and draws): the option's own effect (`paired.compared`). Pairs whose rows did not run are left
+    out; pairs missing per-example predictions are under `without_predictions`."""
+    comparisons, missing = [], []
+    for label, other in pairs:
+        if label not in correct or other not in correct:
+            continue
+        own, theirs = correct[label], correct[other]
+        if own is None or theirs is None:
+            missing.append(label)
+            continue
+        c = compared(own, theirs, tasks)
+        comparisons.append({"method": label, "against": other, "difference": c["difference"], "ci": c["ci"],
+                            "covers": c["covers"], "p_value": c["p_value"], "method_only_right": c["only_a_right"],
+                            "against_only_right": c["only_b_right"]})
+    return {"resamples": RESAMPLES, "seed": SEED, "comparisons": comparisons, "without_predictions": missing}
+
+
 def _add_changes_against_start(methods: list[dict[str, Any]], starts: dict[str, dict[str, Any]]) -> None:
     """Each calibrated row's per-task change against the row it started from (`_starting_rows`: its merge, or the run
     it calibrated), and its worst task: a task below 0 is one the calibration left behind."""
@@ -238,6 +258,9 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
         out["paired"] = _paired(correct, tasks, methods, study.paired_reference)
     if starts:
         out["paired_with_start"] = _paired_with_start(correct, tasks, starts)
+    against = [(r.label, r.against) for r in study.rows if r.against is not None]
+    if against:
+        out["paired_against"] = _paired_against(correct, tasks, against)
     for name in study.gains:  # the share of the 256-example gain over TA that 8 examples keep
         points = curve.get(name, {})
         if ta_avg is not None and 8 in points and FULL in points and points[FULL] != ta_avg:
@@ -328,6 +351,7 @@ def markdown(report: dict[str, Any], study: Study) -> str:
     lines += agreement_markdown(report)
     lines += paired_markdown(report)
     lines += start_markdown(report)
+    lines += against_markdown(report)
     lines += [
         "",
         "## Sample efficiency (average accuracy, %)",
@@ -481,6 +505,32 @@ def start_markdown(report: dict[str, Any]) -> list[str]:
                   "test on the rows of all tasks pooled." + _DRAWS_NOTE * drawn]
     if paired["without_predictions"]:
         lines += ["", "No per-example predictions for (or for the start of): "
+                  + ", ".join(paired["without_predictions"]) + "."]
+    return lines
+
+
+def against_markdown(report: dict[str, Any]) -> list[str]:
+    """The section of rows paired with the same run without one option: Δ = the row − that run."""
+    paired = report.get("paired_against")
+    if not paired or not (paired["comparisons"] or paired["without_predictions"]):
+        return []
+    drawn = _drawn(paired["comparisons"])
+    lines = ["", "## Paired comparisons: each option against the same run without it", ""]
+    if paired["comparisons"]:
+        lines += ["| method | without the option | Δ accuracy (points) [95 % CI] |" + (" CI covers |" if drawn else "")
+                  + " McNemar p | option right, other wrong | option wrong, other right |",
+                  "|---|---|---:|" + "---:|" * (3 + drawn)]
+        for c in paired["comparisons"]:
+            low, high = c["ci"]
+            lines.append(f"| {c['method']} | {c['against']} | {100 * c['difference']:+.1f} [{100 * low:+.1f}, "
+                         f"{100 * high:+.1f}] | " + (f"{c['covers']} | " if drawn else "")
+                         + f"{p_text(c['p_value'])} | {c['method_only_right']} | {c['against_only_right']} |")
+        lines += ["", "Δ is the row's task-averaged accuracy minus that of the same run without the option, on the "
+                      f"same test rows; the CI from a paired bootstrap of each task's rows ({paired['resamples']:,} "
+                      f"resamples, seed {paired['seed']}), McNemar's exact test on the rows of all tasks pooled."
+                  + _DRAWS_NOTE * drawn]
+    if paired["without_predictions"]:
+        lines += ["", "No per-example predictions for (or for the row it is paired with): "
                   + ", ".join(paired["without_predictions"]) + "."]
     return lines
 
