@@ -144,7 +144,7 @@ class FeatCalConfig(_Strict):
         False, description="after the body is calibrated, refit each task's own linear head (a classifier, zero-shot "
                            "class embeddings) so that on its calibration rows it maps the calibrated features to the "
                            "expert's logits, ridge towards the expert's head, λ from lambda_grid on held-out rows (no "
-                           "labels; docs/design.md §2.9); a head the tasks share (an LM head) is left")
+                           "labels; docs/design.md §2.11); a head the tasks share (an LM head) is left")
 
     @field_validator("lam")
     @classmethod

@@ -9,7 +9,7 @@ expert's logits on the same rows, the head (W, b) is refitted in closed form, in
 with n the rows, n_c = ‖X̃ᵀX̃/n‖_F (so λ is relative to the features' scale, as the body's λ is to ‖C_ss‖_F) and
 (W_e, b_e) the expert's head; the bias is not pulled (a head without a bias, CLIP's zero-shot class embeddings,
 drops the column of ones). λ is chosen from a grid on held-out examples, as the body's `auto` (docs/design.md §2.8).
-Derivation and tests: docs/design.md §2.9, tests/test_head_refit.py."""
+Derivation and tests: docs/design.md §2.11, tests/test_head_refit.py."""
 
 from __future__ import annotations
 

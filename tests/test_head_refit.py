@@ -5,14 +5,19 @@ held-out λ choice against a loop over the grid, and the tiny BERT example end t
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import BertConfig
 
+from featcal.adapters import adapter_for
 from featcal.head_refit import held_out_folds, refit_head, solve_head
 from flows.pipeline import run_pipeline
 from storage.rundir import RunDir
 from tasks.boundary import stored_inputs
 from tasks.context import RunContext
 from tasks.evaluate import _task_model
+from tasks.head_refit import shared_head
 from tests.conftest import example_config
+from tests.llm_fixture import llm_config
+from tests.t5_fixture import t5_config
 
 N, D, C = 30, 6, 4
 
@@ -139,3 +144,11 @@ def test_the_tiny_example_refit_brings_every_tasks_logits_closer_to_its_experts(
         assert recorded[t]["rows"] == 64 and recorded[t]["lambda"] in (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
         assert recorded[t]["logit_error_before"] == pytest.approx(plain[t], abs=1e-4)  # the stage's own float64 figures
         assert recorded[t]["logit_error_after"] == pytest.approx(error, abs=1e-4)
+
+
+def test_a_head_every_task_shares_is_left_and_said_so():
+    """A decoder's LM head (merged with the body) and T5's have no per-task head to refit; BERT's classifier is one."""
+    for config in (llm_config(64), t5_config()):
+        why = shared_head(adapter_for(config))
+        assert why is not None and "merged LM head, shared by all tasks; it is left as merged" in why
+    assert shared_head(adapter_for(BertConfig(architectures=["BertForSequenceClassification"]))) is None
