@@ -62,17 +62,23 @@ def main() -> None:
     parser.add_argument("--bench", required=True, type=Path, help="a built `demo` benchmark directory")
     parser.add_argument("--draws", type=int, default=4, help="draws of the 8-example runs' calibration rows")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "head_refit_demo.md")
+    parser.add_argument("--report-only", action="store_true",
+                        help="no runs: the report of the results already under BENCH/results (those runs missing are "
+                             "left out, and the draws found are counted)")
     args = parser.parse_args()
     bench = args.bench.resolve()
     study_path = bench / "head_refit_demo_study.yaml"
     write_bytes(study_path, yaml.safe_dump(STUDY, sort_keys=False, allow_unicode=True).encode())
     started = time.time()
-    run_stages(bench, FULL_RUNS, None, direct_call, str(study_path))
-    run_stages(bench, FEW_RUNS, None, direct_call, str(study_path), args.draws)
+    if not args.report_only:
+        run_stages(bench, FULL_RUNS, None, direct_call, str(study_path))
+        run_stages(bench, FEW_RUNS, None, direct_call, str(study_path), args.draws)
     study = load_study(study_path)
     found = {p.stem: None for p in (bench / "results").glob("*.json")}
-    names = [*FULL_RUNS, *(d for r in FEW_RUNS for d in draws_of(found, r)[:args.draws])]
+    names = [*(r for r in FULL_RUNS if r in found),
+             *(d for r in FEW_RUNS if r in found for d in draws_of(found, r)[:args.draws])]
     results = {r: read_json(bench / "results" / f"{r}.json") for r in names}
+    draws = max((len(draws_of(found, r)[:args.draws]) for r in FEW_RUNS if r in found), default=0)
     recipe = recipe_of(bench)
     spec = recipe.spec.load(bench)
     report = build_report(results, spec.tasks, {"title": "featcal.head_refit on the 3-task MiniLM demo"}, study)
@@ -80,7 +86,7 @@ def main() -> None:
               f"{time.strftime('%Y-%m-%d')}, code {commit_of(ROOT)}, {(time.time() - started) / 60:.0f} min "
               f"(cached runs included).\n\nCommand: `{command_line()}`.\n\nThe demo's calibration pool holds 64 "
               "examples a task: the rows without '8 examples' use all 64 (so they have one draw); test: each task's "
-              f"500 rows. The 8-example rows ran on {args.draws} draws of their calibration rows.\n")
+              f"500 rows. The 8-example rows ran on {draws} draws of their calibration rows.\n")
     text = markdown(report, study).split("\n## Sample efficiency")[0]  # this study has no sample curves
     text = text.replace("\n\n", "\n\n" + header + "\n", 1)
     write_bytes(args.out, text.encode())
