@@ -8,8 +8,10 @@ from safetensors.torch import load_file
 from transformers import BertConfig
 
 from featcal.adapters import adapter_for
+from featcal.config import config_from_dict
 from featcal.head_refit import held_out_folds, refit_head, solve_head
 from flows.pipeline import run_pipeline
+from storage.checkpoint import read_metadata
 from storage.rundir import RunDir
 from tasks.boundary import stored_inputs
 from tasks.context import RunContext
@@ -18,6 +20,7 @@ from tasks.head_refit import shared_head
 from tests.conftest import example_config
 from tests.llm_fixture import llm_config
 from tests.t5_fixture import t5_config
+from tests.test_zeroshot import NAMES, _head_less_config
 
 N, D, C = 30, 6, 4
 
@@ -152,3 +155,31 @@ def test_a_head_every_task_shares_is_left_and_said_so():
         why = shared_head(adapter_for(config))
         assert why is not None and "merged LM head, shared by all tasks; it is left as merged" in why
     assert shared_head(adapter_for(BertConfig(architectures=["BertForSequenceClassification"]))) is None
+
+
+def test_zero_shot_class_embeddings_are_refitted_and_read_by_the_evaluation(tmp_path):
+    """Head-less CLIP experts with zero-shot heads: the class embeddings (no bias) are the refitted weight, the rest of
+    the head file (projection, scale, metadata) stays; the evaluate stage's calibrated model reads the refitted head,
+    and its logits on the calibration rows are as close to the expert's as the assemble record says."""
+    raw = _head_less_config(tmp_path, experts=2)
+    raw["zero_shot"]["class_names"] = {task: NAMES[:4] for task in raw["experts"]}
+    raw["evaluation"]["enabled"] = False
+    raw["runtime"]["keep_activations"] = True
+    raw["featcal"]["head_refit"] = True
+    run_pipeline(config_from_dict(raw, tmp_path), tmp_path / "run")
+    ctx, recorded = RunContext(tmp_path / "run"), RunDir(tmp_path / "run").stage_records()["assemble"]["info"]
+    for task in ctx.tasks:
+        merged, refit = (tmp_path / "run" / side / "heads" / f"{task}.safetensors" for side in ("merged", "calibrated"))
+        before, after = load_file(merged), load_file(refit)
+        assert read_metadata(refit) == read_metadata(merged)
+        assert not torch.equal(after["class_embeddings"], before["class_embeddings"])
+        assert all(torch.equal(after[k], before[k]) for k in before if k != "class_embeddings")
+        info = recorded["head_refit"][task]
+        assert info["logit_error_after"] < info["logit_error_before"]
+        expert, calibrated = _task_model(ctx, task, "expert"), _task_model(ctx, task, "calibrated")
+        diff = ref = 0.0
+        with torch.inference_mode():
+            for batch in stored_inputs(ctx, task):
+                z, y = (m(pixel_values=batch["pixel_values"]).logits.double() for m in (expert, calibrated))
+                diff, ref = diff + float(((y - z) ** 2).sum()), ref + float((z**2).sum())
+        assert (diff / ref) ** 0.5 == pytest.approx(info["logit_error_after"], abs=1e-5)
