@@ -62,6 +62,8 @@ def main() -> None:
     parser.add_argument("--bench", required=True, type=Path, help="a built `demo` benchmark directory")
     parser.add_argument("--draws", type=int, default=4, help="draws of the 8-example runs' calibration rows")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "head_refit_demo.md")
+    parser.add_argument("--only", choices=("full", "few"), help="run only the 64-example runs, or only the 8-example "
+                        "ones (two copies of a bench can then run at once; copy one's results/ into the other's)")
     parser.add_argument("--report-only", action="store_true",
                         help="no runs: the report of the results already under BENCH/results (those runs missing are "
                              "left out, and the draws found are counted)")
@@ -70,8 +72,9 @@ def main() -> None:
     study_path = bench / "head_refit_demo_study.yaml"
     write_bytes(study_path, yaml.safe_dump(STUDY, sort_keys=False, allow_unicode=True).encode())
     started = time.time()
-    if not args.report_only:
+    if not args.report_only and args.only != "few":
         run_stages(bench, FULL_RUNS, None, direct_call, str(study_path))
+    if not args.report_only and args.only != "full":
         run_stages(bench, FEW_RUNS, None, direct_call, str(study_path), args.draws)
     study = load_study(study_path)
     found = {p.stem: None for p in (bench / "results").glob("*.json")}
@@ -87,6 +90,10 @@ def main() -> None:
               f"(cached runs included).\n\nCommand: `{command_line()}`.\n\nThe demo's calibration pool holds 64 "
               "examples a task: the rows without '8 examples' use all 64 (so they have one draw); test: each task's "
               f"500 rows. The 8-example rows ran on {draws} draws of their calibration rows.\n")
+    if args.report_only:
+        header += ("\nThis report read the results already there: the runs were `--only full` on this bench and "
+                   f"`--only few --draws {args.draws}` on a copy of it at the same time, whose results/ were copied "
+                   "here.\n")
     text = markdown(report, study).split("\n## Sample efficiency")[0]  # this study has no sample curves
     text = text.replace("\n\n", "\n\n" + header + "\n", 1)
     write_bytes(args.out, text.encode())
