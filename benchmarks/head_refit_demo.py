@@ -85,15 +85,18 @@ def main() -> None:
     recipe = recipe_of(bench)
     spec = recipe.spec.load(bench)
     report = build_report(results, spec.tasks, {"title": "featcal.head_refit on the 3-task MiniLM demo"}, study)
+    took = "" if args.report_only else f", {(time.time() - started) / 60:.0f} min (cached runs included)"
+    few = (f"The 8-example rows ran on {draws} draw{'s' * (draws > 1)} of their calibration rows." if draws else
+           "No 8-example run finished.")
     header = (f"Host: {cpu_line()}, shared with other jobs (accuracies do not depend on load). "
-              f"{time.strftime('%Y-%m-%d')}, code {commit_of(ROOT)}, {(time.time() - started) / 60:.0f} min "
-              f"(cached runs included).\n\nCommand: `{command_line()}`.\n\nThe demo's calibration pool holds 64 "
-              "examples a task: the rows without '8 examples' use all 64 (so they have one draw); test: each task's "
-              f"500 rows. The 8-example rows ran on {draws} draws of their calibration rows.\n")
+              f"{time.strftime('%Y-%m-%d')}, code {commit_of(ROOT)}{took}.\n\nCommand: `{command_line()}`.\n\n"
+              "The demo's calibration pool holds 64 examples a task: the rows without '8 examples' use all 64 (so "
+              f"they have one draw); test: each task's 500 rows. {few}\n")
     if args.report_only:
-        header += ("\nThis report read the results already there: the runs were `--only full` on this bench and "
-                   f"`--only few --draws {args.draws}` on a copy of it at the same time, whose results/ were copied "
-                   "here.\n")
+        header += ("\nThis report read the results already there: to finish in time on a busy machine, the runs "
+                   "were spread over two copies of the bench at once (`--only full` on one, `--only few` on the "
+                   "other, each stopped after the last run that could finish in time), their results/ copied into "
+                   "one.")
     text = markdown(report, study).split("\n## Sample efficiency")[0]  # this study has no sample curves
     text = text.replace("\n\n", "\n\n" + header + "\n", 1)
     write_bytes(args.out, text.encode())
