@@ -95,8 +95,8 @@ def main() -> None:
     if args.report_only:
         header += ("\nThis report read the results already there: to finish in time on a busy machine, the runs "
                    "were spread over two copies of the bench at once (`--only full` on one, `--only few` on the "
-                   "other, each stopped after the last run that could finish in time), their results/ copied into "
-                   "one.")
+                   "other for draws 0 and 1, and the further draws as `python -m featcal_bench.method BENCH RUN "
+                   "STUDY`, the process `bench run` starts for each run), their results/ copied into one.")
     text = markdown(report, study).split("\n## Sample efficiency")[0]  # this study has no sample curves
     text = text.replace("\n\n", "\n\n" + header + "\n", 1)
     write_bytes(args.out, text.encode())
