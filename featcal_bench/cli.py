@@ -50,6 +50,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--runs", nargs="+", help="method runs to do (default: all; each recipe's run matrix, "
                                                 "featcal_bench/NAME/; a wrong name lists the known ones)")
     run.add_argument("--report-dir", help="also copy the report files here (default: only in BENCH_DIR)")
+    run.add_argument("--draws", type=int, default=1, metavar="N",
+                     help="run every calibration method on N draws of its calibration rows (seeds calibration.seed, "
+                          "+1, …, +N−1); the report gives each calibrated row's spread over them and paired "
+                          "intervals over test rows and draws (default 1)")
     run.add_argument(
         "--study",
         metavar="FILE",
@@ -94,7 +98,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.study:
         study = str(Path(args.study).resolve())
         load_study(study)  # a bad study is named in one line before Prefect starts
-    records = stages.run_flow(str(bench), args.runs, args.report_dir, study)
+    if args.draws < 1:
+        raise ValueError(f"--draws: must be >= 1, got {args.draws}")
+    records = stages.run_flow(str(bench), args.runs, args.report_dir, study, args.draws)
     print((bench / next(r for r in records["report"]["outputs"] if r.endswith(".md"))).read_text())
     return 0
 

@@ -24,7 +24,7 @@ import torch
 from featcal.config import config_from_dict
 from featcal_bench.builtin import recipe_of
 from featcal_bench.protect import head_check, raised_weights
-from featcal_bench.runs import SURGERY_METHODS, MethodRun, run_dir
+from featcal_bench.runs import SURGERY_METHODS, MethodRun, drawn, is_drawn, run_dir, split_draw
 from featcal_bench.study import load_study
 from featcal_bench.surgery_run import surgery_result
 from storage.atomic import read_json, write_json
@@ -94,9 +94,10 @@ def run_method(bench: Path, name: str, study: str | None = None) -> dict[str, An
     recipe = recipe_of(bench)
     spec = recipe.spec.load(bench)
     runs = recipe.runs(spec, load_study(study or recipe.study))
-    if name not in runs:
+    base, draw = split_draw(name)
+    if base not in runs or (draw and not is_drawn(runs[base])):
         raise ValueError(f"unknown {spec.name} run {name!r}; known: {sorted(runs)}")
-    run = runs[name]
+    run = drawn(runs[base], draw, runs) if draw else runs[base]
     for need in run.needs:
         if not (bench / "results" / f"{need}.json").is_file():
             raise FileNotFoundError(f"run {name} needs run {need}, which has not run here "
@@ -104,6 +105,8 @@ def run_method(bench: Path, name: str, study: str | None = None) -> dict[str, An
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
     raw = recipe.run_config(bench, spec, run)
+    if run.draw:  # another draw of the calibration rows
+        raw["calibration"]["seed"] = raw["calibration"].get("seed", 42) + run.draw
     if run.protect is not None:
         raw["featcal"]["task_weights"] = raised_weights(head_check(bench, run.protect))
     method = run.method
@@ -120,7 +123,8 @@ def timed_result(bench: Path, name: str, run: MethodRun, compute: Callable[[], d
     started = time.perf_counter()
     result = compute()
     result.update(run=name, merge=run.merge, scaling=run.scaling, method=run.method, examples=run.examples,
-                  start=run.start, protect=run.protect, process_seconds=round(time.perf_counter() - started, 2),
+                  start=run.start, protect=run.protect, draw=run.draw,
+                  process_seconds=round(time.perf_counter() - started, 2),
                   process_peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
     write_json(bench / "results" / f"{name}.json", result)
     return result

@@ -15,6 +15,7 @@ from scipy.stats import binomtest
 
 RESAMPLES = 10_000
 SEED = 0
+Correct = Mapping[str, Sequence[bool]]  # per task, whether each test row was right
 
 
 def mcnemar(a_correct: Sequence[bool], b_correct: Sequence[bool]) -> dict[str, float | int]:
@@ -33,6 +34,18 @@ def mcnemar(a_correct: Sequence[bool], b_correct: Sequence[bool]) -> dict[str, f
     return {"only_a_right": only_a, "only_b_right": only_b, "p_value": float(p)}
 
 
+def _check_pair(a_correct_by_task: Correct, b_correct_by_task: Correct) -> None:
+    """Refuse two results that are not on the same tasks and test rows, in one line."""
+    if a_correct_by_task.keys() != b_correct_by_task.keys() or not a_correct_by_task:
+        raise ValueError(f"both methods need the same, non-empty set of tasks: {sorted(a_correct_by_task)} vs "
+                         f"{sorted(b_correct_by_task)}")
+    for task, a_correct in a_correct_by_task.items():
+        a, b = np.asarray(a_correct, dtype=bool), np.asarray(b_correct_by_task[task], dtype=bool)
+        if a.shape != b.shape or a.ndim != 1 or not len(a):
+            raise ValueError(f"task {task!r}: paired correctness must be two flat, non-empty sequences of one "
+                             f"length, got shapes {a.shape} and {b.shape}")
+
+
 def paired_bootstrap(a_correct_by_task: Mapping[str, Sequence[bool]], b_correct_by_task: Mapping[str, Sequence[bool]],
                      resamples: int = RESAMPLES, seed: int = SEED) -> dict[str, float | list[float]]:
     """Task-averaged accuracy of a minus that of b (`difference`), with its 95 % percentile interval (`ci`) from a
@@ -41,16 +54,11 @@ def paired_bootstrap(a_correct_by_task: Mapping[str, Sequence[bool]], b_correct_
 
     The draws are reproducible: `numpy.random.default_rng(seed)`, then for each task in `a_correct_by_task`'s order
     one `integers(0, rows, size=(resamples, rows))` matrix of row indices, resample by resample."""
-    if a_correct_by_task.keys() != b_correct_by_task.keys() or not a_correct_by_task:
-        raise ValueError(f"both methods need the same, non-empty set of tasks: {sorted(a_correct_by_task)} vs "
-                         f"{sorted(b_correct_by_task)}")
+    _check_pair(a_correct_by_task, b_correct_by_task)
     rng = np.random.default_rng(seed)
     difference, resampled = 0.0, np.zeros(resamples)
     for task, a_correct in a_correct_by_task.items():
         a, b = np.asarray(a_correct, dtype=bool), np.asarray(b_correct_by_task[task], dtype=bool)
-        if a.shape != b.shape or a.ndim != 1 or not len(a):
-            raise ValueError(f"task {task!r}: paired correctness must be two flat, non-empty sequences of one "
-                             f"length, got shapes {a.shape} and {b.shape}")
         per_row = a.astype(np.int8) - b.astype(np.int8)  # the mean of the row differences is the accuracy difference
         difference += per_row.mean()
         resampled += per_row[rng.integers(0, len(per_row), size=(resamples, len(per_row)))].mean(axis=1)
@@ -59,11 +67,52 @@ def paired_bootstrap(a_correct_by_task: Mapping[str, Sequence[bool]], b_correct_
     return {"difference": float(difference / tasks), "ci": [float(low), float(high)]}
 
 
-def compared(a: Mapping[str, Sequence[bool]], b: Mapping[str, Sequence[bool]], tasks: Sequence[str]) -> dict[str, Any]:
-    """a's task-averaged accuracy minus b's with its paired-bootstrap interval, and McNemar's test on the rows of
-    all tasks pooled (`only_a_right`, `only_b_right`, `p_value`)."""
-    test = mcnemar([c for t in tasks for c in a[t]], [c for t in tasks for c in b[t]])
-    return {**paired_bootstrap(a, b, RESAMPLES, SEED), **test}
+def paired_bootstrap_draws(a_draws: Sequence[Correct], b_draws: Sequence[Correct], resamples: int = RESAMPLES,
+                           seed: int = SEED) -> dict[str, float | list[float]]:
+    """`paired_bootstrap` over test rows and calibration draws, each method given as its K draws (draw k of both ran
+    on the same calibration rows) or as one (a method no draw changes: a merge, the experts). `difference` is the mean
+    over draws of the task-averaged accuracy difference; each resample first picks a draw k uniformly, the same k
+    for both methods, then redraws every task's rows as `paired_bootstrap` does, so the interval also covers which
+    calibration rows were drawn. One draw each: `paired_bootstrap` itself, to the bit.
+
+    The draws: `numpy.random.default_rng(seed)`, then `integers(0, K, size=resamples)` for the draws, then for each
+    task in a's order one `integers(0, rows, size=(resamples, rows))` matrix of row indices."""
+    k = max(len(a_draws), len(b_draws))
+    if k == 1:
+        return paired_bootstrap(a_draws[0], b_draws[0], resamples, seed)
+    if {len(a_draws), len(b_draws)} - {1, k}:
+        raise ValueError(f"paired draws: {len(a_draws)} against {len(b_draws)}; expected as many, or one")
+    for i in range(k):
+        _check_pair(a_draws[i % len(a_draws)], b_draws[i % len(b_draws)])
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, k, size=resamples)
+    difference, resampled = 0.0, np.zeros(resamples)
+    for task in a_draws[0]:
+        per_row = np.stack([np.asarray(a_draws[i % len(a_draws)][task], dtype=np.int8)
+                            - np.asarray(b_draws[i % len(b_draws)][task], dtype=np.int8) for i in range(k)])
+        difference += per_row.mean()
+        rows = per_row.shape[1]
+        resampled += per_row[picks[:, None], rng.integers(0, rows, size=(resamples, rows))].mean(axis=1)
+    tasks = len(a_draws[0])
+    low, high = np.percentile(resampled / tasks, [2.5, 97.5])
+    return {"difference": float(difference / tasks), "ci": [float(low), float(high)]}
+
+
+def covered(a_draws: Sequence[Correct], b_draws: Sequence[Correct]) -> str:
+    """What a paired interval covers: the test rows, or the test rows and the calibration draws."""
+    k = max(len(a_draws), len(b_draws))
+    return "test rows" if k == 1 else f"test rows and {k} calibration draws"
+
+
+def compared(a: Correct | Sequence[Correct], b: Correct | Sequence[Correct], tasks: Sequence[str]) -> dict[str, Any]:
+    """a's task-averaged accuracy minus b's with its paired-bootstrap interval (`covers` says over what), and
+    McNemar's test on the rows of all tasks pooled (`only_a_right`, `only_b_right`, `p_value`). a and b are one
+    result each, or a list of draws (`paired_bootstrap_draws`); McNemar's test then reads the first draw of each (its
+    rows are independent only within one draw)."""
+    a_draws = [a] if isinstance(a, Mapping) else list(a)
+    b_draws = [b] if isinstance(b, Mapping) else list(b)
+    test = mcnemar([c for t in tasks for c in a_draws[0][t]], [c for t in tasks for c in b_draws[0][t]])
+    return {**paired_bootstrap_draws(a_draws, b_draws, RESAMPLES, SEED), **test, "covers": covered(a_draws, b_draws)}
 
 
 def p_text(p: float) -> str:

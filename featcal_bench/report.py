@@ -20,7 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from featcal_bench.paired import RESAMPLES, SEED, compared, p_text  # noqa: E402
-from featcal_bench.runs import FULL, SAMPLE_SIZES  # noqa: E402
+from featcal_bench.runs import FULL, SAMPLE_SIZES, draw_name  # noqa: E402
 from featcal_bench.study import Curve, Study  # noqa: E402
 from storage.atomic import write_bytes, write_json  # noqa: E402
 
@@ -36,6 +36,23 @@ def _standard_error(accuracies: dict[str, float], rows: int | Mapping[str, int])
     return sum(a * (1 - a) / count[t] for t, a in accuracies.items()) ** 0.5 / len(accuracies)
 
 
+def draws_of(results: Mapping[str, Any], run: str) -> list[str]:
+    """Run `run` and its further draws of calibration rows present in `results` (`featcal bench run --draws`), in
+    draw order: [run, run_draw1, …]."""
+    found = [run]
+    while draw_name(run, len(found)) in results:
+        found.append(draw_name(run, len(found)))
+    return found
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """Values over draws: their count, the values, mean, sample standard deviation (n − 1), min and max."""
+    mean = _mean(list(values))
+    sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+    return {"count": len(values), "values": list(values), "mean": mean, "sd": sd, "min": min(values),
+            "max": max(values)}
+
+
 def correct_rows(result: dict[str, Any], model: str, tasks: list[str]) -> dict[str, list[bool]] | None:
     """Per task, whether `model` got each test row right, in row order; None when the run kept no per-example
     predictions for it (results written before they were kept, or a task missing)."""
@@ -45,10 +62,14 @@ def correct_rows(result: dict[str, Any], model: str, tasks: list[str]) -> dict[s
     return {t: [p == y for p, y in zip(predictions[t][model], labels[t], strict=True)] for t in tasks}
 
 
-def _paired(correct: dict[str, dict[str, list[bool]] | None], tasks: list[str],
+Draws = list[dict[str, list[bool]]]  # a row's per-task correctness, one entry per draw of its calibration rows
+
+
+def _paired(correct: dict[str, Draws | None], tasks: list[str],
             rows: list[dict[str, Any]], label: str) -> dict[str, Any]:
-    """Row `label` (TA + FeatCal) against every other method row on the same test rows (`paired.compared`). Rows
-    without per-example predictions (its own included) are listed under `without_predictions`."""
+    """Row `label` (TA + FeatCal) against every other method row on the same test rows (`paired.compared`), over its
+    draws too where it has several. Rows without per-example predictions (its own included) are listed under
+    `without_predictions`."""
     reference = correct.get(label)
     comparisons = []
     for row in rows:
@@ -57,10 +78,22 @@ def _paired(correct: dict[str, dict[str, list[bool]] | None], tasks: list[str],
             continue
         c = compared(reference, other, tasks)
         comparisons.append({"method": row["method"], "run": row["run"], "model": row["model"],
-                            "difference": c["difference"], "ci": c["ci"], "p_value": c["p_value"],
-                            "featcal_only_right": c["only_a_right"], "other_only_right": c["only_b_right"]})
+                            "difference": c["difference"], "ci": c["ci"], "covers": c["covers"],
+                            "p_value": c["p_value"], "featcal_only_right": c["only_a_right"],
+                            "other_only_right": c["only_b_right"]})
     return {"reference": label, "resamples": RESAMPLES, "seed": SEED, "comparisons": comparisons,
             "without_predictions": [m for m, c in correct.items() if c is None]}
+
+
+def _correct_draws(results: dict[str, dict[str, Any]], row: dict[str, Any], tasks: list[str]) -> Draws | None:
+    """A row's per-task correctness on every draw of its run (`draws_of`; one for a row no draw changes); only the
+    first where a draw kept no per-example predictions; None where the first kept none."""
+    runs = draws_of(results, row["run"]) if row["model"] == "calibrated" else [row["run"]]
+    found = [c for c in (correct_rows(results[r], row["model"], tasks) for r in runs) if c is not None]
+    if len(found) == len(runs):
+        return found
+    first = correct_rows(results[runs[0]], row["model"], tasks)
+    return None if first is None else [first]
 
 
 def _starting_rows(methods: list[dict[str, Any]], results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -82,7 +115,7 @@ def _starting_rows(methods: list[dict[str, Any]], results: dict[str, dict[str, A
     return starts
 
 
-def _paired_with_start(correct: dict[str, dict[str, list[bool]] | None], tasks: list[str],
+def _paired_with_start(correct: dict[str, Draws | None], tasks: list[str],
                        starts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Each calibrated row against the row it started from (`_starting_rows`), on the same test rows: what the
     calibration itself changed (`paired.compared`); pairs missing per-example predictions under
@@ -95,8 +128,28 @@ def _paired_with_start(correct: dict[str, dict[str, list[bool]] | None], tasks: 
             continue
         c = compared(own, started, tasks)
         comparisons.append({"method": method, "start": start["method"], "difference": c["difference"], "ci": c["ci"],
-                            "p_value": c["p_value"], "calibrated_only_right": c["only_a_right"],
+                            "covers": c["covers"], "p_value": c["p_value"], "calibrated_only_right": c["only_a_right"],
                             "start_only_right": c["only_b_right"]})
+    return {"resamples": RESAMPLES, "seed": SEED, "comparisons": comparisons, "without_predictions": missing}
+
+
+def _paired_against(correct: dict[str, Draws | None], tasks: list[str],
+                    pairs: list[tuple[str, str]]) -> dict[str, Any]:
+    """Each row the study pairs with another (`against`: the same run without one option) against that row, on the
+    same test rows (and draws): the option's own effect (`paired.compared`). Pairs whose rows did not run are left
+    out; pairs missing per-example predictions are under `without_predictions`."""
+    comparisons, missing = [], []
+    for label, other in pairs:
+        if label not in correct or other not in correct:
+            continue
+        own, theirs = correct[label], correct[other]
+        if own is None or theirs is None:
+            missing.append(label)
+            continue
+        c = compared(own, theirs, tasks)
+        comparisons.append({"method": label, "against": other, "difference": c["difference"], "ci": c["ci"],
+                            "covers": c["covers"], "p_value": c["p_value"], "method_only_right": c["only_a_right"],
+                            "against_only_right": c["only_b_right"]})
     return {"resamples": RESAMPLES, "seed": SEED, "comparisons": comparisons, "without_predictions": missing}
 
 
@@ -170,6 +223,9 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
             row["normalized"] = avg / expert_avg
         if expert_avg is not None and ta_avg is not None and expert_avg != ta_avg:
             row["gap_closed"] = (avg - ta_avg) / (expert_avg - ta_avg)
+        if model == "calibrated" and len(draws_of(results, run)) > 1:  # its spread over calibration draws
+            scored = [acc(r, model) for r in draws_of(results, run)]
+            row["draws"] = spread([_mean(list(a.values())) for a in scored if a is not None])
         if cost_kind is not None:
             cost = results[run]["cost"]
             row["seconds"] = cost["merge_seconds"] if cost_kind == "merge" else _seconds_from_experts(results, run)
@@ -179,27 +235,42 @@ def build_report(results: dict[str, dict[str, Any]], tasks: list[str], meta: dic
     starts = _starting_rows(methods, results)
     _add_changes_against_start(methods, starts)
     _agreement_with_experts(results, methods, tasks, study.reference)
-    curve = {}
+    curve: dict[str, dict[int, float]] = {}
+    curve_draws: dict[str, dict[int, list[float]]] = {}  # per curve and size, each draw's average
     for name, line in study.curves.items():
         points = {}
-        for n in SAMPLE_SIZES:
-            per_task = acc(_sample_run(line.run, n), "calibrated")
-            if per_task is not None:
-                points[n] = _mean(list(per_task.values()))
+        for n in SAMPLE_SIZES:  # with draws, each point is their mean
+            drawn = [acc(r, "calibrated") for r in draws_of(results, _sample_run(line.run, n))]
+            averages = [_mean(list(a.values())) for a in drawn if a is not None]
+            if averages:
+                points[n] = _mean(averages)
+                if len(averages) > 1:
+                    curve_draws.setdefault(name, {})[n] = averages
         if points:
             curve[name] = points
     out: dict[str, Any] = {**meta, "tasks": tasks, "methods": methods, "sample_efficiency": curve}
+    if curve_draws:
+        out["sample_efficiency_draws"] = curve_draws
     if experts and ta:
         out["gaps"] = {t: experts[t] - ta[t] for t in tasks}
-    correct = {r["method"]: correct_rows(results[r["run"]], r["model"], tasks) for r in methods}
+    correct = {r["method"]: _correct_draws(results, r, tasks) for r in methods}
     if any(row["method"] == study.paired_reference for row in methods):
         out["paired"] = _paired(correct, tasks, methods, study.paired_reference)
     if starts:
         out["paired_with_start"] = _paired_with_start(correct, tasks, starts)
+    against = [(r.label, r.against) for r in study.rows if r.against is not None]
+    if against:
+        out["paired_against"] = _paired_against(correct, tasks, against)
     for name in study.gains:  # the share of the 256-example gain over TA that 8 examples keep
         points = curve.get(name, {})
         if ta_avg is not None and 8 in points and FULL in points and points[FULL] != ta_avg:
-            out[f"{name}_8_of_256_gain"] = (points[8] - ta_avg) / (points[FULL] - ta_avg)
+            at_8 = curve_draws.get(name, {}).get(8, [points[8]])
+            at_full = curve_draws.get(name, {}).get(FULL, [points[FULL]])
+            # draw k at 8 examples against draw k at 256 (its only one where 256 has one); with draws, their mean
+            shares = [(v - ta_avg) / (at_full[k % len(at_full)] - ta_avg) for k, v in enumerate(at_8)]
+            out[f"{name}_8_of_256_gain"] = _mean(shares)
+            if len(shares) > 1:
+                out[f"{name}_8_of_256_gain_draws"] = spread(shares)
     if study.reference in results:
         out["drift"] = results[study.reference].get("drift", {})
     if study.choices is not None and results.get(study.choices.run, {}).get("chosen"):
@@ -239,20 +310,23 @@ def language_model_report(results: dict[str, dict[str, Any]], tasks: list[str], 
 def markdown(report: dict[str, Any], study: Study) -> str:
     tasks = report["tasks"]
     paper = any("paper" in row for row in report["methods"])  # a column of published figures, after ours
+    draws = max((row["draws"]["count"] for row in report["methods"] if "draws" in row), default=0)
     lines = [f"# {report.get('title', 'Benchmark')}", ""]
     lines += [str(report[k]) for k in ("about",) if k in report] + [""]
-    lines.append("| method | " + " | ".join(tasks) + " | average |" + (" paper |" if paper else "")
+    lines.append("| method | " + " | ".join(tasks) + " | average |"
+                 + (f" over {draws} draws: mean ± sd [min–max] |" if draws else "") + (" paper |" if paper else "")
                  + " normalized | gap closed | worst task vs its merge | time (s) | peak RSS (MiB) |")
-    lines.append("|---|" + "---:|" * (len(tasks) + 6 + paper))
+    lines.append("|---|" + "---:|" * (len(tasks) + 6 + paper + bool(draws)))
     if "gaps" in report:
         gaps = [report["gaps"][t] for t in tasks]  # then their average, under "average"; the other columns empty
         lines.append("| *gap (expert − TA)* | " + " | ".join(f"*{100 * g:+.1f}*" for g in [*gaps, _mean(gaps)])
-                     + " |" * (6 + paper))
+                     + " |" * (6 + paper + bool(draws)))
     for row in report["methods"]:
         cells = [f"{100 * row['accuracy'][t]:.1f}" for t in tasks]
         extra = [
             f"{100 * row['average']:.1f}"
             + (f" ± {100 * row['standard_error']:.1f}" if "standard_error" in row else ""),
+            *([_spread_cell(row.get("draws"))] if draws else []),
             *([f"{100 * row['paper']:.1f}" if "paper" in row else ""] if paper else []),
             f"{100 * row['normalized']:.1f}" if "normalized" in row else "",
             f"{100 * row['gap_closed']:.1f} %" if "gap_closed" in row else "",
@@ -264,6 +338,10 @@ def markdown(report: dict[str, Any], study: Study) -> str:
     if "gaps" in report:
         lines += ["", "*gap (expert − TA)*: the experts' accuracy minus task arithmetic's, in points, per task and "
                       "on average: what calibration can win back."]
+    if draws:
+        lines += ["", f"Each calibrated row also ran on further draws of its calibration rows (`--draws {draws}`: "
+                      "calibration.seed, +1, …); *over draws* is the task-averaged accuracy's mean, standard deviation "
+                      "and range over them. Every other column is the first draw's (the study's own seed)."]
     if any("standard_error" in row for row in report["methods"]):
         has_pairs = bool(report.get("paired", {}).get("comparisons"))
         lines += ["", "± is one binomial standard error of the task average over the test rows; two methods scored "
@@ -273,6 +351,7 @@ def markdown(report: dict[str, Any], study: Study) -> str:
     lines += agreement_markdown(report)
     lines += paired_markdown(report)
     lines += start_markdown(report)
+    lines += against_markdown(report)
     lines += [
         "",
         "## Sample efficiency (average accuracy, %)",
@@ -289,10 +368,20 @@ def markdown(report: dict[str, Any], study: Study) -> str:
         lines.append(
             f"| {label} | " + " | ".join(f"{100 * points[n]:.1f}" if n in points else "" for n in SAMPLE_SIZES) + " |"
         )
+    if report.get("sample_efficiency_draws"):
+        lines += ["", "A point run on several draws of its calibration rows is their mean: "
+                  + "; ".join(f"{curves[name].label} at {n}: {len(v)} draws, {100 * min(v):.1f}–{100 * max(v):.1f}"
+                              for name, sizes in report["sample_efficiency_draws"].items()
+                              for n, v in sorted(sizes.items())) + "."]
     for name in study.gains:
         if f"{name}_8_of_256_gain" in report:
             gain = curves[name].gain or ""
             lines += ["", gain.format(percent=100 * report[f"{name}_8_of_256_gain"])]
+            spread_8 = report.get(f"{name}_8_of_256_gain_draws")
+            if spread_8:
+                lines[-1] += (f" (the mean over {spread_8['count']} draws of the calibration rows, each draw's share "
+                              f"from {100 * spread_8['min']:.0f} to {100 * spread_8['max']:.0f} %, sd "
+                              f"{100 * spread_8['sd']:.0f} points)")
     if "auto_choices" in report and study.choices is not None:
         lines += ["", f"## {study.choices.heading}", "",
                   "Median over each block's modules of the values chosen on held-out calibration rows.", "",
@@ -301,6 +390,14 @@ def markdown(report: dict[str, Any], study: Study) -> str:
     for note in report.get("notes", []):
         lines += ["", note]
     return "\n".join(lines) + "\n"
+
+
+def _spread_cell(draws: dict[str, Any] | None) -> str:
+    """A row's spread over draws as the table prints it (empty for a row no draw changes)."""
+    if draws is None:
+        return ""
+    return (f"{100 * draws['mean']:.1f} ± {100 * draws['sd']:.1f} [{100 * draws['min']:.1f}–"
+            f"{100 * draws['max']:.1f}]")
 
 
 def _worst(row: dict[str, Any]) -> str:
@@ -357,23 +454,36 @@ def paired_markdown(report: dict[str, Any]) -> list[str]:
         return []
     lines = ["", f"## Paired comparisons: {paired['reference']} against each method", ""]
     if paired["comparisons"]:
-        lines += ["| method | Δ accuracy (points) | 95 % CI (paired bootstrap over test rows) | McNemar p | "
-                  "FeatCal right, other wrong | FeatCal wrong, other right |", "|---|" + "---:|" * 5]
+        drawn = _drawn(paired["comparisons"])
+        lines += ["| method | Δ accuracy (points) | 95 % CI (paired bootstrap"
+                  + (") | CI covers" if drawn else " over test rows)") + " | McNemar p | "
+                  "FeatCal right, other wrong | FeatCal wrong, other right |", "|---|" + "---:|" * (5 + drawn)]
         for c in paired["comparisons"]:
             low, high = c["ci"]
             lines.append(f"| {c['method']} | {100 * c['difference']:+.1f} | [{100 * low:+.1f}, {100 * high:+.1f}] | "
-                         f"{p_text(c['p_value'])} | {c['featcal_only_right']} | {c['other_only_right']} |")
+                         + (f"{c['covers']} | " if drawn else "")
+                         + f"{p_text(c['p_value'])} | {c['featcal_only_right']} | {c['other_only_right']} |")
         lines += [
             "",
             f"Δ is {paired['reference']}'s task-averaged accuracy minus the method's. The CI is the 2.5–97.5 "
             "percentile range of a paired bootstrap: each task's test rows resampled with replacement within "
             f"that task, the same rows for both methods, {paired['resamples']:,} resamples, seed "
             f"{paired['seed']}. McNemar's test is exact (binomial on the rows where the two disagree), on the "
-            "test rows of all tasks pooled.",
+            "test rows of all tasks pooled." + _DRAWS_NOTE * drawn,
         ]
     if paired["without_predictions"]:
         lines += ["", "No per-example predictions for: " + ", ".join(paired["without_predictions"]) + "."]
     return lines
+
+
+_DRAWS_NOTE = (" Where a row ran on several draws of its calibration rows, Δ is the mean over draws, each resample "
+               "first picks one draw (the same one for both rows: draw k of each ran on the same calibration rows) "
+               "and the CI then covers the test rows and the draws; McNemar's test reads the first draw.")
+
+
+def _drawn(comparisons: list[dict[str, Any]]) -> bool:
+    """Whether any paired interval covers calibration draws besides test rows."""
+    return any(c.get("covers", "test rows") != "test rows" for c in comparisons)
 
 
 def start_markdown(report: dict[str, Any]) -> list[str]:
@@ -381,18 +491,46 @@ def start_markdown(report: dict[str, Any]) -> list[str]:
     paired = report.get("paired_with_start")
     if not paired or not paired["comparisons"]:
         return []
+    drawn = _drawn(paired["comparisons"])
     lines = ["", "## Paired comparisons: each calibrated method against its starting point", "",
-             "| method | starting point | Δ accuracy (points) [95 % CI] | McNemar p |", "|---|---|---:|---:|"]
+             "| method | starting point | Δ accuracy (points) [95 % CI] |" + (" CI covers |" if drawn else "")
+             + " McNemar p |", "|---|---|---:|" + "---:|" * (1 + drawn)]
     for c in paired["comparisons"]:
         low, high = c["ci"]
         lines.append(f"| {c['method']} | {c['start']} | {100 * c['difference']:+.1f} [{100 * low:+.1f}, "
-                     f"{100 * high:+.1f}] | {p_text(c['p_value'])} |")
+                     f"{100 * high:+.1f}] | " + (f"{c['covers']} | " if drawn else "") + f"{p_text(c['p_value'])} |")
     lines += ["", "Δ is the method's task-averaged accuracy minus that of the model it calibrated (its merge, or the "
                   "calibrated model of the run it started from), on the same test rows; the CI from a paired bootstrap "
                   f"of each task's rows ({paired['resamples']:,} resamples, seed {paired['seed']}), McNemar's exact "
-                  "test on the rows of all tasks pooled."]
+                  "test on the rows of all tasks pooled." + _DRAWS_NOTE * drawn]
     if paired["without_predictions"]:
         lines += ["", "No per-example predictions for (or for the start of): "
+                  + ", ".join(paired["without_predictions"]) + "."]
+    return lines
+
+
+def against_markdown(report: dict[str, Any]) -> list[str]:
+    """The section of rows paired with the same run without one option: Δ = the row − that run."""
+    paired = report.get("paired_against")
+    if not paired or not (paired["comparisons"] or paired["without_predictions"]):
+        return []
+    drawn = _drawn(paired["comparisons"])
+    lines = ["", "## Paired comparisons: each option against the same run without it", ""]
+    if paired["comparisons"]:
+        lines += ["| method | without the option | Δ accuracy (points) [95 % CI] |" + (" CI covers |" if drawn else "")
+                  + " McNemar p | option right, other wrong | option wrong, other right |",
+                  "|---|---|---:|" + "---:|" * (3 + drawn)]
+        for c in paired["comparisons"]:
+            low, high = c["ci"]
+            lines.append(f"| {c['method']} | {c['against']} | {100 * c['difference']:+.1f} [{100 * low:+.1f}, "
+                         f"{100 * high:+.1f}] | " + (f"{c['covers']} | " if drawn else "")
+                         + f"{p_text(c['p_value'])} | {c['method_only_right']} | {c['against_only_right']} |")
+        lines += ["", "Δ is the row's task-averaged accuracy minus that of the same run without the option, on the "
+                      f"same test rows; the CI from a paired bootstrap of each task's rows ({paired['resamples']:,} "
+                      f"resamples, seed {paired['seed']}), McNemar's exact test on the rows of all tasks pooled."
+                  + _DRAWS_NOTE * drawn]
+    if paired["without_predictions"]:
+        lines += ["", "No per-example predictions for (or for the row it is paired with): "
                   + ", ".join(paired["without_predictions"]) + "."]
     return lines
 

@@ -5,7 +5,7 @@ process that runs one is featcal_bench/method.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,9 @@ class MethodRun:
     # Another run whose head check raises this run's task weights where that run left a task agreeing with its expert
     # less often than the merge (featcal_bench/protect.py); it runs first and this run is keyed on its result.
     protect: str | None = None
+    # Which draw of the calibration rows (`featcal bench run --draws N`): 0 is the run as the study defines it, draw k
+    # draws its rows with calibration.seed + k (`drawn`).
+    draw: int = 0
 
     def __post_init__(self) -> None:
         if (self.merge == "given") != (self.start is not None):
@@ -47,6 +50,44 @@ class MethodRun:
     def needs(self) -> tuple[str, ...]:
         """The runs whose results this run reads: its start and the run it protects against."""
         return tuple(r for r in (self.start, self.protect) if r is not None)
+
+
+DRAW = "_draw"  # run `r`'s draw k is run `r_draw{k}`
+
+
+def draw_name(name: str, draw: int) -> str:
+    """Run `name`'s draw `draw` (0: the run itself)."""
+    return name if draw == 0 else f"{name}{DRAW}{draw}"
+
+
+def split_draw(name: str) -> tuple[str, int]:
+    """(the run, its draw) of a run name `draw_name` made."""
+    base, _, k = name.rpartition(DRAW)
+    return (base, int(k)) if base and k.isdigit() and int(k) > 0 else (name, 0)
+
+
+def is_drawn(run: MethodRun) -> bool:
+    """Whether a run's result depends on the draw of calibration rows: every run with a calibration method."""
+    return run.method is not None
+
+
+def drawn(run: MethodRun, draw: int, known: dict[str, MethodRun]) -> MethodRun:
+    """Draw `draw` of `run`: its calibration rows drawn with calibration.seed + draw, scoring its calibrated model only
+    (the base, the merge and the experts do not depend on the draw), and starting from (or protected by) the same draw
+    of the runs it needs where those are drawn too, so each draw is one pass of the study on one set of rows."""
+    def need(name: str | None) -> str | None:
+        return draw_name(name, draw) if name is not None and is_drawn(known[name]) else name
+
+    return replace(run, draw=draw, models=("calibrated",), start=need(run.start), protect=need(run.protect))
+
+
+def with_draws(names: list[str], known: dict[str, MethodRun], draws: int) -> tuple[list[str], dict[str, MethodRun]]:
+    """`names` (in `ordered_runs` order) followed by draws 1 … `draws` − 1 of each of them that has a calibration
+    method, draw by draw in the same order (so each comes after the draws it needs), and `known` with those draws."""
+    if draws < 1:
+        raise ValueError(f"--draws: must be >= 1, got {draws}")
+    extra = {draw_name(r, k): drawn(known[r], k, known) for k in range(1, draws) for r in names if is_drawn(known[r])}
+    return [*names, *extra], {**known, **extra}
 
 
 def run_dir(bench: Path, name: str) -> Path:

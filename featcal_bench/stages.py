@@ -184,8 +184,8 @@ def write_report(bench: Path, runs: list[str], out_dir: str | None = None,
 
 @flow(name="featcal-bench-run", flow_run_name="bench run · {bench_dir}")
 def run_flow(bench_dir: str, runs: list[str] | None = None, out_dir: str | None = None,
-             study: str | None = None) -> dict[str, Record]:
-    return run_stages(Path(bench_dir), runs, out_dir, prefect_call, study)
+             study: str | None = None, draws: int = 1) -> dict[str, Record]:
+    return run_stages(Path(bench_dir), runs, out_dir, prefect_call, study, draws)
 
 
 def built_outputs(bench: Path, stages: list[str]) -> list[dict[str, str]]:
@@ -202,11 +202,13 @@ def built_outputs(bench: Path, stages: list[str]) -> list[dict[str, str]]:
 
 
 def run_stages(bench: Path, runs: list[str] | None, out_dir: str | None, stage: Call,
-               study: str | None = None) -> dict[str, Record]:
+               study: str | None = None, draws: int = 1) -> dict[str, Record]:
     """Every method run `runs` (default: all the study's) of study file `study` (default: the recipe's), each in its
     own process and cached on the built inputs, the code and its definition, then the report from their results. A run
     that needs another (its `start`, the run it `protect`s against) comes after it (added where not asked for) and is
-    cached on its result too: one that changes reruns it."""
+    cached on its result too: one that changes reruns it. With `draws` N > 1, every run with a calibration method
+    also runs on N − 1 further draws of its calibration rows (runs `{run}_draw{k}`, runs.drawn), and the report
+    gives each calibrated row's spread over the N draws."""
     bench = bench.resolve()
     recipe = recipe_of(bench)
     spec = recipe.spec.load(bench)
@@ -219,10 +221,11 @@ def run_stages(bench: Path, runs: list[str] | None, out_dir: str | None, stage: 
     if unknown:
         raise ValueError(f"--runs: unknown {spec.name} runs {unknown}; known: {sorted(known)}")
     names = run_defs.ordered_runs(names, known)
+    names, known = run_defs.with_draws(names, known, draws)
     records: dict[str, Record] = {}
     for r in names:
         after = [records[need]["outputs"][f"results/{need}.json"] for need in known[r].needs]
-        defined = dataclasses.asdict(known[r])
+        defined = {k: v for k, v in dataclasses.asdict(known[r]).items() if k != "draw" or v}  # draw 0: keys as before
         records[r] = stage(bench, "method", f"method/{r}", digest_of([code, r, defined, inputs, *after]), run=r,
                            study=study)
     digests = [records[r]["outputs"][f"results/{r}.json"] for r in names]

@@ -9,6 +9,9 @@ read from a YAML file (each built-in recipe's `study.yaml`, or one given to `fea
       ta_featcal_head: {merge: task_arithmetic, method: featcal, featcal: {use: tuned, calibrate_head_side: true}}
     rows:                                 # the report's table, in order: label, run, model, what its cost is
       - [task arithmetic, ta_featcal, merged, merge]
+      - [TA + FeatCal, ta_featcal, calibrated, total]
+      - {label: TA + FeatCal + head side, run: ta_featcal_head, model: calibrated, cost: total,
+         against: TA + FeatCal}           # also paired with the row without the option
     curves:                               # sample curves: run `{run}_n{n:03d}` has n examples per task
       featcal: {run: ta_featcal, label: TA + FeatCal}
 
@@ -50,12 +53,14 @@ class RunEntry(_Strict):
 
 class Row(_Strict):
     """A row of the report's table: its label, the run and the model it reads, and what its cost is (merge: the
-    merge's; total: from the experts to this model; none: no cost column)."""
+    merge's; total: from the experts to this model; none: no cost column); `against`: the label of another row (the
+    same run without one option) it is paired with, so the option's own effect has an interval."""
 
     label: str
     run: str
     model: str
     cost: Literal["merge", "total"] | None = None
+    against: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -187,6 +192,10 @@ def load_study(path: str | Path) -> Study:
         unknown = sorted(set(what) - set(runs))
         if unknown and runs:
             raise ValueError(f"{path}: {key}: runs {unknown} are not among the study's runs")
+    labels = {r.label for r in study.rows}
+    unpaired = sorted({r.against for r in study.rows if r.against is not None} - labels)
+    if unpaired:
+        raise ValueError(f"{path}: rows: against {unpaired}: no row has that label")
     unknown_gains = sorted(set(study.gains) - set(study.curves))
     if unknown_gains or any(study.curves[g].gain is None for g in study.gains):
         raise ValueError(f"{path}: gains: each must name a curve with a `gain` sentence; got {study.gains}")

@@ -38,7 +38,7 @@ from storage.rundir import Record
 log = logging.getLogger("featcal")
 
 # The runs a recipe may ask for, by the names the report's rows read (featcal_bench/studies/user.yaml).
-RUN_NAMES = ("ta_featcal", "ties_featcal", "regmean", "regmean_pp", "ta_surgery", "ta_probsurgery")
+RUN_NAMES = ("ta_featcal", "ties_featcal", "regmean", "regmean_pp", "ta_surgery", "ta_probsurgery", "ta_featcal_refit")
 REFERENCE_RUN = "ta_featcal"  # always run: it scores the experts and task arithmetic every other row is read against
 
 
@@ -265,6 +265,9 @@ def method_runs(spec: UserRecipe) -> dict[str, MethodRun]:
         "regmean_pp": MethodRun("average", "regmean_plus_plus"),
         "ta_surgery": MethodRun("task_arithmetic", "surgery", scaling=spec.scaling),
         "ta_probsurgery": MethodRun("task_arithmetic", "probsurgery", scaling=spec.scaling),
+        # TA + FeatCal with each task's head refitted (featcal.head_refit), paired with ta_featcal in the report
+        "ta_featcal_refit": MethodRun("task_arithmetic", "featcal", featcal={**spec.featcal, "head_refit": True},
+                                      scaling=spec.scaling),
     }
     runs = {name: catalogue[name] for name in spec.runs}
     for n in spec.sample_sizes:

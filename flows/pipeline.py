@@ -215,9 +215,13 @@ class Pipeline:
         walk.prepare()
         for layer in range(self.ctx.calibrated_blocks):
             walk.block(layer)
-        walk.release_inputs()
+        refit = self.cfg.featcal.head_refit  # the head refit reads the model inputs once more, in assemble
+        if not refit:
+            walk.release_inputs()
         self.run.drop_spares()  # every Gram stage has written its statistics
         out = {"merge": merged, "assemble": self.call(self._assemble_call(walk))}
+        if refit:
+            walk.release_inputs()
         if self.cfg.evaluation.enabled:
             out["evaluate"] = self.call(self._evaluate_call(out["assemble"], walk.merged_digest))
         return out
@@ -234,9 +238,18 @@ class Pipeline:
 
     def _assemble_call(self, walk: BlockWalk) -> StageCall:
         parts = {rel: rec for block in walk.solved for rel, rec in block.items()}
-        return StageCall("assemble", "assemble", "assemble calibrated checkpoint", self.key(
-            "assemble", merged=walk.merged_digest, blocks=[rec["outputs"][rel] for rel, rec in parts.items()]),
-            needs={rel: rec["stage"] for rel, rec in parts.items()})
+        fields: dict[str, Any] = {"merged": walk.merged_digest,
+                                  "blocks": [rec["outputs"][rel] for rel, rec in parts.items()]}
+        needs = {rel: rec["stage"] for rel, rec in parts.items()}
+        if self.cfg.featcal.head_refit:  # each task's head refitted on its stored inputs, to its expert's logits
+            fc = self.cfg.featcal
+            inputs = {self.run.inputs(t): walk.prepared[t] for t in self.ctx.tasks}
+            fields["head_refit"] = {"lambda_grid": fc.lambda_grid, "holdout": [fc.holdout_every, fc.holdout_folds],
+                                    "inputs": [rec["outputs"][rel] for rel, rec in inputs.items()],
+                                    "experts": [self.inputs[f"expert/{t}"] for t in self.ctx.tasks]}
+            needs.update({rel: rec["stage"] for rel, rec in inputs.items()})
+        return StageCall("assemble", "assemble", "assemble calibrated checkpoint", self.key("assemble", **fields),
+                         needs=needs)
 
     def _evaluate_call(self, assembled: Record, merged_digest: str) -> StageCall:
         cal = self.cfg.slice("calibration")["calibration"]
@@ -285,7 +298,8 @@ class BlockWalk:
         featcal_cfg = pipeline.cfg.slice("featcal")["featcal"]
         self.featcal = featcal_cfg
         # The head side changes no transformer block's solve: switching it on reruns only the stages it adds.
-        self.solve_cfg = keyed({k: v for k, v in featcal_cfg.items() if k != "calibrate_head_side"})
+        # Nor does the head refit, done at assembly.
+        self.solve_cfg = keyed({k: v for k, v in featcal_cfg.items() if k not in ("calibrate_head_side", "head_refit")})
         self.plan = calibration_method(pipeline.cfg.featcal).statistics
 
     def prepare(self) -> None:

@@ -1,5 +1,6 @@
 """Stage `assemble`: the merged checkpoint with every block (and the head side, when calibrated) replaced by its
-calibrated weights."""
+calibrated weights; with featcal.head_refit, each task's head then refitted to the calibrated features
+(tasks/head_refit.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from safetensors.torch import load_file
 
 from storage.checkpoint import read_metadata, write_checkpoint
 from tasks.context import RunContext
+from tasks.head_refit import write_refitted_heads
 from tasks.merge import MERGED, head_file
 from tasks.propagate import calibrated_tensors
 
@@ -37,4 +39,7 @@ def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
                      side_files_from=merged.directory,
                      extra_files={rel: load_file(path) for rel, path in paths.items()},
                      extra_metadata={rel: read_metadata(path) for rel, path in paths.items()})
-    return [CALIBRATED], {"blocks": ctx.num_blocks}
+    info: dict[str, Any] = {"blocks": ctx.num_blocks}
+    if ctx.cfg.featcal.head_refit:  # the calibrated body is written: each task's head is refitted to its features
+        info.update(write_refitted_heads(ctx))
+    return [CALIBRATED], info

@@ -32,6 +32,7 @@ from featcal.t5 import answer_kind, decoder_batches, first_number, generated, pr
 from featcal.zeroshot import ZeroShotClassifier
 from storage.atomic import atomic_path, write_bytes, write_json
 from tasks.context import RunContext
+from tasks.head_refit import shared_head, with_head
 from tasks.merge import MERGED, head_file
 
 log = logging.getLogger("featcal")
@@ -57,9 +58,12 @@ def _split(ctx: RunContext, task: str) -> _Split:
 
 def _task_model(ctx: RunContext, task: str, name: str) -> torch.nn.Module:
     """The task's expert with the body of checkpoint `name` (its own for "expert") and the task's head: the expert's
-    own, or with `zero_shot` the zero-shot head the merge stage stored for it (featcal/zeroshot.py)."""
+    own, or with `zero_shot` the zero-shot head the merge stage stored for it (featcal/zeroshot.py); the calibrated
+    model's with featcal.head_refit, the head refitted at assembly (tasks/head_refit.py)."""
     model = task_model(ctx.checkpoint_dir(task), None if name == "expert" else ctx.canonical(name),
                        ctx.checkpoint_dir("base"))
+    if name == "calibrated" and ctx.cfg.featcal.head_refit and shared_head(ctx.adapter) is None:
+        return with_head(model, load_file(ctx.run / name / head_file(task)), ctx.cfg.zero_shot is not None)
     if ctx.cfg.zero_shot is None:
         return model
     return ZeroShotClassifier(model, load_file(ctx.run / MERGED / head_file(task)))

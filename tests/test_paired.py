@@ -274,3 +274,26 @@ def test_agreement_with_each_tasks_expert_is_reported_per_row_without_labels():
 def test_p_values_print_three_decimals_and_a_floor() -> None:
     """A p of 0.0004 once printed as `0.000` in a benchmark table; every table prints it through p_text."""
     assert [p_text(p) for p in (0.0004, 0.001, 0.0123, 1.0)] == ["< 0.001", "0.001", "0.012", "1.000"]
+
+
+def test_a_row_with_an_option_is_paired_with_the_same_run_without_it(tmp_path):
+    """TA + FeatCal + head refit (a 4/4, b 4/5) against TA + FeatCal (a 3/4, b 4/5): only a's last row differs."""
+    predictions = {**PREDICTIONS,
+                   "ta_featcal_refit": {"a": {"calibrated": [0, 1, 1, 0]}, "b": {"calibrated": [2, 0, 1, 0, 0]}}}
+    report = build_report({run: _result(p) for run, p in predictions.items()}, TASKS, {}, MINILM)
+    (row,) = report["paired_against"]["comparisons"]
+    assert (row["method"], row["against"], row["covers"]) == ("TA + FeatCal + head refit", "TA + FeatCal", "test rows")
+    assert row["difference"] == pytest.approx(0.125, abs=1e-12)
+    assert (row["method_only_right"], row["against_only_right"], row["p_value"]) == (1, 0, 1.0)
+    assert row["ci"] == paired_bootstrap(_correct("ta_featcal_refit", "calibrated", predictions),
+                                         _correct("ta_featcal", "calibrated"))["ci"]
+    md = markdown(report, MINILM)
+    low, high = row["ci"]
+    assert "## Paired comparisons: each option against the same run without it" in md
+    assert (f"| TA + FeatCal + head refit | TA + FeatCal | +12.5 [{100 * low:+.1f}, {100 * high:+.1f}] | 1.000 | 1 | "
+            "0 |") in md
+    study = tmp_path / "study.yaml"
+    study.write_text("reference: r\npaired_reference: x\nruns: {r: {merge: task_arithmetic, method: featcal}}\n"
+                     "rows: [{label: x, run: r, model: calibrated, against: nobody}]\n")
+    with pytest.raises(ValueError, match=r"rows: against \['nobody'\]: no row has that label"):
+        load_study(study)
