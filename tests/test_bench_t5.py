@@ -173,7 +173,7 @@ def test_bench_run_dispatches_on_the_spec_file(built, ran, monkeypatch, capsys):
     calls = []
     monkeypatch.setattr("featcal_bench.stages.run_flow", lambda *args: calls.append(args) or ran)
     assert main(["bench", "run", str(bench), "--runs", *RUNS]) == 0
-    assert calls == [(str(bench), RUNS, None, None)]
+    assert calls == [(str(bench), RUNS, None, None, 1)]  # one draw of the calibration rows unless --draws
     assert capsys.readouterr().out.strip() == (bench / "report" / "flan-t5-base-glue8.md").read_text().strip()
 
 
