@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -35,6 +35,7 @@ from storage.lora import LoraCheckpoint, config_directory, is_lora_adapter
 
 log = logging.getLogger("featcal")
 GIB = 1024**3
+Opened = TypeVar("Opened")
 
 
 def _inputs(cfg: RunConfig) -> list[tuple[str, str, str, DataSource | None, Callable[[str], None]]]:
@@ -115,15 +116,21 @@ def _expert_config(cfg: RunConfig, task: str):
     return _config(str(config_directory(cfg.experts[task], cfg.base)), f"experts.{task}")
 
 
-def _expert_checkpoint(cfg: RunConfig, task: str, adapter: Adapter) -> CanonicalCheckpoint | LoraCheckpoint:
-    """Expert `task`'s tensors; their problems (a LoRA adapter's base, modules, shapes; a layout not of the adapter's
-    family) as one line naming the field."""
+def _named(field: str, opened: Callable[[], Opened]) -> Opened:
+    """`opened()`; a CheckpointError it raises (a LoRA adapter's base, modules, shapes; a layout not of the adapter's
+    family) as one line naming the config field the checkpoint came from."""
     try:
-        if not is_lora_adapter(cfg.experts[task]):
-            return CanonicalCheckpoint(cfg.experts[task], adapter)
-        return expert_checkpoint(cfg.experts[task], cfg.base, Skeleton(_expert_config(cfg, task)))
+        return opened()
     except CheckpointError as exc:
-        raise CheckpointError(f"experts.{task}: {exc}") from None
+        raise CheckpointError(f"{field}: {exc}") from None
+
+
+def _expert_checkpoint(cfg: RunConfig, task: str, adapter: Adapter) -> CanonicalCheckpoint | LoraCheckpoint:
+    """Expert `task`'s tensors, its problems named by its field."""
+    path = cfg.experts[task]
+    if not is_lora_adapter(path):
+        return _named(f"experts.{task}", lambda: CanonicalCheckpoint(path, adapter))
+    return _named(f"experts.{task}", lambda: expert_checkpoint(path, cfg.base, Skeleton(_expert_config(cfg, task))))
 
 
 def check_same_body(field: str, config, ckpt: CanonicalCheckpoint | LoraCheckpoint, adapter: Adapter,
@@ -168,11 +175,9 @@ def check_checkpoints(cfg: RunConfig) -> Adapter:
     if cfg.merge.method == "given" and cfg.merge.path is not None:  # the config requires the path with "given"
         config = _config(cfg.merge.path, "merge.path")  # a missing directory named before its tensors are read
         check_family("merge.path", config, adapter)
-        try:
-            merged = CanonicalCheckpoint(cfg.merge.path, adapter)
-        except CheckpointError as exc:
-            raise CheckpointError(f"merge.path: {exc}") from None
-        check_same_body("merge.path", config, merged, adapter, base)
+        given = cfg.merge.path
+        check_same_body("merge.path", config, _named("merge.path", lambda: CanonicalCheckpoint(given, adapter)),
+                        adapter, base)
     return adapter
 
 
