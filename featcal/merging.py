@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from featcal.config import MergeConfig, check_registration
-from featcal.subspace_merges import TaskVectors, iso_c, iso_cts, tsv_m, wudi
+from featcal.subspace_merges import TaskVectors, iso_c, iso_cts, summed, tsv_m, wudi
 
 ExpertTensors = Callable[[], Iterator[torch.Tensor]]  # yields expert t's copy of one tensor, t in task order
 RowReader = Callable[[int, int], torch.Tensor]  # rows [start, stop) of one tensor (along its first dimension)
@@ -197,14 +197,7 @@ SparseTaskVectors = Callable[[], Iterator[torch.Tensor]]
 
 def summed_vectors(task_vectors: SparseTaskVectors, settings: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
     """No consensus: Σ_t τ_t, and T."""
-    total, count = None, 0
-    for tau in task_vectors():
-        total = torch.zeros_like(tau) if total is None else total
-        total += tau
-        count += 1
-    if total is None:
-        raise ValueError("a merge needs at least one expert")
-    return total, count
+    return summed(task_vectors)
 
 
 def sign_elected(task_vectors: SparseTaskVectors, settings: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
@@ -353,8 +346,7 @@ class IsoCts(MatrixMerge):
     name, keys = "iso_cts", ("svd_scaling", "iso_common_fraction")
 
     def delta(self, task_vectors: TaskVectors) -> torch.Tensor:
-        tasks = sum(1 for _ in task_vectors())
-        return iso_cts(task_vectors, tasks, self.settings["iso_common_fraction"])
+        return iso_cts(task_vectors, self.settings["iso_common_fraction"])
 
 
 @register

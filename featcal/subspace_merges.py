@@ -41,20 +41,22 @@ def tsv_m(task_vectors: TaskVectors, tasks: int) -> torch.Tensor:
     return polar(torch.cat(us, 1)) @ torch.diag(s) @ polar(torch.cat(vs, 0))
 
 
-def summed(task_vectors: TaskVectors) -> torch.Tensor:
-    """Σ_t τ_t, added in task order."""
-    total: torch.Tensor | None = None
+def summed(task_vectors: TaskVectors) -> tuple[torch.Tensor, int]:
+    """Σ_t τ_t added in task order onto zeros, and T: one pass that also counts the experts."""
+    total, count = None, 0
     for tau in task_vectors():
-        total = tau.clone() if total is None else total.add_(tau)
+        total = torch.zeros_like(tau) if total is None else total
+        total += tau
+        count += 1
     if total is None:
         raise ValueError("a merge needs at least one expert")
-    return total
+    return total, count
 
 
 def iso_c(task_vectors: TaskVectors) -> torch.Tensor:
     """Iso-C: the summed task matrix U·diag(σ)·Vᵀ with every singular value replaced by their mean (an isotropic
     spectrum on the common subspace). Holds the sum and its SVD."""
-    u, s, vt = torch.linalg.svd(summed(task_vectors), full_matrices=False)
+    u, s, vt = torch.linalg.svd(summed(task_vectors)[0], full_matrices=False)
     return (u * s.mean()) @ vt
 
 
@@ -66,12 +68,13 @@ def iso_cts_sizes(k: int, tasks: int, common_fraction: float) -> tuple[int, int]
     return k - specific, specific // tasks
 
 
-def iso_cts(task_vectors: TaskVectors, tasks: int, common_fraction: float) -> torch.Tensor:
+def iso_cts(task_vectors: TaskVectors, common_fraction: float) -> torch.Tensor:
     """Iso-CTS: the top directions of the summed task matrix (the common subspace) plus, per task, the top directions
     of its task vector with the common left subspace projected out; the gathered left and right vectors each
     replaced by their polar factor, and every singular value by the mean of the gathered ones. Two passes over the
-    experts; holds the sum's SVD, then k kept triplets and one task vector at a time."""
-    u, s, vt = torch.linalg.svd(summed(task_vectors), full_matrices=False)
+    experts (the first also counts them); holds the sum's SVD, then k kept triplets and one task vector at a time."""
+    total, tasks = summed(task_vectors)
+    u, s, vt = torch.linalg.svd(total, full_matrices=False)
     common, per_task = iso_cts_sizes(s.shape[0], tasks, common_fraction)
     u_c = u[:, :common]
     us, ss, vs = [u_c], [s[:common]], [vt[:common]]
