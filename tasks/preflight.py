@@ -32,6 +32,7 @@ from featcal_kernels.bf16 import cpu_has_native_bf16
 from storage.activations import ActivationError, ActivationStore
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
 from storage.lora import LoraCheckpoint, config_directory, is_lora_adapter
+from tasks.head_refit import CLASSIFIER, shared_head
 
 log = logging.getLogger("featcal")
 GIB = 1024**3
@@ -246,6 +247,25 @@ def check_head_metric(cfg: RunConfig, adapter: Adapter) -> None:
             read(f"experts.{task}", lambda: adapter.head_map(_expert_checkpoint(cfg, task, adapter)))  # noqa: B023
 
 
+def check_head_refit(cfg: RunConfig, adapter: Adapter) -> list[str]:
+    """featcal.head_refit refits each task's one linear head (a zero-shot head is one): an expert whose head is some
+    other module is refused here, not after the body's calibration; where the tasks share a merged LM head there is
+    nothing to refit, which is said."""
+    if not cfg.featcal.head_refit:
+        return []
+    if (why := shared_head(adapter)) is not None:
+        return [why]
+    if cfg.zero_shot is not None:
+        return []
+    for task in cfg.tasks:
+        names = set(_expert_checkpoint(cfg, task, adapter).names())
+        if f"{CLASSIFIER}.weight" not in names:
+            held = sorted(n for n in names if n.startswith(f"{CLASSIFIER}.")) or "none"
+            raise CheckpointError(f"featcal.head_refit: experts.{task} has no linear head to refit: expected tensor "
+                                  f"{CLASSIFIER}.weight, its {CLASSIFIER} tensors are {held}")
+    return []
+
+
 def check_zero_shot(cfg: RunConfig) -> list[str]:
     """With `zero_shot`: base and experts are CLIPVisionModels, `clip_model` is the CLIPModel whose vision tower
     the base is, with a tokenizer, and every task has class names. Returns the notice of a tokenizer that pads
@@ -421,6 +441,7 @@ def preflight(cfg: RunConfig, quiet: bool = False) -> Checked:
         check_method_reads(files)
         check_head_side(files, adapter)
         check_head_metric(files, adapter)
+        found += check_head_refit(files, adapter)
         found += check_data(files, adapter, {f"{section}.{t}": source.path for section, by_task in (
             ("calibration.data", cfg.calibration.data), ("evaluation.data", cfg.evaluation.data))
             for t, source in by_task.items() if hub_ref(source.path)})

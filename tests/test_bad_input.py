@@ -111,6 +111,12 @@ def _write_in(field: str, name: str, text: str) -> Callable[[Path], None]:
     return lambda root: (own_checkpoint_copy(root, field) / name).write_text(text)
 
 
+def _nested_head(tensors: dict, _base: dict) -> dict:
+    """The linear head moved one module down (classifier.out_proj, as RoBERTa's classification head keeps it)."""
+    return {n.replace("classifier.", "classifier.out_proj.", 1) if n.startswith("classifier.") else n: t
+            for n, t in tensors.items()}
+
+
 def _other_architecture(task: str) -> Callable[[Path], None]:
     """experts.TASK pointed at the example's CLIP expert (a vision model) while the base is BERT."""
     def breaks(root: Path) -> None:
@@ -248,6 +254,10 @@ CASES = [
          ["experts.negation: tensor names differ from the base", "missing [", "layer.1.attention.self.query.bias"]),
     Case("expert-tensor-shape", "checkpoint", _tensors("experts/topic", _widen_query_bias),
          ["experts.topic: tensor", "layer.1.attention.self.query.bias has shape (65,), the base has (64,)"]),
+    # refused before the body's calibration, not when the assemble stage reaches the head
+    Case("head-refit-without-linear-head", "checkpoint", _tensors("experts/negation", _nested_head),
+         ["featcal.head_refit: experts.negation has no linear head to refit", "expected tensor classifier.weight",
+          "classifier.out_proj.bias"], sets=("featcal.head_refit=true",)),
     Case("base-without-tokenizer", "checkpoint",
          _remove("base", "vocab.txt", "tokenizer.json", "tokenizer_config.json"),
          ["calibration.data.topic: raw text column 'text' needs the base's tokenizer", "holds none of"]),
@@ -351,7 +361,7 @@ def test_the_table_holds_every_kind_once():
     """The count the issue asks for (40 across config, checkpoint, data, run directory and degenerate set-ups: the
     last two are in tests/test_run_dir_config.py and tests/test_setup_checks.py)."""
     kinds = [c.kind for c in CASES]
-    assert len(set(kinds)) == len(kinds) == 67
+    assert len(set(kinds)) == len(kinds) == 68
     assert {c.area for c in CASES} == {"config", "checkpoint", "data"}
 
 
