@@ -117,6 +117,15 @@ def test_lot_weighs_tasks_by_their_tokens_and_one_task_gives_its_expert():
     assert single.report == {"pinv_rank": D_IN}
 
 
+def test_a_task_of_padding_only_is_named_in_one_line():
+    inputs = _inputs(9, (4, 5), D_IN)
+    inputs[1][1].zero_()
+    module = _linear_module(inputs, _params(10, 2, (D_OUT, D_IN), (D_OUT,)))
+    with pytest.raises(ValueError, match=r"^module layer\.0\.fc: no token carries weight \(Σw = 0\.0\); is every token "
+                                         r"padding\?$"):
+        _lot().solve_linear(module)
+
+
 @pytest.mark.parametrize("with_shift", [True, False], ids=["LayerNorm", "RMSNorm"])
 def test_lot_norm_scale_is_the_pseudoinverse_closed_form(with_shift):
     """Per dimension j, γ_j = γ0_j + t*_j with t*_j the least-norm minimiser of Σ_t ‖z_t[:, j]·(γ_tj − γ0_j − t)‖²
