@@ -579,7 +579,8 @@ def solve_lot_weight(tasks: Iterable[tuple[torch.Tensor, torch.Tensor]], base: t
     """LOT Merging (Sun et al., 2025) for one linear map: W = W0 + T with Tᵀ = (Σ_t S_t)⁺ Σ_t S_t T_tᵀ, T_t = W_t − W0
     and S_t = X_tᵀX_t summed over task t's real tokens (not a mean: the tasks weigh by their token counts, as the
     closed form's sums over concatenated rows do). It is the least-squares T of least norm: along input directions no
-    task's rows reach, T is 0 and W stays at the base's weights (RegMean's inverse would have no solution there).
+    task's rows reach, T is 0 and W stays at the base's weights (RegMean's W there comes from its damping and its
+    diagonal term).
 
     `tasks` yields (S_t, W_t), W_t [out, in], one task at a time; `base` is W0. The pseudoinverse keeps the eigen-
     directions of Σ_t S_t at or above UNRESOLVED of its Frobenius norm (the rank numerical_rank counts): those below
@@ -597,7 +598,7 @@ def solve_lot_weight(tasks: Iterable[tuple[torch.Tensor, torch.Tensor]], base: t
         raise ValueError("solve_lot_weight needs at least one task")
     floor = UNRESOLVED * float(torch.linalg.matrix_norm(a))
     evals, v = torch.linalg.eigh(a)
-    kept = evals > floor if floor > 0 else torch.zeros_like(evals, dtype=torch.bool)
+    kept = evals >= floor if floor > 0 else torch.zeros_like(evals, dtype=torch.bool)
     v = v[:, kept]
     t = v @ ((v.T @ b) / evals[kept][:, None])  # Tᵀ [in, out]
     return PinvSolution(weight=w0 + t.T, rank=int(kept.sum()))
