@@ -4,8 +4,8 @@ A method is one registered class: its name, the `featcal.*` keys it reads (it is
 key it does not declare cannot change its weights), the statistics it needs per module (`StatisticsPlan`), and its
 solve of a linear module and of a norm. The Gram and solve stages (tasks/gram.py, tasks/solve.py) walk blocks and
 modules and ask the run's method; adding a method is a class here (its name and any new keys go into `FeatCalConfig`
-too, where the YAML is validated). `FeatCal` is docs/design.md §2; `RegMean` and `RegMeanPlusPlus` are its
-closed-form baselines."""
+too, where the YAML is validated). `FeatCal` is docs/design.md §2; `RegMean`, `RegMeanPlusPlus` and `LOTMerging`
+are its closed-form baselines."""
 
 from __future__ import annotations
 
@@ -27,16 +27,26 @@ from featcal.closed_form import (
     cross_validated,
     head_factor,
     head_metric,
+    lot_norm_scale,
     numerical_rank,
     solve_linear_bias,
     solve_linear_weight,
     solve_linear_weight_head,
     solve_linear_weight_rows,
+    solve_lot_weight,
     solve_norm_affine,
     solve_regmean_weight,
 )
 from featcal.config import FeatCalConfig, check_registration
-from featcal.statistics import fit_sums, held_out_sums, linear_moments, linear_rows, norm_moments
+from featcal.statistics import (
+    fit_sums,
+    held_out_sums,
+    input_gram_sum,
+    linear_moments,
+    linear_rows,
+    norm_moments,
+    norm_sq_sum,
+)
 
 Side = Literal["merged", "expert"]
 
@@ -402,3 +412,34 @@ class RegMeanPlusPlus(RegMean):
     @property
     def statistics(self) -> StatisticsPlan:
         return StatisticsPlan(fit_block="expert", fit_stream="merged", expert_side=False)
+
+
+@register
+class LOTMerging(CalibrationMethod):
+    """LOT Merging (Sun et al., NeurIPS 2025, arXiv 2505.23859) on RegMean's statistics: each linear map's task vector
+    is (Σ_t X_tᵀX_t)⁺ Σ_t X_tᵀX_t T_t, each norm's scale the base's plus the tasks' scale task vectors averaged per
+    dimension with the weights Σ z² (docs/design.md §2.10). Biases and norm shifts keep the merged values: the parts
+    of the paper that say how it treats them could not be read here (docs/configuration.md). No key: the closed
+    form has no knob, and its pseudoinverse cut-off is the rounding floor of the Grams (closed_form.UNRESOLVED)."""
+
+    name = "lot"
+    keys = ()
+
+    @property
+    def statistics(self) -> StatisticsPlan:
+        return StatisticsPlan(fit_block="expert", fit_stream="expert", expert_side=False)
+
+    def solve_linear(self, module: ModuleData) -> Solved:
+        def grams() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            for t, stats in _each_task_stats(module):
+                yield input_gram_sum(stats, module.where), module.expert(t, "weight")
+                del stats  # before the next task's are read
+
+        sol = solve_lot_weight(grams(), module.base("weight"))
+        return Solved({"weight": sol.weight}, report={"pinv_rank": sol.rank})
+
+    def solve_norm(self, module: ModuleData) -> Solved | None:
+        tasks = range(len(module.tasks))
+        sq = [norm_sq_sum(s, module.where) for s in module.stats()]  # vectors: small
+        gamma = lot_norm_scale(sq, [module.expert(t, "weight") for t in tasks], module.base("weight"))
+        return Solved({"weight": gamma})

@@ -567,3 +567,54 @@ def solve_regmean_weight(
     if a is None or b is None:
         raise ValueError("solve_regmean_weight needs at least one task")
     return _ridge(a, b, eps, mixed)
+
+
+@dataclass
+class PinvSolution:
+    weight: torch.Tensor
+    rank: int  # the input directions the pseudoinverse keeps (of the input width)
+
+
+def solve_lot_weight(tasks: Iterable[tuple[torch.Tensor, torch.Tensor]], base: torch.Tensor) -> PinvSolution:
+    """LOT Merging (Sun et al., 2025) for one linear map: W = W0 + T with Tᵀ = (Σ_t S_t)⁺ Σ_t S_t T_tᵀ, T_t = W_t − W0
+    and S_t = X_tᵀX_t summed over task t's real tokens (not a mean: the tasks weigh by their token counts, as the
+    closed form's sums over concatenated rows do). It is the least-squares T of least norm: along input directions no
+    task's rows reach, T is 0 and W stays at the base's weights (RegMean's W there comes from its damping and its
+    diagonal term).
+
+    `tasks` yields (S_t, W_t), W_t [out, in], one task at a time; `base` is W0. The pseudoinverse keeps the eigen-
+    directions of Σ_t S_t at or above UNRESOLVED of its Frobenius norm (the rank numerical_rank counts): those below
+    are within the fp32 rounding its sums carry, and inverting them would fit that rounding."""
+    w0 = base.double()
+    a: torch.Tensor | None = None
+    b: torch.Tensor | None = None
+    for s_t, w_t in tasks:
+        s_t = s_t.double()
+        rhs = s_t @ (w_t.double() - w0).T
+        a = s_t.clone() if a is None else a.add_(s_t)
+        b = rhs if b is None else b.add_(rhs)
+        del s_t, w_t, rhs  # before the next task's are read
+    if a is None or b is None:
+        raise ValueError("solve_lot_weight needs at least one task")
+    floor = UNRESOLVED * float(torch.linalg.matrix_norm(a))
+    evals, v = torch.linalg.eigh(a)
+    kept = evals >= floor if floor > 0 else torch.zeros_like(evals, dtype=torch.bool)
+    v = v[:, kept]
+    t = v @ ((v.T @ b) / evals[kept][:, None])  # Tᵀ [in, out]
+    return PinvSolution(weight=w0 + t.T, rank=int(kept.sum()))
+
+
+def lot_norm_scale(sq_sums: Sequence[torch.Tensor], expert_gammas: Sequence[torch.Tensor],
+                   base_gamma: torch.Tensor) -> torch.Tensor:
+    """LOT Merging's norm scale: per dimension j, γ_j = γ0_j + Σ_t s_tj (γ_tj − γ0_j) / Σ_t s_tj with s_tj = Σ z_tj²
+    over task t's real tokens (z: the norm's input normalised, before the affine), i.e. the least-norm task vector
+    minimising Σ_t ‖(γ_t − γ) ⊙ z_t‖². A dimension no task's tokens reach (Σ_t s_tj = 0) keeps γ0_j, as the
+    pseudoinverse of 0 is 0; otherwise it is a convex combination of the tasks' scales, so it needs no cut-off."""
+    g0 = base_gamma.double()
+    total = torch.zeros_like(g0)
+    num = torch.zeros_like(g0)
+    for s_t, g_t in zip(sq_sums, expert_gammas, strict=True):
+        total += s_t.double()
+        num += s_t.double() * (g_t.double() - g0)
+    reached = total > 0
+    return g0 + torch.where(reached, num / torch.where(reached, total, 1.0), 0.0)

@@ -86,7 +86,7 @@ class CalibrationConfig(_Strict):
 
 class FeatCalConfig(_Strict):
     """The block-by-block solve. `method` picks the objective (featcal/calibration_methods.py holds one class per
-    method: the keys below it reads, its statistics, its solves); the same stages and caches serve all three.
+    method: the keys below it reads, its statistics, its solves); the same stages and caches serve them all.
 
     - featcal: docs/design.md §2 (every field below is used).
     - regmean: W = (Σ_t G̃_t)⁻¹ Σ_t G̃_t W_t per linear module, G_t from expert t's own inputs (its block on
@@ -97,9 +97,14 @@ class FeatCalConfig(_Strict):
       head_metric and calibrate_head_side are refused (tasks/preflight.py).
     - regmean_plus_plus: as regmean, but G_t comes from expert t's block run on the merged stream, i.e. the
       inputs that flow through the already-solved earlier blocks (forward order, like FeatCal).
+    - lot: LOT Merging (arXiv 2505.23859): per linear module W = W0 + T, T = (Σ_t X_tᵀX_t)⁺ Σ_t X_tᵀX_t T_t on
+      RegMean's statistics (X_t expert t's own inputs, summed over real tokens), T_t = W_t − W0; each norm's scale
+      is the base's plus the per-dimension average of the tasks' scale task vectors weighted by Σ z² of their
+      normalised inputs. Biases, norm shifts and everything outside the blocks keep the merged values. It reads no
+      key; the refused ones are regmean's.
     """
 
-    method: Literal["featcal", "regmean", "regmean_plus_plus"] = "featcal"
+    method: Literal["featcal", "regmean", "regmean_plus_plus", "lot"] = "featcal"
     regmean_off_diagonal: float = Field(
         0.95, gt=0, le=1, description="RegMean's a: G̃ = a·G + (1−a)·diag(G) (0.95 for encoders; 0.6 for GPT-2)")
     lam: float | Literal["auto"] = Field(

@@ -23,7 +23,7 @@ import torch
 
 from featcal.config import EVALUATED_MODELS as MODELS
 
-METHOD_NAMES = {"featcal": "FeatCal", "regmean": "RegMean", "regmean_plus_plus": "RegMean++"}
+METHOD_NAMES = {"featcal": "FeatCal", "regmean": "RegMean", "regmean_plus_plus": "RegMean++", "lot": "LOT Merging"}
 DRIFT_MODELS = ("merged", "calibrated")
 
 log = logging.getLogger("featcal")

@@ -222,6 +222,21 @@ def linear_rows(t: dict[str, torch.Tensor], module: str) -> LinearRows:
     return LinearRows(x=t["xs"], y=t["yt"], w=t["w"], sum_w=_positive(t["sum_w"], module))
 
 
+def input_gram_sum(t: dict[str, torch.Tensor], module: str) -> torch.Tensor:
+    """Σ_w x_s x_sᵀ of one module's sums, not divided by Σw: LOT Merging's X_tᵀX_t, whose sum over tasks weighs each
+    task by its tokens."""
+    _positive(t["sum_w"], module)
+    if "ss" not in t:
+        raise ValueError(f"module {module}: its statistics keep rows, not the input Gram ss that this solve reads")
+    return t["ss"]
+
+
+def norm_sq_sum(t: dict[str, torch.Tensor], module: str) -> torch.Tensor:
+    """Σ_w z_s² per dimension of one norm's sums, not divided by Σw (LOT Merging's weights of the tasks' scales)."""
+    _positive(t["sum_w"], module)
+    return t["sum_z2"]
+
+
 def norm_moments(t: dict[str, torch.Tensor], module: str) -> NormMoments:
     sw = _positive(t["sum_w"], module)
     return NormMoments(m=t["sum_z"] / sw, e=t["sum_z2"] / sw)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from featcal.calibration_methods import CONFIG_METHODS
 from featcal_bench.layout import BASE, expert_dir
 from tasks.assemble import CALIBRATED
 
@@ -22,7 +23,7 @@ class MethodRun:
     """One process: a merge, optionally a calibration method, and which of its models to evaluate."""
 
     merge: str  # a merge.method (featcal/merging.py), or given: the checkpoint of run `start`
-    method: str | None  # featcal | regmean | regmean_plus_plus | surgery | probsurgery | None (merge only)
+    method: str | None  # a featcal.method (featcal, regmean, lot, …) | surgery | probsurgery | None (merge only)
     examples: int = FULL
     models: tuple[str, ...] = ("calibrated",)
     featcal: dict[str, Any] = field(default_factory=dict)
@@ -136,7 +137,7 @@ def model_sections(bench: Path, tasks: list[str], run: MethodRun) -> dict[str, A
         "experts": {t: str(bench / expert_dir(t)) for t in tasks},
         "merge": merge,
         "featcal": {
-            "method": run.method if run.method in ("regmean", "regmean_plus_plus") else "featcal",
+            "method": run.method if run.method in CONFIG_METHODS else "featcal",
             **run.featcal,
         },
     }

@@ -29,10 +29,10 @@ def _featcal(**keys) -> FeatCalConfig:
 
 
 def test_the_config_accepts_exactly_the_registered_methods(tmp_path):
-    assert sorted(METHODS) == sorted(CONFIG_METHODS) == ["featcal", "regmean", "regmean_plus_plus"]
+    assert sorted(METHODS) == sorted(CONFIG_METHODS) == ["featcal", "lot", "regmean", "regmean_plus_plus"]
     with pytest.raises(ConfigError) as err:
         config_from_dict({**RAW, "featcal": {"method": "fisher"}}, tmp_path)
-    assert str(err.value) == ("featcal.method: Input should be 'featcal', 'regmean' or 'regmean_plus_plus' "
+    assert str(err.value) == ("featcal.method: Input should be 'featcal', 'regmean', 'regmean_plus_plus' or 'lot' "
                               "(got 'fisher', from config)")
 
 
@@ -42,14 +42,14 @@ def test_an_unknown_method_is_named_with_the_known_ones():
         calibration_method(FeatCalConfig.model_construct(method="fisher"))
     assert (
         str(err.value)
-        == "featcal.method: unknown calibration method 'fisher'; known: featcal, regmean, regmean_plus_plus"
+        == "featcal.method: unknown calibration method 'fisher'; known: featcal, lot, regmean, regmean_plus_plus"
     )
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_each_method_declares_its_keys_and_statistics(name):
     method = calibration_method(_featcal(method=name))
-    assert method.keys and set(method.keys) <= CONFIG_KEYS
+    assert set(method.keys) <= CONFIG_KEYS and (method.keys or name == "lot")  # LOT's closed form has no knob
     assert dict(method.settings) == {k: FeatCalConfig().model_dump(by_alias=True)[k] for k in method.keys}
     assert isinstance(method.statistics, StatisticsPlan)
 
@@ -60,6 +60,7 @@ def test_statistics_plans():
                                               rows=True)
     assert plans["regmean"] == StatisticsPlan("expert", "expert", expert_side=False)
     assert plans["regmean_plus_plus"] == StatisticsPlan("expert", "merged", expert_side=False)
+    assert plans["lot"] == plans["regmean"]
     # Held-out rows only where the method chooses λ / ρ on them: FeatCal with either on auto.
     assert calibration_method(_featcal(rho="auto", holdout_every=3)).statistics.held_out_every == 3
     assert calibration_method(_featcal(method="regmean", **{"lambda": "auto"})).statistics.held_out_every is None
