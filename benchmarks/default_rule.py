@@ -57,7 +57,7 @@ class Figures:
     per_task: dict[str, float]
 
 
-def _figures(bench: Path, split: str, run: str, draws: int) -> Figures:
+def _figures(bench: Path, split: str, rows: int | None, run: str, draws: int) -> Figures:
     from featcal_bench.protect import head_check  # torch, transformers: only once the arguments are good
     from storage.atomic import read_json
 
@@ -69,7 +69,7 @@ def _figures(bench: Path, split: str, run: str, draws: int) -> Figures:
     gains, worsts, seconds = [], [], []
     per_task: dict[str, list[float]] = {}
     for name in names:
-        tasks = head_check(bench, name, split)["tasks"]
+        tasks = head_check(bench, name, split, rows)["tasks"]
         change = {t: 100 * (e["calibrated"]["agreement"] - e["merged"]["agreement"]) for t, e in tasks.items()}
         gains.append(statistics.fmean(change.values()))
         worsts.append(min(change.values()))
@@ -100,15 +100,18 @@ def _verdict(new: dict[str, Figures], old: dict[str, Figures]) -> tuple[bool, st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bench", action="append", required=True, metavar="NAME=DIR[:SPLIT]",
-                        help="a benchmark directory written by `featcal bench build` (MiniLM-8 and the demo required), "
-                             "and the split its head checks read (default validation; the demo has none: train)")
+    parser.add_argument("--bench", action="append", required=True, metavar="NAME=DIR[:SPLIT[:ROWS]]",
+                        help="a benchmark directory written by `featcal bench build` (MiniLM-8 and the demo "
+                             "required), the split its head checks read (default validation; the demo has none: "
+                             "train) and how many of its rows a task, drawn with a fixed seed (default all)")
     parser.add_argument("--draws", type=int, default=4, help="draws of the 8-example runs (default 4)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     benches = dict(b.split("=", 1) for b in args.bench)
-    dirs = {name: Path(d.partition(":")[0]) for name, d in benches.items()}
-    splits = {name: d.partition(":")[2] or "validation" for name, d in benches.items()}
+    parts = {name: (d.split(":") + ["", ""])[:3] for name, d in benches.items()}
+    dirs = {name: Path(p[0]) for name, p in parts.items()}
+    splits = {name: p[1] or "validation" for name, p in parts.items()}
+    rows = {name: int(p[2]) if p[2] else None for name, p in parts.items()}
 
     table: list[str] = []
     seen: dict[str, dict[str, Figures]] = {}
@@ -116,7 +119,7 @@ def main() -> None:
     def measured(options: Options, few: bool) -> dict[str, Figures]:
         run = options.run(few)
         if run not in seen:
-            seen[run] = {b: _figures(d, splits[b], run, args.draws if few else 1) for b, d in dirs.items()}
+            seen[run] = {b: _figures(d, splits[b], rows[b], run, args.draws if few else 1) for b, d in dirs.items()}
             for b, f in seen[run].items():
                 tasks = ", ".join(f"{t} {c:+.1f}" for t, c in f.per_task.items())
                 table.append(f"| {b} | `{run}` | {f.gain:+.2f} | {f.worst:+.1f} | {f.seconds:.0f} | {tasks} |")
@@ -137,8 +140,8 @@ def main() -> None:
     header = [
         "# The rule that sets the label-free defaults, applied (issue 54 §5)", "",
         f"Machine: {cpu_line()}. Date: {datetime.date.today()}. Command: `{command_line()}`. Code: {commit_of(ROOT)}.",
-        "Benchmarks: " + ", ".join(f"{b} (`{d}`, head checks on its {splits[b]} rows)" for b, d in dirs.items())
-        + ".", "",
+        "Benchmarks: " + ", ".join(f"{b} (`{d}`, head checks on {rows[b] or 'all'} {splits[b]} rows a task)"
+                                   for b, d in dirs.items()) + ".", "",
         "The rule: docs/benchmarks.md, *The rule that sets the label-free defaults*. Validation rows only, read "
         "through each task's head: *gain* is the task mean of the calibrated model's agreement with the task's expert "
         "minus the merge's (points), *worst* the lowest task's; 8-example rows are the mean over their draws (worst: "

@@ -25,24 +25,26 @@ RAISE = 4.0  # a flagged task's weight is multiplied by this each round
 CHECK_SPLIT = "validation"  # rows held out of the experts' training and of calibration
 
 
-def check_path(bench: Path, name: str, split: str = CHECK_SPLIT) -> Path:
-    return bench / "results" / (f"{name}.check.json" if split == CHECK_SPLIT else f"{name}.check.{split}.json")
+def check_path(bench: Path, name: str, split: str = CHECK_SPLIT, rows: int | None = None) -> Path:
+    other = "" if (split, rows) == (CHECK_SPLIT, None) else f".{split}" + (f"{rows}" if rows is not None else "")
+    return bench / "results" / f"{name}.check{other}.json"
 
 
-def head_check(bench: Path, name: str, split: str = CHECK_SPLIT) -> dict[str, Any]:
-    """Run `name`'s merged and calibrated models against each expert on the tasks' `split` rows (validation: held
-    out of training and calibration; cached next to its results, and a rerun of `name` writes newer results and so a
-    newer check)."""
-    path, results = check_path(bench, name, split), bench / "results" / f"{name}.json"
+def head_check(bench: Path, name: str, split: str = CHECK_SPLIT, rows: int | None = None) -> dict[str, Any]:
+    """Run `name`'s merged and calibrated models against each expert on the tasks' `split` rows, or a seeded subset
+    of `rows` of them (validation: held out of training and calibration; cached next to its results, and a rerun of
+    `name` writes newer results and so a newer check)."""
+    path, results = check_path(bench, name, split, rows), bench / "results" / f"{name}.json"
     if path.is_file() and path.stat().st_mtime >= results.stat().st_mtime:
         return read_json(path)
     ctx = context(run_dir(bench, name))
     tasks = {}
     for task in ctx.tasks:
         source = ctx.cfg.calibration.data[task].model_copy(update={"split": split})
-        tasks[task] = head_errors(ctx, task, source, f"calibration.data.{task} (split {split})")
+        tasks[task] = head_errors(ctx, task, source, f"calibration.data.{task} (split {split})", rows=rows)
         log.info("head check · %s · %s: %s", name, task, tasks[task])
-    check = {"run": name, "split": split, "task_weights": dict(ctx.cfg.featcal.task_weights), "tasks": tasks}
+    check = {"run": name, "split": split, "rows": rows, "task_weights": dict(ctx.cfg.featcal.task_weights),
+             "tasks": tasks}
     write_json(path, check)
     return check
 
