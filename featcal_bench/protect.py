@@ -41,7 +41,7 @@ def head_check(bench: Path, name: str, split: str = CHECK_SPLIT, rows: int | Non
     tasks = {}
     for task in ctx.tasks:
         source = ctx.cfg.calibration.data[task].model_copy(update={"split": split})
-        tasks[task] = head_errors(ctx, task, source, f"calibration.data.{task} (split {split})", rows=rows)
+        tasks[task] = head_errors(ctx, task, source, f"calibration.data.{task} (split {split})", subset=rows)
         log.info("head check · %s · %s: %s", name, task, tasks[task])
     check = {"run": name, "split": split, "rows": rows, "task_weights": dict(ctx.cfg.featcal.task_weights),
              "tasks": tasks}

@@ -170,16 +170,16 @@ def _text_to_text_scores(ctx: RunContext, task: str, split: _Split, progress: Ev
 
 
 def head_errors(ctx: RunContext, task: str, source: DataSource, where: str,
-                models: tuple[str, ...] = DRIFT_MODELS, rows: int | None = None) -> dict[str, dict[str, float]]:
-    """Each of `models` against the task's expert on `source`'s rows (a seeded subset of `rows` of them, if given),
+                models: tuple[str, ...] = DRIFT_MODELS, subset: int | None = None) -> dict[str, dict[str, float]]:
+    """Each of `models` against the task's expert on `source`'s rows (a seeded subset of `subset` of them, if given),
     read through the task's head; labels are not read. Per model: `kl`, the mean KL(p_expert ‖ p_model) in nats, and
     `agreement`, the share of rows whose top class is the expert's."""
     if ctx.adapter.has_decoder or ctx.adapter.language_model:
         raise ValueError(f"{where}: head errors need a classification head; task {task} is scored by generation or "
                          "next-token loss")
     ds = load_split(source, where)
-    if rows is not None:
-        ds = pick_examples(ds, rows, CHECK_SEED, where)
+    if subset is not None:
+        ds = pick_examples(ds, subset, CHECK_SEED, where)
     builder = InputBuilder(ctx.cfg.base, ctx.adapter.model_input_names(), source, ctx.cfg.calibration.max_length,
                            ds.column_names, where)
     expert = _task_model(ctx, task, "expert")
