@@ -70,6 +70,29 @@ class LinearMoments:
             a.diagonal().add_(t)
             b.add_(t[:, None] * w_t.double().T)
 
+    def with_foreign(self, foreign: LinearMoments | None, w: float) -> LinearMoments:
+        """These (a task's own rows') moments with its foreign rows' at weight w (calibration.shared_inputs,
+        docs/design.md §2.12): the data term E_own + w·E_foreign, kept as the mean (M_own + w·M_foreign)/(1 + w) with
+        weight c_t·(1 + w), so that every solve, the bias's included, reads it as one task's rows; n_t stays the own
+        rows' ‖C_ss‖_F. w = 0 or no foreign rows: these moments themselves."""
+        if not w or foreign is None:
+            return self
+
+        def mixed(own: torch.Tensor | None, other: torch.Tensor | None) -> torch.Tensor | None:
+            if own is None or other is None:
+                if own is not other:
+                    raise ValueError("own and foreign rows' moments keep the expert side in different forms")
+                return None
+            return torch.add(own, other, alpha=w).div_(1.0 + w)
+
+        c_ss = mixed(self.c_ss, foreign.c_ss)
+        mu_s, mu_e = mixed(self.mu_s, foreign.mu_s), mixed(self.mu_e, foreign.mu_e)
+        assert c_ss is not None and mu_s is not None and mu_e is not None  # always kept
+        out = LinearMoments(c_ss=c_ss, mu_s=mu_s, mu_e=mu_e, c_se=mixed(self.c_se, foreign.c_se),
+                            p_st=mixed(self.p_st, foreign.p_st), weight=self.weight * (1.0 + w))
+        out._norm = float(torch.linalg.matrix_norm(self.c_ss))
+        return out
+
     def normaliser(self) -> float:
         """n_t / c_t with n_t = ‖C_ss‖_F, so λ is a ratio comparable across layers and tasks."""
         if self._norm is None:  # asked by the weight's solve and by the bias's
@@ -84,6 +107,13 @@ class NormMoments:
     m: torch.Tensor  # E_w[z_s]
     e: torch.Tensor  # E_w[z_s²]
     weight: float = 1.0  # c_t, as LinearMoments.weight
+
+    def with_foreign(self, foreign: NormMoments | None, w: float) -> NormMoments:
+        """As LinearMoments.with_foreign: the mean of own and w × foreign moments, weight c_t·(1 + w)."""
+        if not w or foreign is None:
+            return self
+        return NormMoments(m=torch.add(self.m, foreign.m, alpha=w).div_(1.0 + w),
+                           e=torch.add(self.e, foreign.e, alpha=w).div_(1.0 + w), weight=self.weight * (1.0 + w))
 
 
 def anchor(merged: torch.Tensor, base: torch.Tensor, rho: float, scale: float = 1.0) -> torch.Tensor:
@@ -376,6 +406,18 @@ def cross_validated(choices: Sequence[Choice], lams: Sequence[float], rhos: Sequ
     within = [m for m, lam in enumerate(lams) if lam >= best.lam and float(mean[m]) <= float(spread[m])]
     chosen = max(within, key=lambda m: lams[m])  # the best point itself always qualifies (excess 0)
     return replace(best, lam=float(lams[chosen]))
+
+
+def choose_foreign_weight(by_weight: Sequence[Sequence[Choice]], weights: Sequence[float], lams: Sequence[float],
+                          rhos: Sequence[float], shrinks: Sequence[float],
+                          one_standard_error: bool = False) -> tuple[float, Choice]:
+    """The foreign rows' weight w (calibration.shared_inputs.weight auto) whose best grid point has the lowest held-out
+    score summed over the folds, and that w's (λ, ρ, γ) by cross_validated. `by_weight[k]` holds each fold's choice
+    fitted with weights[k]; the held-out rows are own rows, scored alike at every w, so the scores compare across w.
+    Ties go to the first w."""
+    best = [float(torch.stack([c.scores for c in choices]).sum(0).min()) for choices in by_weight]
+    k = min(range(len(best)), key=lambda i: (best[i], i))
+    return float(weights[k]), cross_validated(by_weight[k], lams, rhos, shrinks, one_standard_error)
 
 
 def choose_linear_hyper(

@@ -73,6 +73,43 @@ class ViewsConfig(_Strict):
                               "or last token, a segment's last token, or one of the tokenizer's special tokens")
 
 
+class SharedInputsConfig(_Strict):
+    """Task t's term in every shared solve also reads the other tasks' calibration inputs (and a pool's), through
+    expert t on the expert side and the merged model on the merged side: rows with a target and no label, weighted
+    below the task's own (docs/design.md §2.12)."""
+
+    weight: float | Literal["auto"] = Field(
+        0.0, description="w: task t's moments are its own rows' + w × the foreign rows' (w = 1: the foreign rows "
+                         "together count as much as the own rows); 0: off; auto: chosen per module from grid on the "
+                         "held-out own rows, with lambda / rho / shrinkage when they are auto (no labels)")
+    grid: list[float] = Field(default_factory=lambda: [0.0, 0.1, 0.25, 0.5, 1.0], min_length=1,
+                              description="the w values weight auto chooses from")
+    pool: DataSource | None = Field(None, description="unlabelled inputs of the same modality, added to every "
+                                    "task's foreign rows; None: the other tasks' inputs only")
+    pool_examples: int = Field(256, ge=1, description="examples drawn from pool (seeded by calibration.seed)")
+
+    @field_validator("weight")
+    @classmethod
+    def _non_negative_weight(cls, weight: float | Literal["auto"]) -> float | Literal["auto"]:
+        if not isinstance(weight, str) and weight < 0:
+            raise ValueError(f"must be >= 0 or 'auto', got {weight}")
+        return weight
+
+    @field_validator("grid")
+    @classmethod
+    def _non_negative_grid(cls, grid: list[float]) -> list[float]:
+        if min(grid) < 0:
+            raise ValueError(f"every value must be >= 0, got {grid}")
+        return grid
+
+    @property
+    def weights(self) -> list[float]:
+        """The w a solve may take: none when off, the one given, or the grid with auto."""
+        if self.weight == "auto":
+            return list(self.grid)
+        return [self.weight] if self.weight else []
+
+
 class CalibrationConfig(_Strict):
     data: dict[str, DataSource]
     examples_per_task: int = Field(256, ge=1)
@@ -82,6 +119,7 @@ class CalibrationConfig(_Strict):
                                    "(greedy generation stops there; a target column is truncated to it)")
     seed: int = 42
     views: ViewsConfig = Field(default_factory=ViewsConfig)
+    shared_inputs: SharedInputsConfig = Field(default_factory=SharedInputsConfig)
 
 
 class FeatCalConfig(_Strict):
@@ -374,6 +412,10 @@ class RunConfig(_Strict):
             extra = sorted(set(getattr(self.evaluation, field)) - set(self.experts))
             if extra:
                 raise ValueError(f"evaluation.{field} names task(s) {extra} that are not in experts")
+        shared = self.calibration.shared_inputs
+        if shared.weights and len(self.experts) == 1 and shared.pool is None:
+            raise ValueError("calibration.shared_inputs: one task has no other task's inputs to share; give "
+                             "shared_inputs.pool or set shared_inputs.weight 0")
         extra = sorted(set(self.featcal.task_weights) - set(self.experts))
         if extra:
             raise ValueError(f"featcal.task_weights names task(s) {extra} that are not in experts")

@@ -274,9 +274,21 @@ def held_out_sums(t: dict[str, torch.Tensor], fold: int = 0) -> dict[str, torch.
 
 
 def fit_sums(t: dict[str, torch.Tensor], fold: int = 0) -> dict[str, torch.Tensor]:
-    """One module's sums over the rows that fold `fold` does not hold out: all rows minus that fold's."""
+    """One module's sums over the own rows that fold `fold` does not hold out: all own rows minus that fold's (the
+    foreign rows' sums, which no fold holds out, come along as they are)."""
     prefix = held_prefix(fold)
-    return {k: v - t[prefix + k] for k, v in t.items() if not k.startswith("held")}
+    return {k: v if k.startswith(FOREIGN) else v - t[prefix + k] for k, v in t.items() if not k.startswith("held")}
+
+
+# Prefix of the foreign rows' sums in a statistics file (calibration.shared_inputs): the other tasks' inputs (and the
+# pool's) through this task's expert; the unprefixed sums are then the task's own rows' alone.
+FOREIGN = "foreign_"
+
+
+def foreign_sums(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """One module's sums over its task's foreign rows, or None when the task has none."""
+    out = {k[len(FOREIGN):]: v for k, v in t.items() if k.startswith(FOREIGN)}
+    return out or None
 
 
 def example_rows(

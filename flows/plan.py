@@ -63,7 +63,7 @@ def _statistics_bytes(cfg: RunConfig, modules: dict[str, Any], rows: int) -> int
     width no other module of the block has reads its input alone and keeps its rows where the Gram stage finds that
     pays: `rows` rows of x_s, its target and weight (float32 at most). Where widths repeat (q/k/v, gate/up share one
     input, whose rows they would share), the Gram form is assumed: the larger."""
-    statistics_plan = calibration_method(cfg.featcal).statistics
+    statistics_plan = calibration_method(cfg.featcal, foreign_weights=cfg.calibration.shared_inputs.weights).statistics
     keeps_expert = statistics_plan.expert_side
     takes_rows = statistics_plan.keeps_rows(cfg.runtime.row_statistics)
     linear = [linear_dims(m) for m in modules.values() if not is_norm(m)]

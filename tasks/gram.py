@@ -13,6 +13,7 @@ from featcal.adapters import BlockInput
 from featcal.calibration_methods import StatisticsPlan, calibration_method
 from featcal.modeling import calibrated_modules
 from featcal.statistics import (
+    FOREIGN,
     Stats,
     accumulate,
     captured_inputs,
@@ -26,7 +27,15 @@ from featcal.statistics import (
 )
 from storage.atomic import atomic_path
 from storage.checkpoint import save_tensors
-from tasks.boundary import block_input, boundary_chunks, encoder_memory, mask_of, stack_end, write_next_boundary
+from tasks.boundary import (
+    block_input,
+    boundary_chunks,
+    encoder_memory,
+    foreign_rows,
+    mask_of,
+    stack_end,
+    write_next_boundary,
+)
 from tasks.context import RunContext
 from tasks.merge import MERGED
 
@@ -81,7 +90,7 @@ class GramBlocks:
 
     @classmethod
     def load(cls, ctx: RunContext, task: str, layer: int) -> GramBlocks:
-        plan = calibration_method(ctx.cfg.featcal).statistics
+        plan = calibration_method(ctx.cfg.featcal, foreign_weights=ctx.cfg.calibration.shared_inputs.weights).statistics
         expert = ctx.on_device(ctx.skeleton.block(layer, ctx.checkpoint(task)))
         merged = merged_block(ctx, layer) if plan.fit_block == "merged" else None
         fit, fit_checkpoint = (merged, MERGED) if merged is not None else (expert, task)
@@ -111,41 +120,68 @@ class GramSums:
         self.laid_out = False
         self.owners: dict[str, str] = {}
         self.folds: list[Stats] = []
+        self.foreign_rows = foreign_rows(ctx, task)  # None: every row is the task's own
+        self.foreign: Stats = {}  # the foreign rows' sums (calibration.shared_inputs), apart from the own rows'
         self.drift = {"in_diff": 0.0, "in_ref": 0.0, "out_diff": 0.0, "out_ref": 0.0}
 
-    def add_drift(self, kind: str, diff: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> None:
-        d, r = _sq_norms(diff, ref, mask)
+    def foreign_of(self, seen: int, chunk_examples: int, device: torch.device) -> torch.Tensor | None:
+        """Whether each example of the chunk after `seen` is foreign; None when none is."""
+        if self.foreign_rows is None:
+            return None
+        foreign = self.foreign_rows[seen:seen + chunk_examples]
+        return foreign.to(device) if bool(foreign.any()) else None
+
+    def add_drift(self, kind: str, diff: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor,
+                  foreign: torch.Tensor | None = None) -> None:
+        """The drifts are measured on the task's own rows."""
+        d, r = _sq_norms(diff, ref, mask if foreign is None else mask * ~foreign[:, None])
         self.drift[f"{kind}_diff"] += d
         self.drift[f"{kind}_ref"] += r
 
     def add(self, weights: dict[str, torch.Tensor], sink_s: dict[str, torch.Tensor], sink_e: dict[str, torch.Tensor],
-            outs_e: dict[str, torch.Tensor] | None, chunk_examples: int) -> None:
+            outs_e: dict[str, torch.Tensor] | None, chunk_examples: int, foreign: torch.Tensor | None = None) -> None:
+        """The chunk's sums: its own rows' into the statistics, its `foreign` examples' (a bool each, or None: none
+        is) into the foreign rows' own sums."""
         ctx, plan, modules = self.ctx, self.blocks.plan, self.blocks.stats_modules
         if not self.laid_out:
             self.laid_out = True
-            rows_of_tasks = len(ctx.tasks) if plan.keeps_rows(ctx.cfg.runtime.row_statistics) else 0
+            # Foreign rows keep sums, never rows: the solve mixes own and foreign moments per w
+            rows_of_tasks = (len(ctx.tasks) if plan.keeps_rows(ctx.cfg.runtime.row_statistics)
+                             and self.foreign_rows is None else 0)
             forms, self.owners = stats_layout(modules, weights, (sink_s, sink_e), self.examples, chunk_examples,
                                               keeps_expert=plan.expert_side, rows_of_tasks=rows_of_tasks)
             alpha = ctx.cfg.featcal.alpha
             self.stats = new_stats(modules, forms, self.owners, ctx.device, alpha)
             self.folds = ([new_stats(modules, forms, self.owners, ctx.device, alpha)
                            for _ in range(plan.held_out_folds)] if plan.held_out_every else [])
+            if self.foreign_rows is not None:
+                self.foreign = new_stats(modules, forms, self.owners, ctx.device, alpha)
         elif input_owners(list(self.owners), weights, sink_s, sink_e) != self.owners:
             raise RuntimeError(f"block {self.layer}, task {self.task}: modules that shared one input in the first "
                                "chunk do not in a later one")
-        accumulate(self.stats, modules, sink_s, sink_e, weights, outs_e, self.blocks.expert_modules)
+        experts = self.blocks.expert_modules
+        if foreign is None:
+            accumulate(self.stats, modules, sink_s, sink_e, weights, outs_e, experts)
+            return
+        for into, chosen in ((self.stats, ~foreign), (self.foreign, foreign)):
+            if bool(chosen.any()):
+                w, xs, xe, out = example_rows(weights, chosen, sink_s, sink_e, outs_e if outs_e is not None else {})
+                accumulate(into, modules, xs, xe, w, out if outs_e is not None else None, experts)
 
     def add_held_out(self, weights: dict[str, torch.Tensor], sink_s: dict[str, torch.Tensor],
                      sink_x: dict[str, torch.Tensor], outs_e: dict[str, torch.Tensor] | None, seen: int,
-                     chunk_examples: int, device: torch.device) -> None:
+                     chunk_examples: int, device: torch.device, foreign: torch.Tensor | None = None) -> None:
         """Rows held out to choose hyperparameters get sums of their own, fold by fold (fold k: the examples i with
-        i mod N = N − 1 − k); an example's views are held out with it."""
+        i mod N = N − 1 − k); an example's views are held out with it. Only own rows are held out: the `foreign`
+        examples (a bool each) are all fitted, never scored."""
         every = self.blocks.plan.held_out_every
         if not every:
             return
         example = torch.arange(seen, seen + chunk_examples, device=device) // (1 + self.ctx.cfg.calibration.views.count)
         for fold, held in enumerate(self.folds):
             chosen = (example % every) == every - 1 - fold
+            if foreign is not None:
+                chosen &= ~foreign
             if bool(chosen.any()):
                 held_w, held_s, held_x, held_o = example_rows(weights, chosen, sink_s, sink_x,
                                                               outs_e if outs_e is not None else {})
@@ -156,15 +192,17 @@ class GramSums:
         ctx = self.ctx
         rel = ctx.run.stats(self.task, self.layer)
         held = {k: v for fold, sums in enumerate(self.folds) for k, v in flatten_stats(sums, held_prefix(fold)).items()}
+        foreign = flatten_stats(self.foreign, FOREIGN) if self.foreign else {}
         with atomic_path(ctx.run / rel) as tmp:
             ctx.run.claim_spare(tmp)
-            save_tensors({**flatten_stats(self.stats), **held}, tmp, {STATS_ALPHA: repr(ctx.cfg.featcal.alpha)})
+            save_tensors({**flatten_stats(self.stats), **held, **foreign}, tmp,
+                         {STATS_ALPHA: repr(ctx.cfg.featcal.alpha)})
         return rel
 
     def info(self) -> dict[str, Any]:
         drift, stats = self.drift, self.stats
         info = {"drift_in": (drift["in_diff"] / max(drift["in_ref"], 1e-30)) ** 0.5,
-                "gram_flops": stats_flops(stats) + sum(stats_flops(held) for held in self.folds),
+                "gram_flops": stats_flops(stats) + sum(stats_flops(held) for held in (*self.folds, self.foreign)),
                 "product_form": sorted(m for m, s in stats.items() if getattr(s, "form", None) == "product"),
                 "row_form": sorted(m for m, s in stats.items() if getattr(s, "form", None) == "rows")}
         if self.blocks.merged is not None:  # the uncalibrated merged block ran: its output's distance from the expert's
@@ -192,6 +230,7 @@ def expert_outputs(ctx: RunContext, task: str, layer: int, blocks: GramBlocks, s
     seen = 0  # examples before the current chunk
     for (mask, s, e), (memory_s, memory_e) in zip(boundary_chunks(ctx, task, layer, ("merged", "expert")), memories):
         extra_e = block_input(ctx, layer, mask, memory_e, task)
+        foreign = sums.foreign_of(seen, mask.shape[0], mask.device)
         outs_e: dict[str, torch.Tensor] | None = {} if plan.expert_side else None
         with torch.inference_mode():
             out_e, sink_e = blocks.run(ctx, blocks.expert, blocks.expert_modules, e, extra_e, outs_e)
@@ -205,13 +244,13 @@ def expert_outputs(ctx: RunContext, task: str, layer: int, blocks: GramBlocks, s
                 extra_s = block_input(ctx, layer, mask, memory_s, blocks.fit_checkpoint)
                 out_s, sink_s = blocks.run(ctx, blocks.fit, stats_modules, s, extra_s)
                 if blocks.merged is not None:
-                    sums.add_drift("out", out_s - out_e, out_e, mask)
+                    sums.add_drift("out", out_s - out_e, out_e, mask, foreign)
             sink_x = sink_e if plan.expert_side else sink_s  # one side only: it fills both of the statistics' slots
-            sums.add(weights, sink_s, sink_x, outs_e, mask.shape[0])
-            sums.add_held_out(weights, sink_s, sink_x, outs_e, seen, mask.shape[0], mask.device)
+            sums.add(weights, sink_s, sink_x, outs_e, mask.shape[0], foreign)
+            sums.add_held_out(weights, sink_s, sink_x, outs_e, seen, mask.shape[0], mask.device, foreign)
             if blocks.finish is not None:
                 out_e = blocks.finish(out_e)
-        sums.add_drift("in", s - e, e, mask)
+        sums.add_drift("in", s - e, e, mask, foreign)
         seen += mask.shape[0]
         yield out_e.reshape(-1, out_e.shape[-1])
 
