@@ -15,8 +15,9 @@ from featcal.devices import to_device
 from storage.behind import written_behind
 from tasks.context import RunContext
 
-# The array beside a task's model inputs that marks its foreign rows (calibration.shared_inputs): 1 per foreign row.
-# Written only when there are foreign rows; not a model input.
+# The array beside a task's model inputs that marks its foreign rows (calibration.shared_inputs), one int per stored
+# row: 0 the task's own; j + 1 a row of example j of another task's draw (the example that task holds out in fold k
+# when j mod N = N − 1 − k); −1 a pool row. Written only when there are foreign rows; not a model input.
 FOREIGN_ROWS = "foreign_rows"
 
 
@@ -134,11 +135,11 @@ def tokens_of(ctx: RunContext, task: str, layer: int = 0) -> int:
 
 
 def foreign_rows(ctx: RunContext, task: str) -> torch.Tensor | None:
-    """Per stored row of the task, whether it is foreign (calibration.shared_inputs); None when all are its own."""
+    """Per stored row of the task, its FOREIGN_ROWS mark (calibration.shared_inputs); None when all are its own."""
     location = ctx.run.store.location(f"{ctx.run.inputs(task)}/{FOREIGN_ROWS}")
     if not ctx.run.store.exists(location):
         return None
-    return torch.as_tensor(np.asarray(ctx.run.store.open_array(location)[:])).bool()
+    return torch.as_tensor(np.asarray(ctx.run.store.open_array(location)[:])).long()
 
 
 def mask_of(ctx: RunContext, task: str, layer: int = 0) -> str:

@@ -88,9 +88,9 @@ def refitted(ctx: RunContext, task: str) -> tuple[dict[str, torch.Tensor], dict[
     chosen, the rows, and the relative error of the head's logits to the expert's on those rows, before and after."""
     fc = ctx.cfg.featcal
     x, z = _rows(ctx, task)
-    foreign = foreign_rows(ctx, task)
-    if foreign is not None:  # calibration.shared_inputs: the head is refitted on the task's own rows only
-        x, z = x[~foreign], z[~foreign]
+    marks = foreign_rows(ctx, task)
+    if marks is not None:  # calibration.shared_inputs: the head is refitted on the task's own rows only
+        x, z = x[marks == 0], z[marks == 0]
     w_e, b_e = _expert_head(ctx, task)
     examples = [r // (1 + ctx.cfg.calibration.views.count) for r in range(len(x))]
     fit = refit_head(x, z, w_e, b_e, fc.lambda_grid, held_out_folds(examples, fc.holdout_every, fc.holdout_folds))

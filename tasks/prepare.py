@@ -33,9 +33,10 @@ def _sources(ctx: RunContext, task: str) -> list[tuple[str, DataSource, int]]:
     return own + others + pool
 
 
-def _model_inputs(ctx: RunContext, task: str) -> tuple[Batches, int, dict[str, Any]]:
+def _model_inputs(ctx: RunContext, task: str) -> tuple[Batches, int, dict[str, Any], np.ndarray | None]:
     """Batches of the task's calibration inputs (its own examples first, then the foreign ones of
-    calibration.shared_inputs), padded to one width for the whole task (decoder inputs too, for an encoder–decoder)."""
+    calibration.shared_inputs), padded to one width for the whole task (decoder inputs too, for an encoder–decoder),
+    and with foreign rows, each stored row's mark (boundary.FOREIGN_ROWS)."""
     cal = ctx.cfg.calibration
     sources = []
     for where, source, n in _sources(ctx, task):
@@ -61,10 +62,15 @@ def _model_inputs(ctx: RunContext, task: str) -> tuple[Batches, int, dict[str, A
     if views:
         info["views_per_example"] = views
     foreign = sum(len(p) for p, _ in sources[1:])
+    marks = None
     if foreign:
         info["foreign_examples"] = foreign
+        pool = len(sources) - 1 if ctx.cfg.calibration.shared_inputs.pool is not None else None
+        marks = np.concatenate([np.zeros(len(picked), np.int32)] + [
+            np.full(len(p), -1, np.int32) if k == pool else np.arange(1, len(p) + 1, dtype=np.int32)
+            for k, (p, _) in enumerate(sources) if k]).repeat(1 + views)
     if not ctx.adapter.has_decoder:
-        return batches, (len(picked) + foreign) * (1 + views), info
+        return batches, (len(picked) + foreign) * (1 + views), info, marks
     if foreign:  # preflight refuses shared inputs of encoder–decoders: their targets are per task
         raise ValueError("calibration.shared_inputs: not for encoder–decoders")
     encoder = list(batches())  # token ids only: small, and generation must not run once per stored array
@@ -82,7 +88,7 @@ def _model_inputs(ctx: RunContext, task: str) -> tuple[Batches, int, dict[str, A
     def joined_batches() -> Iterator[dict[str, torch.Tensor]]:
         return iter(joined)
 
-    return joined_batches, len(picked), info
+    return joined_batches, len(picked), info, None
 
 
 
@@ -110,7 +116,7 @@ def prepare(ctx: RunContext, task: str, inputs_key: str | None = None) -> tuple[
 
 def _stored_model_inputs(ctx: RunContext, task: str) -> dict[str, Any]:
     """The task's model inputs written to the run's store, and what the prepare record says about them."""
-    batches, n, info = _model_inputs(ctx, task)
+    batches, n, info, marks = _model_inputs(ctx, task)
     bs = ctx.cfg.calibration.batch_size
     first = next(batches())
     store = ctx.run.store
@@ -118,9 +124,8 @@ def _stored_model_inputs(ctx: RunContext, task: str) -> dict[str, Any]:
         for name, value in first.items():
             shape = (n, *value.shape[1:])
             store.write_array(f"{tmp}/{name}", shape, bs, str(value.numpy().dtype), (b[name] for b in batches()))
-        if "foreign_examples" in info:  # which rows are the task's own and which are foreign: 1 a foreign row
-            own = info["examples"] * (1 + ctx.cfg.calibration.views.count)
-            store.write_array(f"{tmp}/{FOREIGN_ROWS}", (n,), bs, "int8", [np.arange(n) >= own])
+        if marks is not None:  # which rows are the task's own and which are foreign
+            store.write_array(f"{tmp}/{FOREIGN_ROWS}", (n,), bs, "int32", [marks])
         # Every architecture gets a token mask: padding is weight 0 in every statistic downstream.
         if "attention_mask" not in first:
             tokens = ctx.adapter.embed(ctx.skeleton.embedding(ctx.checkpoint(MERGED)), first).shape[1]

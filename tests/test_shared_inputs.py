@@ -30,7 +30,7 @@ def _run(tiny_example, run_dir, shared=None, **featcal):
 
 
 def _task_rows(run_dir, task):
-    """(x_s, x_e, token weight, example index, foreign?) of every token row of block 0 for `task`, float64."""
+    """(x_s, x_e, token weight, example index, FOREIGN_ROWS mark) of every token row of block 0 for `task`."""
     ctx = context(run_dir)
     store, run = ctx.run.store, ctx.run
 
@@ -41,15 +41,16 @@ def _task_rows(run_dir, task):
     mask = read(f"{run.inputs(task)}/attention_mask")
     tokens = mask.shape[1]
     example = torch.arange(mask.shape[0]).repeat_interleave(tokens)
-    foreign = foreign_rows(ctx, task)
-    foreign = torch.zeros(mask.shape[0], dtype=torch.bool) if foreign is None else foreign
-    return x_s, x_e, mask.reshape(-1).double(), example, foreign.repeat_interleave(tokens)
+    marks = foreign_rows(ctx, task)
+    marks = torch.zeros(mask.shape[0], dtype=torch.long) if marks is None else marks
+    return x_s, x_e, mask.reshape(-1).double(), example, marks.repeat_interleave(tokens)
 
 
 def _brute_force(run_dir, w, lam, rho, alpha, held_every=None):
     """Block 0's query weight and bias from every task's rows concatenated: own rows weighted 1/(Σw_own·n_t), foreign
-    rows w/(Σw_foreign·n_t), n_t = ‖C_ss‖_F of the own (fit) rows; with `held_every`, examples i ≡ −1 mod it of
-    the own rows are left out of the fit. Solved by dense normal equations in float64."""
+    rows w/(Σw_foreign·n_t), n_t = ‖C_ss‖_F of the own (fit) rows; with `held_every`, every task's examples
+    i ≡ −1 mod it are left out of the fit, as own rows and as other tasks' foreign rows. Solved by dense normal
+    equations in float64."""
     ctx = context(run_dir)
     prefix = ctx.adapter.block_prefix(0) + MODULE
     merged, base = (ctx.checkpoint(c) for c in (MERGED, "base"))
@@ -59,12 +60,14 @@ def _brute_force(run_dir, w, lam, rho, alpha, held_every=None):
     a, b = lam * torch.eye(d, dtype=torch.float64), lam * anchor_w.T.clone()
     bias_terms = []
     for task in ctx.tasks:
-        x_s, x_e, tw, example, foreign = _task_rows(run_dir, task)
+        x_s, x_e, tw, example, marks = _task_rows(run_dir, task)
         w_t = ctx.checkpoint(task).get(prefix + ".weight").double()
         b_t = ctx.checkpoint(task).get(prefix + ".bias").double()
-        own = ~foreign
+        own, foreign = marks == 0, marks != 0
         if held_every:
+            assert int(marks.min()) >= 0  # no pool: every foreign row is some task's example marks − 1
             own &= example % held_every != held_every - 1
+            foreign &= (marks - 1) % held_every != held_every - 1
         c_own = (x_s[own] * tw[own, None]).T @ x_s[own] / tw[own].sum()
         n_t = float(torch.linalg.matrix_norm(c_own))
         row_w = torch.where(own, tw / (tw[own].sum() * n_t), torch.zeros_like(tw))
@@ -92,6 +95,8 @@ def test_a_weighted_solve_equals_the_closed_form_on_own_and_foreign_rows_concate
     task = cfg.tasks[0]
     info = run.record(f"prepare/{task}")["info"]
     assert info["examples"] == EXAMPLES and info["foreign_examples"] == EXAMPLES * (len(cfg.tasks) - 1)
+    marks = foreign_rows(context(tmp_path / "run"), task)  # own rows, then each other task's examples 1..8
+    assert marks.tolist() == [0] * EXAMPLES + list(range(1, EXAMPLES + 1)) * (len(cfg.tasks) - 1)
     weight, bias = _solved(tmp_path / "run")
     expected_w, expected_b = _brute_force(tmp_path / "run", 0.5, 0.1, 2.2, cfg.featcal.alpha)
     torch.testing.assert_close(weight, expected_w, rtol=0, atol=2e-5 * float(expected_w.abs().max()))
@@ -130,8 +135,8 @@ def test_auto_picks_the_weight_of_lowest_held_out_own_row_score(tiny_example, tm
         fit_w, _ = _brute_force(tmp_path / "run", w, 0.1, 2.2, alpha, held_every=EVERY)
         score = 0.0
         for task in ctx.tasks:
-            x_s, x_e, tw, example, foreign = _task_rows(tmp_path / "run", task)
-            held = ~foreign & (example % EVERY == EVERY - 1)
+            x_s, x_e, tw, example, marks = _task_rows(tmp_path / "run", task)
+            held = (marks == 0) & (example % EVERY == EVERY - 1)
             w_t = ctx.checkpoint(task).get(prefix + ".weight").double()
             c_held = (x_s[held] * tw[held, None]).T @ x_s[held] / tw[held].sum()
             resid = x_s[held] @ fit_w.T - (alpha * x_e[held] + (1 - alpha) * x_s[held]) @ w_t.T
@@ -145,6 +150,14 @@ def test_auto_picks_the_weight_of_lowest_held_out_own_row_score(tiny_example, tm
     expected, _ = _brute_force(tmp_path / "run", chosen, 0.1, 2.2, alpha)
     torch.testing.assert_close(weight, expected, rtol=0, atol=2e-5 * float(expected.abs().max()))
     assert set(info["shared_weight"].values()) <= set(grid)
+    # the held-out fold's foreign sums: the rows of the other tasks' examples that those tasks hold out
+    task = ctx.tasks[0]
+    x_s, _, tw, _, marks = _task_rows(tmp_path / "run", task)
+    there = ((marks > 0) & ((marks - 1) % EVERY == EVERY - 1)).double() * tw
+    stats = load_file(tmp_path / "run" / RunDir(tmp_path / "run").stats(task, 0))
+    key = next(k for k in stats if k.endswith(":foreign_held_ss") and "query" in k)
+    expected = (x_s * there[:, None]).T @ x_s
+    torch.testing.assert_close(stats[key], expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
 
 
 @pytest.mark.usefixtures("fresh_console")
