@@ -426,6 +426,16 @@ class RunConfig(_Strict):
         return self
 
     @property
+    def foreign_examples(self) -> int:
+        """The examples each task stores besides its own with calibration.shared_inputs (at most: a short split
+        gives fewer): the other tasks' and the pool's; 0 when off."""
+        shared = self.calibration.shared_inputs
+        if not shared.weights:
+            return 0
+        pool = shared.pool_examples if shared.pool is not None else 0
+        return (len(self.experts) - 1) * self.calibration.examples_per_task + pool
+
+    @property
     def tasks(self) -> list[str]:
         """Tasks in a fixed order (sorted) so every reduction over tasks is deterministic."""
         return sorted(self.experts)

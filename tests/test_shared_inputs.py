@@ -172,3 +172,13 @@ def test_bad_settings_are_refused_in_one_line_naming_the_field(tiny_example, cap
     assert main(["plan", str(tiny_example / "bert" / "example.yaml"), *args]) == 2
     line = one_error_line(capsys.readouterr().err)
     assert named in line, line
+
+
+@pytest.mark.usefixtures("fresh_console")
+def test_the_plan_says_how_many_foreign_examples_each_task_reads(tiny_example, capsys):
+    config = str(tiny_example / "bert" / "example.yaml")
+    assert main(["plan", config, "--set", "calibration.examples_per_task=8"]) == 0
+    assert "foreign" not in capsys.readouterr().out
+    assert main(["plan", config, "--set", "calibration.examples_per_task=8",
+                 "--set", "calibration.shared_inputs.weight=auto"]) == 0
+    assert "topic (8 ex + 16 foreign: calibration.shared_inputs)" in capsys.readouterr().out
