@@ -182,3 +182,16 @@ def test_the_plan_says_how_many_foreign_examples_each_task_reads(tiny_example, c
     assert main(["plan", config, "--set", "calibration.examples_per_task=8",
                  "--set", "calibration.shared_inputs.weight=auto"]) == 0
     assert "topic (8 ex + 16 foreign: calibration.shared_inputs)" in capsys.readouterr().out
+
+
+def test_the_minilm_study_has_the_8_example_shared_inputs_row_paired_against_lambda_auto():
+    from featcal_bench.builtin import recipes
+    from featcal_bench.study import load_study
+
+    study = load_study(recipes()["minilm"].study)
+    run = study.runs["ta_featcal_auto_shared_n008"]
+    assert run.examples == 8 and run.shared_inputs == {"weight": "auto"} and run.featcal["lambda"] == "auto"
+    assert study.runs["ta_featcal_auto_n008"].shared_inputs == {}
+    row = next(r for r in study.rows if r.run == "ta_featcal_auto_shared_n008")
+    assert row.label == "TA + FeatCal (λ auto) + shared inputs (auto), 8 examples/task"
+    assert next(r for r in study.rows if r.label == row.against).run == "ta_featcal_auto_n008"
