@@ -511,7 +511,8 @@ def _resolve_paths(cfg: RunConfig, root: Path) -> RunConfig:
     cfg.experts = {t: resolve(p) for t, p in cfg.experts.items()}
     if cfg.merge.path is not None:
         cfg.merge.path = resolve(cfg.merge.path)
-    for source in [*cfg.calibration.data.values(), *cfg.evaluation.data.values()]:
+    pool = [cfg.calibration.shared_inputs.pool] if cfg.calibration.shared_inputs.pool is not None else []
+    for source in [*cfg.calibration.data.values(), *pool, *cfg.evaluation.data.values()]:
         source.path = resolve(source.path)
     if cfg.zero_shot is not None:
         cfg.zero_shot.clip_model = resolve(cfg.zero_shot.clip_model)

@@ -64,10 +64,9 @@ def _brute_force(run_dir, w, lam, rho, alpha, held_every=None):
         w_t = ctx.checkpoint(task).get(prefix + ".weight").double()
         b_t = ctx.checkpoint(task).get(prefix + ".bias").double()
         own, foreign = marks == 0, marks != 0
-        if held_every:
-            assert int(marks.min()) >= 0  # no pool: every foreign row is some task's example marks − 1
+        if held_every:  # pool rows (mark −1) are no task's held-out rows: always fitted
             own &= example % held_every != held_every - 1
-            foreign &= (marks - 1) % held_every != held_every - 1
+            foreign &= (marks < 0) | ((marks - 1) % held_every != held_every - 1)
         c_own = (x_s[own] * tw[own, None]).T @ x_s[own] / tw[own].sum()
         n_t = float(torch.linalg.matrix_norm(c_own))
         row_w = torch.where(own, tw / (tw[own].sum() * n_t), torch.zeros_like(tw))
@@ -90,13 +89,16 @@ def _solved(run_dir):
 
 
 def test_a_weighted_solve_equals_the_closed_form_on_own_and_foreign_rows_concatenated(tiny_example, tmp_path):
-    cfg = _run(tiny_example, tmp_path / "run", {"weight": 0.5})
+    """...and the head refit reads the own rows only."""
+    cfg = _run(tiny_example, tmp_path / "run", {"weight": 0.5}, head_refit=True)
     run = RunDir(tmp_path / "run")
     task = cfg.tasks[0]
     info = run.record(f"prepare/{task}")["info"]
     assert info["examples"] == EXAMPLES and info["foreign_examples"] == EXAMPLES * (len(cfg.tasks) - 1)
     marks = foreign_rows(context(tmp_path / "run"), task)  # own rows, then each other task's examples 1..8
     assert marks.tolist() == [0] * EXAMPLES + list(range(1, EXAMPLES + 1)) * (len(cfg.tasks) - 1)
+    refit = run.stage_records()["assemble"]["info"]["head_refit"]
+    assert {t: r["rows"] for t, r in refit.items()} == dict.fromkeys(cfg.tasks, EXAMPLES)
     weight, bias = _solved(tmp_path / "run")
     expected_w, expected_b = _brute_force(tmp_path / "run", 0.5, 0.1, 2.2, cfg.featcal.alpha)
     torch.testing.assert_close(weight, expected_w, rtol=0, atol=2e-5 * float(expected_w.abs().max()))
@@ -122,11 +124,12 @@ def test_weight_zero_is_the_run_without_the_option_bit_for_bit(tiny_example, tmp
 
 
 def test_auto_picks_the_weight_of_lowest_held_out_own_row_score(tiny_example, tmp_path):
-    """λ fixed, w auto: the recorded w of block 0's query is the grid point whose fit (own fit rows + w × foreign
-    rows) has the lowest data term on the held-out own rows, by a brute-force loop over the grid; the final weight is
-    the closed form at that w on all own rows."""
+    """λ fixed, w auto, with a pool: the recorded w of block 0's query is the grid point whose fit (own fit rows + w ×
+    foreign rows, every task's held-out examples left out) has the lowest data term on the held-out own rows, by a
+    brute-force loop over the grid; the final weight is the closed form at that w on all rows."""
     grid = [0.0, 0.3, 3.0]
-    cfg = _run(tiny_example, tmp_path / "run", {"weight": "auto", "grid": grid})
+    pool = {"path": "data/topic", "split": "train"}
+    cfg = _run(tiny_example, tmp_path / "run", {"weight": "auto", "grid": grid, "pool": pool, "pool_examples": 4})
     alpha = cfg.featcal.alpha
     ctx = context(tmp_path / "run")
     prefix = ctx.adapter.block_prefix(0) + MODULE
@@ -153,6 +156,7 @@ def test_auto_picks_the_weight_of_lowest_held_out_own_row_score(tiny_example, tm
     # the held-out fold's foreign sums: the rows of the other tasks' examples that those tasks hold out
     task = ctx.tasks[0]
     x_s, _, tw, _, marks = _task_rows(tmp_path / "run", task)
+    assert foreign_rows(ctx, task)[-4:].tolist() == [-1] * 4  # the pool's rows come last
     there = ((marks > 0) & ((marks - 1) % EVERY == EVERY - 1)).double() * tw
     stats = load_file(tmp_path / "run" / RunDir(tmp_path / "run").stats(task, 0))
     key = next(k for k in stats if k.endswith(":foreign_held_ss") and "query" in k)
