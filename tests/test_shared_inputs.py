@@ -199,3 +199,12 @@ def test_the_minilm_study_has_the_8_example_shared_inputs_row_paired_against_lam
     row = next(r for r in study.rows if r.run == "ta_featcal_auto_shared_n008")
     assert row.label == "TA + FeatCal (λ auto) + shared inputs (auto), 8 examples/task"
     assert next(r for r in study.rows if r.label == row.against).run == "ta_featcal_auto_n008"
+
+
+@pytest.mark.usefixtures("fresh_console")
+def test_a_pool_that_holds_evaluation_rows_is_warned_of(tiny_example, capsys):
+    """With shared inputs the pool's rows are calibration rows of every task: a pool drawn from a test split is said."""
+    args = ["--set", "calibration.shared_inputs.weight=0.5", "--set", "calibration.shared_inputs.pool.path=data/topic",
+            "--set", "calibration.shared_inputs.pool.split=test"]
+    assert main(["plan", str(tiny_example / "bert" / "example.yaml"), *args]) == 0
+    assert "evaluation.data.topic: 200 of its 200 rows are also calibration rows" in capsys.readouterr().out
