@@ -248,11 +248,11 @@ def overlap_warnings(cfg: RunConfig, adapter: Adapter) -> list[str]:
 
     # With calibration.shared_inputs every task's rows, and the pool's, are calibration rows of every task
     foreign: list[str] = []
-    shared = cfg.calibration.shared_inputs
-    if shared.weights:
+    sharing = cfg.calibration.shared_inputs
+    if sharing.weights:
         foreign = [row for t in cfg.tasks for row in calibration_rows(t)]
-        if shared.pool is not None:
-            foreign += _used_rows(cfg, adapter, shared.pool, "calibration.shared_inputs.pool", shared.pool_examples)
+        if sharing.pool is not None:
+            foreign += _used_rows(cfg, adapter, sharing.pool, "calibration.shared_inputs.pool", sharing.pool_examples)
     out = []
     for task, source in sorted(cfg.evaluation.data.items()):
         where = f"evaluation.data.{task}"
