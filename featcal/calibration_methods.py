@@ -25,6 +25,7 @@ from featcal.closed_form import (
     NormMoments,
     choose_foreign_weight,
     choose_linear_hyper,
+    choose_linear_hyper_by_weight,
     choose_norm_hyper,
     head_factor,
     head_metric,
@@ -284,15 +285,15 @@ class FeatCal(CalibrationMethod):
             report["shrinkage"] = choice.shrink
         return replace(self.hyper, lam=choice.lam, rho=choice.rho, shrink=choice.shrink), report
 
-    def _choose(self, fold_choice: Callable[[int, float], Choice],
+    def _choose(self, fold_choices: Callable[[int], list[Choice]],
                 shrinks: list[float]) -> tuple[Choice | None, float]:
         """The module's (λ, ρ, γ among `shrinks`) and foreign weight w: each fold's choice at each w of the grid
-        (`fold_choice(fold, w)`), then the w and point of lowest summed held-out score; without a choice, none and
-        the one w."""
+        (`fold_choices(fold)`, one per w), then the w and point of lowest summed held-out score; without a choice,
+        none and the one w."""
         if not self.choosing:
             return None, self.foreign_grid[0]
-        folds = range(self.settings["holdout_folds"])
-        by_weight = [[fold_choice(fold, w) for fold in folds] for w in self.foreign_grid]
+        by_fold = [fold_choices(fold) for fold in range(self.settings["holdout_folds"])]
+        by_weight = [[choices[k] for choices in by_fold] for k in range(len(self.foreign_grid))]
         w, choice = choose_foreign_weight(by_weight, self.foreign_grid, self.lams, self.rhos, shrinks,
                                           self.one_standard_error)
         return choice, w
@@ -309,9 +310,25 @@ class FeatCal(CalibrationMethod):
                        module.expert(t, "weight"))
                 del stats, fit, held  # before the next task's are read: one task's d × d sums at a time
 
-        choice, w = self._choose(lambda fold, w: choose_linear_hyper(split_tasks(fold, w), w_merged,
-                                                                     module.base("weight"), self.hyper, self.lams,
-                                                                     self.rhos, self.shrinks), self.shrinks)
+        def split_parts(fold: int) -> Iterator[tuple[LinearMoments, LinearMoments | None, LinearMoments, torch.Tensor]]:
+            """As split_tasks, with the own and foreign fit rows' moments apart (every w's fit from one pass)."""
+            for t, stats in _each_task_stats(module):
+                c = weights[t]
+                fit, held = self._split(module, stats, t, fold)
+                foreign = foreign_sums(fit)
+                yield (replace(linear_moments(fit, where), weight=c),
+                       None if foreign is None else linear_moments(foreign, where),
+                       replace(linear_moments(held, where), weight=c), module.expert(t, "weight"))
+                del stats, fit, held, foreign  # one task's d × d sums at a time
+
+        def fold_choices(fold: int) -> list[Choice]:
+            if len(self.foreign_grid) == 1:
+                return [choose_linear_hyper(split_tasks(fold, self.foreign_grid[0]), w_merged, module.base("weight"),
+                                            self.hyper, self.lams, self.rhos, self.shrinks)]
+            return choose_linear_hyper_by_weight(split_parts(fold), w_merged, module.base("weight"), self.hyper,
+                                                 self.lams, self.rhos, self.shrinks, self.foreign_grid)
+
+        choice, w = self._choose(fold_choices, self.shrinks)
         hp, report = self._chosen(choice, w)
         if module.rows and self.takes_rows:
             return self._solve_rows(module, hp, report)
@@ -393,7 +410,7 @@ class FeatCal(CalibrationMethod):
             held = [replace(norm_moments(h, where), weight=c) for (_, h), c in zip(parts, weights, strict=True)]
             return choose_norm_hyper(fit, held, *affine, self.hyper, self.lams, self.rhos)
 
-        choice, w = self._choose(fold_choice, [self.hyper.shrink])
+        choice, w = self._choose(lambda fold: [fold_choice(fold, w) for w in self.foreign_grid], [self.hyper.shrink])
         hp, report = self._chosen(choice, w)
         report.pop("shrinkage", None)  # a norm's moments are per dimension: nothing off the diagonal to shrink
         moms = [_task_norm_moments(s, where, c, w) for s, c in zip(stats, weights, strict=True)]

@@ -208,3 +208,33 @@ def test_a_pool_that_holds_evaluation_rows_is_warned_of(tiny_example, capsys):
             "--set", "calibration.shared_inputs.pool.split=test"]
     assert main(["plan", str(tiny_example / "bert" / "example.yaml"), *args]) == 0
     assert "evaluation.data.topic: 200 of its 200 rows are also calibration rows" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("target", ["identity", "diagonal"])
+def test_one_pass_over_the_tasks_scores_every_weight_as_the_mixed_moments_do(target):
+    """choose_linear_hyper_by_weight (own and foreign sums apart, then own + w·foreign) gives each w the scores that
+    choose_linear_hyper gives the per-task mixed moments (LinearMoments.with_foreign), shrinkage included."""
+    from featcal.closed_form import Hyper, LinearMoments, choose_linear_hyper, choose_linear_hyper_by_weight
+
+    gen = torch.Generator().manual_seed(0)
+    d, out = 6, 4
+
+    def moments(rows: int, weight: float = 1.0) -> LinearMoments:
+        x_s, x_e = torch.randn(rows, d, generator=gen, dtype=torch.float64), torch.randn(rows, d, generator=gen,
+                                                                                        dtype=torch.float64)
+        return LinearMoments(c_ss=x_s.T @ x_s / rows, mu_s=x_s.mean(0), mu_e=x_e.mean(0), c_se=x_s.T @ x_e / rows,
+                             weight=weight)
+
+    tasks = [(moments(5, c), moments(12), moments(3, c), torch.randn(out, d, generator=gen, dtype=torch.float64))
+             for c in (1.0, 2.5)]
+    merged, base = torch.randn(out, d, generator=gen, dtype=torch.float64), torch.randn(out, d, generator=gen,
+                                                                                       dtype=torch.float64)
+    hp = Hyper(lam=0.1, rho=1.0, alpha=0.25, eps=1e-10, shrink_target=target)
+    lams, rhos, shrinks, weights = [0.01, 0.1, 1.0], [1.0, 2.0], [0.0, 0.2], [0.0, 0.5, 2.0]
+    one_pass = choose_linear_hyper_by_weight(iter(tasks), merged, base, hp, lams, rhos, shrinks, weights)
+    for w, choice in zip(weights, one_pass, strict=True):
+        mixed = ((own.with_foreign(foreign, w), held, w_t) for own, foreign, held, w_t in tasks)
+        expected = choose_linear_hyper(mixed, merged, base, hp, lams, rhos, shrinks)
+        torch.testing.assert_close(choice.scores, expected.scores, rtol=1e-10, atol=1e-12)
+        assert (choice.lam, choice.rho, choice.shrink) == (expected.lam, expected.rho, expected.shrink)
+    assert len({float(c.scores.min()) for c in one_pass}) == len(weights)  # the weights are told apart
