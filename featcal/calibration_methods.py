@@ -10,7 +10,7 @@ are its closed-form baselines."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, ClassVar, Literal, get_args
@@ -22,9 +22,11 @@ from featcal.closed_form import (
     Choice,
     Hyper,
     LinearMoments,
+    NormMoments,
+    choose_foreign_weight,
     choose_linear_hyper,
+    choose_linear_hyper_by_weight,
     choose_norm_hyper,
-    cross_validated,
     head_factor,
     head_metric,
     lot_norm_scale,
@@ -40,6 +42,7 @@ from featcal.closed_form import (
 from featcal.config import FeatCalConfig, check_registration
 from featcal.statistics import (
     fit_sums,
+    foreign_sums,
     held_out_sums,
     input_gram_sum,
     linear_moments,
@@ -140,9 +143,12 @@ class CalibrationMethod(ABC):
     name: ClassVar[str]
     keys: ClassVar[tuple[str, ...]]
 
-    def __init__(self, settings: Mapping[str, Any], solve_precision: str = "float64") -> None:
+    def __init__(self, settings: Mapping[str, Any], solve_precision: str = "float64",
+                 foreign_weights: Sequence[float] = ()) -> None:
         self.settings = settings
         self.mixed = solve_precision == "mixed"  # runtime.solve_precision: fp32 factor + float64 refinement
+        # calibration.shared_inputs: the weights w its foreign rows may take (none: off; several: chosen per module)
+        self.foreign_weights = tuple(foreign_weights)
 
     @property
     @abstractmethod
@@ -181,14 +187,16 @@ def register(cls: type[CalibrationMethod]) -> type[CalibrationMethod]:
     return cls
 
 
-def calibration_method(fc: FeatCalConfig, solve_precision: str = "float64") -> CalibrationMethod:
-    """The method `fc.method` names, handed the values of the keys it declares (and runtime.solve_precision)."""
+def calibration_method(fc: FeatCalConfig, solve_precision: str = "float64",
+                       foreign_weights: Sequence[float] = ()) -> CalibrationMethod:
+    """The method `fc.method` names, handed the values of the keys it declares (and runtime.solve_precision, and the
+    foreign rows' weights of calibration.shared_inputs: SharedInputsConfig.weights)."""
     cls = METHODS.get(fc.method)
     if cls is None:
         known = ", ".join(sorted(METHODS))
         raise ValueError(f"featcal.method: unknown calibration method {fc.method!r}; known: {known}")
     values = fc.model_dump(by_alias=True)
-    return cls(MappingProxyType({key: values[key] for key in cls.keys}), solve_precision)
+    return cls(MappingProxyType({key: values[key] for key in cls.keys}), solve_precision, foreign_weights)
 
 
 def _fit_and_held(stats: dict[str, torch.Tensor], task: str, where: str, every: int,
@@ -201,6 +209,21 @@ def _fit_and_held(stats: dict[str, torch.Tensor], task: str, where: str, every: 
                          f"featcal.lambda / rho (every {every}th example is held out, one fold per "
                          f"featcal.holdout_folds; calibration.examples_per_task must be >= featcal.holdout_every)")
     return fit_sums(stats, fold), held
+
+
+def _task_moments(stats: dict[str, torch.Tensor], where: str, c: float, w: float,
+                  in_place: bool = False) -> LinearMoments:
+    """A task's linear moments from its sums: its own rows' and, at weight w, its foreign rows' (shared inputs)."""
+    own = replace(linear_moments(stats, where, in_place), weight=c)
+    foreign = foreign_sums(stats) if w else None
+    return own.with_foreign(None if foreign is None else linear_moments(foreign, where, in_place), w)
+
+
+def _task_norm_moments(stats: dict[str, torch.Tensor], where: str, c: float, w: float) -> NormMoments:
+    """As _task_moments for a norm."""
+    own = replace(norm_moments(stats, where), weight=c)
+    foreign = foreign_sums(stats) if w else None
+    return own.with_foreign(None if foreign is None else norm_moments(foreign, where), w)
 
 
 def _head_factors(head_map: Callable[[int], torch.Tensor], tasks: int) -> list[torch.Tensor]:
@@ -227,13 +250,15 @@ class FeatCal(CalibrationMethod):
             "calibrate_norm", "pooled_token_weight", "task_weight_power", "task_weights", "trust", "head_metric",
             "calibrate_head_side")
 
-    def __init__(self, settings: Mapping[str, Any], solve_precision: str = "float64") -> None:
-        super().__init__(settings, solve_precision)
+    def __init__(self, settings: Mapping[str, Any], solve_precision: str = "float64",
+                 foreign_weights: Sequence[float] = ()) -> None:
+        super().__init__(settings, solve_precision, foreign_weights)
         s = settings
+        self.foreign_grid: list[float] = list(foreign_weights) or [0.0]  # w, or its grid (auto); 0: off
         self.lams: list[float] = s["lambda_grid"] if s["lambda"] == "auto" else [s["lambda"]]
         self.rhos: list[float] = s["rho_grid"] if s["rho"] == "auto" else [s["rho"]]
         self.shrinks: list[float] = s["shrinkage_grid"] if s["shrinkage"] == "auto" else [s["shrinkage"]]
-        self.choosing = "auto" in (s["lambda"], s["rho"], s["shrinkage"])
+        self.choosing = "auto" in (s["lambda"], s["rho"], s["shrinkage"]) or len(self.foreign_grid) > 1
         self.one_standard_error = s["lambda_choice"] == "one_standard_error"
         # With a choice, the solve runs at the module's chosen (λ, ρ, γ); the first grid point otherwise.
         self.hyper = Hyper(lam=self.lams[0], rho=self.rhos[0], alpha=s["alpha"], eps=s["eps"], trust=s["trust"],
@@ -262,32 +287,60 @@ class FeatCal(CalibrationMethod):
                fold: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         return _fit_and_held(stats, module.tasks[t], module.where, self.settings["holdout_every"], fold)
 
-    def _chosen(self, choice: Choice | None) -> tuple[Hyper, dict[str, Any]]:
+    def _chosen(self, choice: Choice | None, w: float) -> tuple[Hyper, dict[str, Any]]:
+        report: dict[str, Any] = {"shared_weight": w} if len(self.foreign_grid) > 1 else {}
         if choice is None:
-            return self.hyper, {}
-        report: dict[str, Any] = {"lambda": choice.lam, "rho": choice.rho}
+            return self.hyper, report
+        report.update({"lambda": choice.lam, "rho": choice.rho})
         if self.settings["shrinkage"] == "auto":
             report["shrinkage"] = choice.shrink
         return replace(self.hyper, lam=choice.lam, rho=choice.rho, shrink=choice.shrink), report
 
+    def _choose(self, fold_choices: Callable[[int], list[Choice]],
+                shrinks: list[float]) -> tuple[Choice | None, float]:
+        """The module's (λ, ρ, γ among `shrinks`) and foreign weight w: each fold's choice at each w of the grid
+        (`fold_choices(fold)`, one per w), then the w and point of lowest summed held-out score; without a choice,
+        none and the one w."""
+        if not self.choosing:
+            return None, self.foreign_grid[0]
+        by_fold = [fold_choices(fold) for fold in range(self.settings["holdout_folds"])]
+        by_weight = [[choices[k] for choices in by_fold] for k in range(len(self.foreign_grid))]
+        w, choice = choose_foreign_weight(by_weight, self.foreign_grid, self.lams, self.rhos, shrinks,
+                                          self.one_standard_error)
+        return choice, w
+
     def solve_linear(self, module: ModuleData) -> Solved:
         where, weights = module.where, module.task_weights
         w_merged = module.merged("weight")
-        choice = None
-        if self.choosing:
-            def split_tasks(fold: int) -> Iterator[tuple[LinearMoments, LinearMoments, torch.Tensor]]:
-                for t, stats in _each_task_stats(module):
-                    c = weights[t]
-                    fit, held = self._split(module, stats, t, fold)
-                    yield (replace(linear_moments(fit, where), weight=c),
-                           replace(linear_moments(held, where), weight=c), module.expert(t, "weight"))
-                    del stats, fit, held  # before the next task's are read: one task's d × d sums at a time
 
-            choice = cross_validated([choose_linear_hyper(split_tasks(fold), w_merged, module.base("weight"),
-                                                          self.hyper, self.lams, self.rhos, self.shrinks)
-                                      for fold in range(self.settings["holdout_folds"])], self.lams, self.rhos,
-                                     self.shrinks, self.one_standard_error)
-        hp, report = self._chosen(choice)
+        def split_tasks(fold: int, w: float) -> Iterator[tuple[LinearMoments, LinearMoments, torch.Tensor]]:
+            for t, stats in _each_task_stats(module):
+                c = weights[t]
+                fit, held = self._split(module, stats, t, fold)
+                yield (_task_moments(fit, where, c, w), replace(linear_moments(held, where), weight=c),
+                       module.expert(t, "weight"))
+                del stats, fit, held  # before the next task's are read: one task's d × d sums at a time
+
+        def split_parts(fold: int) -> Iterator[tuple[LinearMoments, LinearMoments | None, LinearMoments, torch.Tensor]]:
+            """As split_tasks, with the own and foreign fit rows' moments apart (every w's fit from one pass)."""
+            for t, stats in _each_task_stats(module):
+                c = weights[t]
+                fit, held = self._split(module, stats, t, fold)
+                foreign = foreign_sums(fit)
+                yield (replace(linear_moments(fit, where), weight=c),
+                       None if foreign is None else linear_moments(foreign, where),
+                       replace(linear_moments(held, where), weight=c), module.expert(t, "weight"))
+                del stats, fit, held, foreign  # one task's d × d sums at a time
+
+        def fold_choices(fold: int) -> list[Choice]:
+            if len(self.foreign_grid) == 1:
+                return [choose_linear_hyper(split_tasks(fold, self.foreign_grid[0]), w_merged, module.base("weight"),
+                                            self.hyper, self.lams, self.rhos, self.shrinks)]
+            return choose_linear_hyper_by_weight(split_parts(fold), w_merged, module.base("weight"), self.hyper,
+                                                 self.lams, self.rhos, self.shrinks, self.foreign_grid)
+
+        choice, w = self._choose(fold_choices, self.shrinks)
+        hp, report = self._chosen(choice, w)
         if module.rows and self.takes_rows:
             return self._solve_rows(module, hp, report)
         bias_terms: list[BiasTerm] = []
@@ -298,7 +351,7 @@ class FeatCal(CalibrationMethod):
             """Task t's moments and W_t, and its bias term on the side."""
             c = weights[t]
             # W_t in float64 once: the right-hand side's product and the bias term both read it
-            mom = replace(linear_moments(stats, where, in_place=True), weight=c)
+            mom = _task_moments(stats, where, c, w, in_place=True)
             w_t = module.expert(t, "weight").double()
             if module.has_bias:
                 metric = None if heads is None else head_metric(heads[t], eta)
@@ -361,18 +414,17 @@ class FeatCal(CalibrationMethod):
                   [module.expert(t, "bias") for t in tasks] if module.has_bias else None,
                   module.merged("weight"), module.base("weight"),
                   module.merged("bias") if module.has_bias else None, module.base("bias") if module.has_bias else None)
-        choice = None
-        if self.choosing:
-            choices = []
-            for fold in range(self.settings["holdout_folds"]):
-                parts = [self._split(module, s, t, fold) for t, s in enumerate(stats)]
-                fit = [replace(norm_moments(f, where), weight=c) for (f, _), c in zip(parts, weights, strict=True)]
-                held = [replace(norm_moments(h, where), weight=c) for (_, h), c in zip(parts, weights, strict=True)]
-                choices.append(choose_norm_hyper(fit, held, *affine, self.hyper, self.lams, self.rhos))
-            choice = cross_validated(choices, self.lams, self.rhos, [self.hyper.shrink], self.one_standard_error)
-        hp, report = self._chosen(choice)
+
+        def fold_choice(fold: int, w: float) -> Choice:
+            parts = [self._split(module, s, t, fold) for t, s in enumerate(stats)]
+            fit = [_task_norm_moments(f, where, c, w) for (f, _), c in zip(parts, weights, strict=True)]
+            held = [replace(norm_moments(h, where), weight=c) for (_, h), c in zip(parts, weights, strict=True)]
+            return choose_norm_hyper(fit, held, *affine, self.hyper, self.lams, self.rhos)
+
+        choice, w = self._choose(lambda fold: [fold_choice(fold, w) for w in self.foreign_grid], [self.hyper.shrink])
+        hp, report = self._chosen(choice, w)
         report.pop("shrinkage", None)  # a norm's moments are per dimension: nothing off the diagonal to shrink
-        moms = [replace(norm_moments(s, where), weight=c) for s, c in zip(stats, weights, strict=True)]
+        moms = [_task_norm_moments(s, where, c, w) for s, c in zip(stats, weights, strict=True)]
         gamma, beta = solve_norm_affine(moms, *affine, hp)
         return Solved({"weight": gamma} if beta is None else {"weight": gamma, "bias": beta}, report=report)
 

@@ -70,6 +70,29 @@ class LinearMoments:
             a.diagonal().add_(t)
             b.add_(t[:, None] * w_t.double().T)
 
+    def with_foreign(self, foreign: LinearMoments | None, w: float) -> LinearMoments:
+        """These (a task's own rows') moments with its foreign rows' at weight w (calibration.shared_inputs,
+        docs/design.md §2.12): the data term E_own + w·E_foreign, kept as the mean (M_own + w·M_foreign)/(1 + w) with
+        weight c_t·(1 + w), so that every solve, the bias's included, reads it as one task's rows; n_t stays the own
+        rows' ‖C_ss‖_F. w = 0 or no foreign rows: these moments themselves."""
+        if not w or foreign is None:
+            return self
+
+        def mixed(own: torch.Tensor | None, other: torch.Tensor | None) -> torch.Tensor | None:
+            if own is None or other is None:
+                if own is not other:
+                    raise ValueError("own and foreign rows' moments keep the expert side in different forms")
+                return None
+            return torch.add(own, other, alpha=w).div_(1.0 + w)
+
+        c_ss = mixed(self.c_ss, foreign.c_ss)
+        mu_s, mu_e = mixed(self.mu_s, foreign.mu_s), mixed(self.mu_e, foreign.mu_e)
+        assert c_ss is not None and mu_s is not None and mu_e is not None  # always kept
+        out = LinearMoments(c_ss=c_ss, mu_s=mu_s, mu_e=mu_e, c_se=mixed(self.c_se, foreign.c_se),
+                            p_st=mixed(self.p_st, foreign.p_st), weight=self.weight * (1.0 + w))
+        out._norm = float(torch.linalg.matrix_norm(self.c_ss))
+        return out
+
     def normaliser(self) -> float:
         """n_t / c_t with n_t = ‖C_ss‖_F, so λ is a ratio comparable across layers and tasks."""
         if self._norm is None:  # asked by the weight's solve and by the bias's
@@ -84,6 +107,13 @@ class NormMoments:
     m: torch.Tensor  # E_w[z_s]
     e: torch.Tensor  # E_w[z_s²]
     weight: float = 1.0  # c_t, as LinearMoments.weight
+
+    def with_foreign(self, foreign: NormMoments | None, w: float) -> NormMoments:
+        """As LinearMoments.with_foreign: the mean of own and w × foreign moments, weight c_t·(1 + w)."""
+        if not w or foreign is None:
+            return self
+        return NormMoments(m=torch.add(self.m, foreign.m, alpha=w).div_(1.0 + w),
+                           e=torch.add(self.e, foreign.e, alpha=w).div_(1.0 + w), weight=self.weight * (1.0 + w))
 
 
 def anchor(merged: torch.Tensor, base: torch.Tensor, rho: float, scale: float = 1.0) -> torch.Tensor:
@@ -378,6 +408,51 @@ def cross_validated(choices: Sequence[Choice], lams: Sequence[float], rhos: Sequ
     return replace(best, lam=float(lams[chosen]))
 
 
+def choose_foreign_weight(by_weight: Sequence[Sequence[Choice]], weights: Sequence[float], lams: Sequence[float],
+                          rhos: Sequence[float], shrinks: Sequence[float],
+                          one_standard_error: bool = False) -> tuple[float, Choice]:
+    """The foreign rows' weight w (calibration.shared_inputs.weight auto) whose best grid point has the lowest held-out
+    score summed over the folds, and that w's (λ, ρ, γ) by cross_validated. `by_weight[k]` holds each fold's choice
+    fitted with weights[k]; the held-out rows are own rows, scored alike at every w, so the scores compare across w.
+    Ties go to the first w."""
+    best = [float(torch.stack([c.scores for c in choices]).sum(0).min()) for choices in by_weight]
+    k = min(range(len(best)), key=lambda i: (best[i], i))
+    return float(weights[k]), cross_validated(by_weight[k], lams, rhos, shrinks, one_standard_error)
+
+
+@dataclass
+class _FitSums:
+    """The parts of a held-out choice's fit system, summed over tasks: A = Σ_t C_ss/n_t, B_0 = Σ_t C_st·W_tᵀ/n_t and,
+    with shrinkage, D = Σ_t T_t/n_t (its diagonal) and E = Σ_t T_t·W_tᵀ/n_t (B_0 itself without: then unused)."""
+
+    a: torch.Tensor
+    b0: torch.Tensor
+    diag: torch.Tensor
+    e_rhs: torch.Tensor
+
+    @classmethod
+    def zeros(cls, merged: torch.Tensor, shrinking: bool) -> _FitSums:
+        d, f64, dev = merged.shape[1], torch.float64, merged.device
+        b0 = torch.zeros(d, merged.shape[0], dtype=f64, device=dev)
+        return cls(torch.zeros(d, d, dtype=f64, device=dev), b0, torch.zeros(d, dtype=f64, device=dev),
+                   torch.zeros_like(b0) if shrinking else b0)
+
+    def add(self, mom: LinearMoments, w_t: torch.Tensor, n: float, hp: Hyper, shrinking: bool) -> None:
+        """One task's moments, divided by its normaliser n."""
+        self.a.add_(mom.c_ss, alpha=1.0 / n)
+        mom.add_target(self.b0, hp.alpha, w_t, 1.0 / n)
+        if shrinking:
+            t = mom.shrink_target(hp.shrink_target).div_(n)
+            self.diag.add_(t)
+            self.e_rhs.add_(t[:, None] * w_t.double().T)
+
+    def plus(self, other: _FitSums, w: float) -> _FitSums:
+        """These sums + w × `other`'s (own rows' and foreign rows' at weight w: every part is linear in w)."""
+        b0 = torch.add(self.b0, other.b0, alpha=w)
+        e_rhs = b0 if self.e_rhs is self.b0 else torch.add(self.e_rhs, other.e_rhs, alpha=w)
+        return _FitSums(torch.add(self.a, other.a, alpha=w), b0, torch.add(self.diag, other.diag, alpha=w), e_rhs)
+
+
 def choose_linear_hyper(
     tasks: Iterable[tuple[LinearMoments, LinearMoments, torch.Tensor]], merged: torch.Tensor, base: torch.Tensor,
     hp: Hyper, lams: Sequence[float], rhos: Sequence[float], shrinks: Sequence[float] | None = None,
@@ -393,25 +468,53 @@ def choose_linear_hyper(
     and for each λ the held-out score is a quadratic in ρ, so each (γ, λ) costs two products with the rotated
     held-out Gram: the joint grid costs |γ| times the λ grid's products."""
     shrinks = [hp.shrink] if shrinks is None else list(shrinks)
-    d, f64, dev = merged.shape[1], torch.float64, merged.device
-    a = torch.zeros(d, d, dtype=f64, device=dev)
-    h = torch.zeros(d, d, dtype=f64, device=dev)
-    b0 = torch.zeros(d, merged.shape[0], dtype=f64, device=dev)
-    g = torch.zeros_like(b0)
-    shrinking = any(shrinks)
-    diag = torch.zeros(d, dtype=f64, device=dev)  # D's diagonal
-    e_rhs = torch.zeros_like(b0) if shrinking else b0  # E = Σ_t T_t W_tᵀ / n_t (unused without a γ > 0)
+    fit_sums, h, g = _FitSums.zeros(merged, any(shrinks)), *_held_zeros(merged)
     for fit, held, w_t in tasks:
-        n_fit, n_held = fit.normaliser(), held.normaliser()
-        a.add_(fit.c_ss, alpha=1.0 / n_fit)
-        fit.add_target(b0, hp.alpha, w_t, 1.0 / n_fit)
-        h.add_(held.c_ss, alpha=1.0 / n_held)
-        held.add_target(g, hp.alpha, w_t, 1.0 / n_held)
-        if shrinking:
-            t = fit.shrink_target(hp.shrink_target).div_(n_fit)
-            diag.add_(t)
-            e_rhs.add_(t[:, None] * w_t.double().T)
+        fit_sums.add(fit, w_t, fit.normaliser(), hp, any(shrinks))
+        _add_held(h, g, held, w_t, hp)
         del fit, held, w_t  # before the next task's are read
+    return _grid_choice(fit_sums, h, g, merged, base, hp, lams, rhos, shrinks)
+
+
+def choose_linear_hyper_by_weight(
+    tasks: Iterable[tuple[LinearMoments, LinearMoments | None, LinearMoments, torch.Tensor]], merged: torch.Tensor,
+    base: torch.Tensor, hp: Hyper, lams: Sequence[float], rhos: Sequence[float], shrinks: Sequence[float],
+    weights: Sequence[float],
+) -> list[Choice]:
+    """choose_linear_hyper at each foreign weight w of `weights` (calibration.shared_inputs.weight auto), from one
+    pass over the tasks: `tasks` yields (own fit moments, foreign fit moments or None, held-out moments, W_t). Task t's
+    fit term at w is (own + w·foreign)/n_t with n_t the own fit rows' (LinearMoments.with_foreign), so every part of
+    the fit system is own + w·foreign: summed once each, then one grid choice per w."""
+    shrinking = any(shrinks)
+    own, foreign, (h, g) = _FitSums.zeros(merged, shrinking), _FitSums.zeros(merged, shrinking), _held_zeros(merged)
+    for fit, other, held, w_t in tasks:
+        n = fit.normaliser()
+        own.add(fit, w_t, n, hp, shrinking)
+        if other is not None:
+            foreign.add(other, w_t, n, hp, shrinking)
+        _add_held(h, g, held, w_t, hp)
+        del fit, other, held, w_t  # before the next task's are read
+    return [_grid_choice(own.plus(foreign, w) if w else own, h, g, merged, base, hp, lams, rhos, list(shrinks))
+            for w in weights]
+
+
+def _held_zeros(merged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    d, f64, dev = merged.shape[1], torch.float64, merged.device
+    return torch.zeros(d, d, dtype=f64, device=dev), torch.zeros(d, merged.shape[0], dtype=f64, device=dev)
+
+
+def _add_held(h: torch.Tensor, g: torch.Tensor, held: LinearMoments, w_t: torch.Tensor, hp: Hyper) -> None:
+    """H += C_ss/n and G += C_st·W_tᵀ/n of one task's held-out rows, n their own normaliser."""
+    n_held = held.normaliser()
+    h.add_(held.c_ss, alpha=1.0 / n_held)
+    held.add_target(g, hp.alpha, w_t, 1.0 / n_held)
+
+
+def _grid_choice(fit: _FitSums, h: torch.Tensor, g: torch.Tensor, merged: torch.Tensor, base: torch.Tensor, hp: Hyper,
+                 lams: Sequence[float], rhos: Sequence[float], shrinks: list[float]) -> Choice:
+    """The held-out scores of the (γ, λ, ρ) grid for the fit system `fit` and the held-out sums H, G, and the best."""
+    a, b0, diag, e_rhs = fit.a, fit.b0, fit.diag, fit.e_rhs
+    f64, dev = torch.float64, merged.device
     shared = hp.shrink_target == "identity"  # D = c·I: every γ has A's eigenvectors
     delta = merged.double() - base.double()
     rho = torch.tensor(rhos, dtype=f64, device=dev)

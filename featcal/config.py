@@ -73,6 +73,43 @@ class ViewsConfig(_Strict):
                               "or last token, a segment's last token, or one of the tokenizer's special tokens")
 
 
+class SharedInputsConfig(_Strict):
+    """Task t's term in every shared solve also reads the other tasks' calibration inputs (and a pool's), through
+    expert t on the expert side and the merged model on the merged side: rows with a target and no label, weighted
+    below the task's own (docs/design.md §2.12)."""
+
+    weight: float | Literal["auto"] = Field(
+        0.0, description="w: task t's moments are its own rows' + w × the foreign rows' (w = 1: the foreign rows "
+                         "together count as much as the own rows); 0: off; auto: chosen per module from grid on the "
+                         "held-out own rows, with lambda / rho / shrinkage when they are auto (no labels)")
+    grid: list[float] = Field(default_factory=lambda: [0.0, 0.1, 0.25, 0.5, 1.0], min_length=1,
+                              description="the w values weight auto chooses from")
+    pool: DataSource | None = Field(None, description="unlabelled inputs of the same modality, added to every "
+                                    "task's foreign rows; None: the other tasks' inputs only")
+    pool_examples: int = Field(256, ge=1, description="examples drawn from pool (seeded by calibration.seed)")
+
+    @field_validator("weight")
+    @classmethod
+    def _non_negative_weight(cls, weight: float | Literal["auto"]) -> float | Literal["auto"]:
+        if not isinstance(weight, str) and weight < 0:
+            raise ValueError(f"must be >= 0 or 'auto', got {weight}")
+        return weight
+
+    @field_validator("grid")
+    @classmethod
+    def _non_negative_grid(cls, grid: list[float]) -> list[float]:
+        if min(grid) < 0:
+            raise ValueError(f"every value must be >= 0, got {grid}")
+        return grid
+
+    @property
+    def weights(self) -> list[float]:
+        """The w a solve may take: none when off, the one given, or the grid with auto."""
+        if self.weight == "auto":
+            return list(self.grid)
+        return [self.weight] if self.weight else []
+
+
 class CalibrationConfig(_Strict):
     data: dict[str, DataSource]
     examples_per_task: int = Field(256, ge=1)
@@ -82,6 +119,7 @@ class CalibrationConfig(_Strict):
                                    "(greedy generation stops there; a target column is truncated to it)")
     seed: int = 42
     views: ViewsConfig = Field(default_factory=ViewsConfig)
+    shared_inputs: SharedInputsConfig = Field(default_factory=SharedInputsConfig)
 
 
 class FeatCalConfig(_Strict):
@@ -379,6 +417,10 @@ class RunConfig(_Strict):
             extra = sorted(set(getattr(self.evaluation, field)) - set(self.experts))
             if extra:
                 raise ValueError(f"evaluation.{field} names task(s) {extra} that are not in experts")
+        shared = self.calibration.shared_inputs
+        if shared.weights and len(self.experts) == 1 and shared.pool is None:
+            raise ValueError("calibration.shared_inputs: one task has no other task's inputs to share; give "
+                             "shared_inputs.pool or set shared_inputs.weight 0")
         extra = sorted(set(self.featcal.task_weights) - set(self.experts))
         if extra:
             raise ValueError(f"featcal.task_weights names task(s) {extra} that are not in experts")
@@ -387,6 +429,16 @@ class RunConfig(_Strict):
             if extra:
                 raise ValueError(f"zero_shot.{field} names task(s) {extra} that are not in experts")
         return self
+
+    @property
+    def foreign_examples(self) -> int:
+        """The examples each task stores besides its own with calibration.shared_inputs (at most: a short split
+        gives fewer): the other tasks' and the pool's; 0 when off."""
+        shared = self.calibration.shared_inputs
+        if not shared.weights:
+            return 0
+        pool = shared.pool_examples if shared.pool is not None else 0
+        return (len(self.experts) - 1) * self.calibration.examples_per_task + pool
 
     @property
     def tasks(self) -> list[str]:
@@ -464,7 +516,8 @@ def _resolve_paths(cfg: RunConfig, root: Path) -> RunConfig:
     cfg.experts = {t: resolve(p) for t, p in cfg.experts.items()}
     if cfg.merge.path is not None:
         cfg.merge.path = resolve(cfg.merge.path)
-    for source in [*cfg.calibration.data.values(), *cfg.evaluation.data.values()]:
+    pool = [cfg.calibration.shared_inputs.pool] if cfg.calibration.shared_inputs.pool is not None else []
+    for source in [*cfg.calibration.data.values(), *pool, *cfg.evaluation.data.values()]:
         source.path = resolve(source.path)
     if cfg.zero_shot is not None:
         cfg.zero_shot.clip_model = resolve(cfg.zero_shot.clip_model)

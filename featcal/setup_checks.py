@@ -237,15 +237,26 @@ def _used_rows(cfg: RunConfig, adapter: Adapter, source: DataSource, where: str,
 
 
 def overlap_warnings(cfg: RunConfig, adapter: Adapter) -> list[str]:
-    """Evaluation rows that are also calibration rows: calibration has seen them, so the report overstates what it
-    wins back on unseen data."""
+    """Evaluation rows that are also calibration rows (with shared inputs: any task's, or the pool's): calibration has
+    seen them, so the report overstates what it wins back on unseen data."""
     if not cfg.evaluation.enabled:
         return []
+
+    def calibration_rows(task: str) -> list[str]:
+        return _used_rows(cfg, adapter, cfg.calibration.data[task], f"calibration.data.{task}",
+                          cfg.calibration.examples_per_task)
+
+    # With calibration.shared_inputs every task's rows, and the pool's, are calibration rows of every task
+    foreign: list[str] = []
+    sharing = cfg.calibration.shared_inputs
+    if sharing.weights:
+        foreign = [row for t in cfg.tasks for row in calibration_rows(t)]
+        if sharing.pool is not None:
+            foreign += _used_rows(cfg, adapter, sharing.pool, "calibration.shared_inputs.pool", sharing.pool_examples)
     out = []
     for task, source in sorted(cfg.evaluation.data.items()):
         where = f"evaluation.data.{task}"
-        cal = _used_rows(cfg, adapter, cfg.calibration.data[task], f"calibration.data.{task}",
-                         cfg.calibration.examples_per_task)
+        cal = foreign or calibration_rows(task)
         ev = _used_rows(cfg, adapter, source, where, cfg.evaluation.max_examples)
         shared = overlap_count(cal, ev)
         if shared:

@@ -289,9 +289,28 @@ def held_out_sums(t: dict[str, torch.Tensor], fold: int = 0) -> dict[str, torch.
 
 
 def fit_sums(t: dict[str, torch.Tensor], fold: int = 0) -> dict[str, torch.Tensor]:
-    """One module's sums over the rows that fold `fold` does not hold out: all rows minus that fold's."""
+    """One module's sums over the rows that fold `fold` does not hold out: all own rows minus that fold's, and (with
+    shared inputs) all foreign rows minus those of the examples their own task holds out in that fold."""
     prefix = held_prefix(fold)
-    return {k: v - t[prefix + k] for k, v in t.items() if not k.startswith("held")}
+
+    def fitted(key: str, value: torch.Tensor) -> torch.Tensor:
+        own = key[len(FOREIGN):] if key.startswith(FOREIGN) else key
+        held = (FOREIGN if key.startswith(FOREIGN) else "") + prefix + own
+        return value - t[held] if held in t else value
+
+    return {k: fitted(k, v) for k, v in t.items() if not k.startswith(("held", FOREIGN + "held"))}
+
+
+# Prefix of the foreign rows' sums in a statistics file (calibration.shared_inputs): the other tasks' inputs (and the
+# pool's) through this task's expert; the unprefixed sums are then the task's own rows' alone. Under FOREIGN + the
+# fold's held prefix: the foreign rows of the examples their own task holds out in that fold.
+FOREIGN = "foreign_"
+
+
+def foreign_sums(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """One module's sums over its task's foreign rows (all of them), or None when the task has none."""
+    out = {k[len(FOREIGN):]: v for k, v in t.items() if k.startswith(FOREIGN) and not k.startswith(FOREIGN + "held")}
+    return out or None
 
 
 def example_rows(

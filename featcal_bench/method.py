@@ -107,6 +107,8 @@ def run_method(bench: Path, name: str, study: str | None = None) -> dict[str, An
     raw = recipe.run_config(bench, spec, run)
     if run.draw:  # another draw of the calibration rows
         raw["calibration"]["seed"] = raw["calibration"].get("seed", 42) + run.draw
+    if run.shared_inputs:
+        raw["calibration"]["shared_inputs"] = dict(run.shared_inputs)
     if run.protect is not None:
         raw["featcal"]["task_weights"] = raised_weights(head_check(bench, run.protect))
     method = run.method

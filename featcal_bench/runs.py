@@ -35,6 +35,9 @@ class MethodRun:
     # Another run whose head check raises this run's task weights where that run left a task agreeing with its expert
     # less often than the merge (featcal_bench/protect.py); it runs first and this run is keyed on its result.
     protect: str | None = None
+    # calibration.shared_inputs for this run (each task's term also reads the other tasks' inputs through its own
+    # expert, docs/design.md §2.12); empty: the recipe's (off)
+    shared_inputs: dict[str, Any] = field(default_factory=dict)
     # Which draw of the calibration rows (`featcal bench run --draws N`): 0 is the run as the study defines it, draw k
     # draws its rows with calibration.seed + k (`drawn`).
     draw: int = 0

@@ -225,7 +225,8 @@ def run_stages(bench: Path, runs: list[str] | None, out_dir: str | None, stage: 
     records: dict[str, Record] = {}
     for r in names:
         after = [records[need]["outputs"][f"results/{need}.json"] for need in known[r].needs]
-        defined = {k: v for k, v in dataclasses.asdict(known[r]).items() if k != "draw" or v}  # draw 0: keys as before
+        # draw 0 and no shared inputs: keys as before those fields existed
+        defined = {k: v for k, v in dataclasses.asdict(known[r]).items() if k not in ("draw", "shared_inputs") or v}
         records[r] = stage(bench, "method", f"method/{r}", digest_of([code, r, defined, inputs, *after]), run=r,
                            study=study)
     digests = [records[r]["outputs"][f"results/{r}.json"] for r in names]

@@ -7,6 +7,8 @@ read from a YAML file (each built-in recipe's `study.yaml`, or one given to `fea
     runs:                                 # name → a MethodRun's fields; `featcal` is a setting's name or a section
       ta_featcal: {merge: task_arithmetic, method: featcal, models: [base, merged, calibrated, expert], featcal: tuned}
       ta_featcal_head: {merge: task_arithmetic, method: featcal, featcal: {use: tuned, calibrate_head_side: true}}
+      ta_featcal_auto_shared_n008:          # `shared_inputs`: the run's calibration.shared_inputs section
+        {merge: task_arithmetic, method: featcal, examples: 8, featcal: auto, shared_inputs: {weight: auto}}
     rows:                                 # the report's table, in order: label, run, model, what its cost is
       - [task arithmetic, ta_featcal, merged, merge]
       - [TA + FeatCal, ta_featcal, calibrated, total]
@@ -49,6 +51,7 @@ class RunEntry(_Strict):
     density: float | None = None
     start: str | None = None
     protect: str | None = None
+    shared_inputs: dict[str, Any] = Field(default_factory=dict)
 
 
 class Row(_Strict):

@@ -110,9 +110,15 @@ def stage_count(tasks: int, blocks: int, solve_groups: int, evaluate: bool, head
 
 def keyed(settings: dict[str, Any]) -> dict[str, Any]:
     """A config section as stage keys hold it: fields added after runs were made (calibration.views,
-    featcal.lambda_choice) are left out while they are off, so those runs still resume from their cache."""
-    off = {"views": lambda v: not v["count"], "lambda_choice": lambda v: v == "lowest"}
+    calibration.shared_inputs, featcal.lambda_choice) are left out while they are off, so those runs still resume
+    from their cache."""
+    off = {"views": lambda v: not v["count"], "shared_inputs": lambda v: v["weight"] == 0,
+           "lambda_choice": lambda v: v == "lowest"}
     return {k: v for k, v in settings.items() if not (k in off and off[k](v))}
+
+
+# The key of calibration.shared_inputs.pool's fingerprint among a pipeline's inputs.
+SHARED_POOL = "calibration.shared_inputs.pool"
 
 
 def solve_stage(layer: int, group: int, groups: int) -> str:
@@ -153,6 +159,9 @@ class Pipeline:
             self.inputs["merge"] = fingerprint(self.cfg.merge.path, memo)
         for section, sources in (("calibration", self.cfg.calibration.data), ("evaluation", self.cfg.evaluation.data)):
             self.inputs.update({f"{section}/{t}": fingerprint(s.path, memo) for t, s in sources.items()})
+        pool = self.cfg.calibration.shared_inputs.pool
+        if pool is not None and self.cfg.calibration.shared_inputs.weights:
+            self.inputs[SHARED_POOL] = fingerprint(pool.path, memo)
         # Zero-shot heads are made by the merge stage, from the CLIPModel, the prompts and each task's class names.
         self.head_inputs: list[Any] = []
         if self.cfg.zero_shot is not None:
@@ -300,20 +309,32 @@ class BlockWalk:
         # The head side changes no transformer block's solve: switching it on reruns only the stages it adds.
         # Nor does the head refit, done at assembly.
         self.solve_cfg = keyed({k: v for k, v in featcal_cfg.items() if k not in ("calibrate_head_side", "head_refit")})
-        self.plan = calibration_method(pipeline.cfg.featcal).statistics
+        self.plan = calibration_method(pipeline.cfg.featcal,
+                                       foreign_weights=pipeline.cfg.calibration.shared_inputs.weights).statistics
 
     def prepare(self) -> None:
         cal = self.p.cfg.slice("calibration")["calibration"]
         settings = keyed({k: v for k, v in cal.items() if k != "data"})
         calls = [StageCall("prepare", f"prepare/{t}", f"prepare · {t}", self.p.key(
-            "prepare", task=t, calibration=settings, data=cal["data"][t], precision=self.precision,
-            data_bytes=self.p.inputs[f"calibration/{t}"], expert=self.p.inputs[f"expert/{t}"],
-            merged=self.merged_digest), needs={"merged": "merge"}, params=self._prepare_params(t, settings))
-            for t in self.tasks]
+            "prepare", task=t, calibration=self._prepare_settings(t, settings), data=cal["data"][t],
+            precision=self.precision, data_bytes=self.p.inputs[f"calibration/{t}"],
+            expert=self.p.inputs[f"expert/{t}"], merged=self.merged_digest), needs={"merged": "merge"},
+            params=self._prepare_params(t, self._prepare_settings(t, settings))) for t in self.tasks]
         self.prepared = dict(zip(self.tasks, self.p.call_all(calls), strict=True))
         for t in self.tasks:
             for s in ("merged", "expert"):
                 self.side[t, s] = (self.prepared[t], self.run.acts(t, 0, s))
+
+    def _prepare_settings(self, t: str, settings: dict[str, Any]) -> dict[str, Any]:
+        """The calibration settings task `t`'s inputs depend on: with shared inputs, which foreign rows it stores (the
+        other tasks' data and the pool, with their bytes), not the weight the solve gives them."""
+        if "shared_inputs" not in settings:
+            return settings
+        cal, shared = self.p.cfg.slice("calibration")["calibration"], settings["shared_inputs"]
+        foreign = {u: [cal["data"][u], self.p.inputs[f"calibration/{u}"]] for u in self.tasks if u != t}
+        if shared["pool"] is not None:
+            foreign[SHARED_POOL] = [shared["pool"], shared["pool_examples"], self.p.inputs[SHARED_POOL]]
+        return {**settings, "shared_inputs": foreign}
 
     def _prepare_params(self, t: str, settings: dict[str, Any]) -> dict[str, Any]:
         """The prepare stage's arguments; with runtime.input_cache, the key of the task's entry there: what the model
@@ -381,6 +402,9 @@ class BlockWalk:
             fields["modules"] = groups[g]
         if self.p.cfg.runtime.solve_precision == "mixed":  # float64 keys stay as they were
             fields["solve_precision"] = "mixed"
+        shared = self.p.cfg.calibration.shared_inputs
+        if shared.weights:  # the foreign rows' weight: a solve's choice, not the Gram's
+            fields["shared_weight"] = shared.weights
         label = f"block {layer:02d} · solve" + (f" · {g + 1}/{len(groups)}" if len(groups) > 1 else "")
         return StageCall("solve", solve_stage(layer, g, len(groups)), label, self.p.key("solve", **fields),
                          needs={**{run.stats(t, layer): grams[t]["stage"] for t in self.tasks}, "merged": "merge"},

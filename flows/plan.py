@@ -35,7 +35,8 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
         "architecture": adapter.architecture,
         "blocks": adapter.num_blocks(),
         "modules_per_block": list(size["modules"]),
-        "tasks": {t: {"expert": cfg.experts[t], "examples": cfg.calibration.examples_per_task} for t in cfg.tasks},
+        "tasks": {t: {"expert": cfg.experts[t], "examples": cfg.calibration.examples_per_task,
+                      "foreign_examples": cfg.foreign_examples} for t in cfg.tasks},
         "tokens_per_example_max": tokens_per_example(cfg, adapter),
         "head_side": adapter.head_side_path() if cfg.featcal.calibrate_head_side else None,
         "stages": stage_count(len(cfg.tasks), adapter.num_blocks(), cfg.runtime.solve_groups,
@@ -63,7 +64,7 @@ def _statistics_bytes(cfg: RunConfig, modules: dict[str, Any], rows: int) -> int
     width no other module of the block has reads its input alone and keeps its rows where the Gram stage finds that
     pays: `rows` rows of x_s, its target and weight (float32 at most). Where widths repeat (q/k/v, gate/up share one
     input, whose rows they would share), the Gram form is assumed: the larger."""
-    statistics_plan = calibration_method(cfg.featcal).statistics
+    statistics_plan = calibration_method(cfg.featcal, foreign_weights=cfg.calibration.shared_inputs.weights).statistics
     keeps_expert = statistics_plan.expert_side
     takes_rows = statistics_plan.keeps_rows(cfg.runtime.row_statistics)
     linear = [linear_dims(m) for m in modules.values() if not is_norm(m)]
@@ -93,10 +94,12 @@ def _sizes(cfg: RunConfig, adapter: Adapter, skeleton: Skeleton) -> dict[str, An
     embeddings = adapter.embedding_modules()
     embed_bytes = sum(p.numel() * 4 for m in embeddings for p in skeleton.body.get_submodule(m).parameters())
     embed_stored = sum(v for name, v in stored.items() if any(name.startswith(f"{m}.") for m in embeddings))
-    n, bs, T = cfg.calibration.examples_per_task, cfg.calibration.batch_size, len(cfg.tasks)
+    # a task's stored examples: its own and, with shared inputs, the foreign ones its stages read as well
+    n, bs, T = cfg.calibration.examples_per_task + cfg.foreign_examples, cfg.calibration.batch_size, len(cfg.tasks)
     act = activation_dtype(cfg.runtime.precision).itemsize  # bytes of one stored activation / forward value
     boundary = n * tokens * hidden * act  # one side of one boundary
-    stats = _statistics_bytes(cfg, modules, n * tokens)
+    # foreign rows keep sums of their own beside the own rows'
+    stats = _statistics_bytes(cfg, modules, n * tokens) * (2 if cfg.foreign_examples else 1)
     chunk = bs * tokens * max([hidden, *linear_in]) * act * (2 + len(modules))
     # The prepare stage loads one side's embedding at a time: its float32 parameters and, while they fill, the stored
     # tensors (an LLM's embedding is the largest thing a stage holds).
@@ -143,7 +146,9 @@ def render(p: dict[str, Any]) -> str:
         f"architecture      {p['architecture']}",
         f"blocks            {p['blocks']}  (modules per block: {', '.join(p['modules_per_block'])})"
         + (f", then the head side ({p['head_side']})" if p["head_side"] else ""),
-        "tasks             " + ", ".join(f"{t} ({v['examples']} ex)" for t, v in p["tasks"].items()),
+        "tasks             " + ", ".join(f"{t} ({v['examples']} ex" + (
+            f" + {v['foreign_examples']} foreign: calibration.shared_inputs" if v.get("foreign_examples") else "")
+            + ")" for t, v in p["tasks"].items()),
         f"tokens/example    ≤ {p['tokens_per_example_max']}",
         f"stages            {p['stages']}",
         f"disk (estimate)   {p['estimated_disk_gib']} GiB  (merged + calibrated checkpoints, solved blocks, 2 live "

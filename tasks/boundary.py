@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from featcal.adapters import BlockInput
@@ -14,12 +15,18 @@ from featcal.devices import to_device
 from storage.behind import written_behind
 from tasks.context import RunContext
 
+# The array beside a task's model inputs that marks its foreign rows (calibration.shared_inputs), one int per stored
+# row: 0 the task's own; j + 1 a row of example j of another task's draw (the example that task holds out in fold k
+# when j mod N = N − 1 − k); −1 a pool row. Written only when there are foreign rows; not a model input.
+FOREIGN_ROWS = "foreign_rows"
+
 
 def stored_inputs(ctx: RunContext, task: str) -> Iterator[dict[str, torch.Tensor]]:
     """The task's stored model inputs, one batch at a time."""
     store = ctx.run.store
     root = store.location(ctx.run.inputs(task))
-    streams = {n: store.iter_row_blocks(f"{root}/{n}", ctx.cfg.calibration.batch_size) for n in store.array_names(root)}
+    streams = {n: store.iter_row_blocks(f"{root}/{n}", ctx.cfg.calibration.batch_size)
+               for n in store.array_names(root) if n != FOREIGN_ROWS}
     while True:
         try:
             yield {n: next(s) for n, s in streams.items()}
@@ -125,6 +132,14 @@ def row_blocks(ctx: RunContext, rel: str, rows: int) -> Iterator[torch.Tensor]:
 
 def tokens_of(ctx: RunContext, task: str, layer: int = 0) -> int:
     return ctx.run.store.open_array(mask_of(ctx, task, layer)).shape[1]
+
+
+def foreign_rows(ctx: RunContext, task: str) -> torch.Tensor | None:
+    """Per stored row of the task, its FOREIGN_ROWS mark (calibration.shared_inputs); None when all are its own."""
+    location = ctx.run.store.location(f"{ctx.run.inputs(task)}/{FOREIGN_ROWS}")
+    if not ctx.run.store.exists(location):
+        return None
+    return torch.as_tensor(np.asarray(ctx.run.store.open_array(location)[:])).long()
 
 
 def mask_of(ctx: RunContext, task: str, layer: int = 0) -> str:

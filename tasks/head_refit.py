@@ -19,7 +19,7 @@ from featcal.modeling import task_model
 from featcal.zeroshot import ZeroShotClassifier, zero_shot_logits
 from storage.atomic import atomic_path
 from storage.checkpoint import CanonicalCheckpoint, read_metadata, save_tensors
-from tasks.boundary import stored_inputs
+from tasks.boundary import foreign_rows, stored_inputs
 from tasks.context import RunContext
 from tasks.merge import MERGED, head_file
 
@@ -88,6 +88,9 @@ def refitted(ctx: RunContext, task: str) -> tuple[dict[str, torch.Tensor], dict[
     chosen, the rows, and the relative error of the head's logits to the expert's on those rows, before and after."""
     fc = ctx.cfg.featcal
     x, z = _rows(ctx, task)
+    marks = foreign_rows(ctx, task)
+    if marks is not None:  # calibration.shared_inputs: the head is refitted on the task's own rows only
+        x, z = x[marks == 0], z[marks == 0]
     w_e, b_e = _expert_head(ctx, task)
     examples = [r // (1 + ctx.cfg.calibration.views.count) for r in range(len(x))]
     fit = refit_head(x, z, w_e, b_e, fc.lambda_grid, held_out_folds(examples, fc.holdout_every, fc.holdout_folds))

@@ -55,7 +55,7 @@ def _inputs(cfg: RunConfig) -> list[tuple[str, str, str, DataSource | None, Call
                       setter(cfg.zero_shot, "clip_model")))
     if cfg.merge.path is not None:
         found.append(("merge.path", cfg.merge.path, "model", None, setter(cfg.merge, "path")))
-    sections = [("calibration.data", cfg.calibration.data)]
+    sections = [("calibration.data", cfg.calibration.data), *_shared_pool(cfg)]
     if cfg.evaluation.enabled:
         sections.append(("evaluation.data", cfg.evaluation.data))
     found += [(f"{section}.{task}.path", source.path, "dataset", source, setter(source, "path"))
@@ -200,6 +200,26 @@ def given_dtype_notice(cfg: RunConfig, adapter: Adapter) -> list[str]:
 METHOD_OPTIONS = ("calibrate_head_side", "task_weights", "task_weight_power", "trust", "head_metric")
 
 
+def _shared_pool(cfg: RunConfig) -> list[tuple[str, dict[str, DataSource]]]:
+    """calibration.shared_inputs.pool as a data section (one source, named `pool`) when shared inputs are on."""
+    shared = cfg.calibration.shared_inputs
+    return [("calibration.shared_inputs", {"pool": shared.pool})] if shared.weights and shared.pool else []
+
+
+def check_shared_inputs(cfg: RunConfig, adapter: Adapter) -> None:
+    """calibration.shared_inputs: FeatCal's solve of an encoder or decoder-only model (an encoder–decoder's targets
+    are per task; RegMean's Grams take no weighted foreign rows)."""
+    weight = cfg.calibration.shared_inputs.weight
+    if not cfg.calibration.shared_inputs.weights:
+        return
+    if cfg.featcal.method != "featcal":
+        raise ConfigError(f"calibration.shared_inputs.weight: {weight} needs featcal.method featcal, not "
+                          f"{cfg.featcal.method}; expected weight 0")
+    if adapter.has_decoder:
+        raise ConfigError(f"calibration.shared_inputs.weight: {weight} is not for encoder–decoders "
+                          f"({adapter.architecture}: each task's decoder targets are its own); expected weight 0")
+
+
 def check_method_reads(cfg: RunConfig) -> None:
     """Each of METHOD_OPTIONS set away from its default must be read by the run's calibration method."""
     fc = cfg.featcal
@@ -331,7 +351,7 @@ def check_data(cfg: RunConfig, adapter: Adapter, hub_ids: dict[str, str] | None 
     `hub_ids`: field → pinned id, names the id too); returns the notices of what is taken another way than asked (a
     tokenizer padding with EOS, class names that differ from the head's)."""
     notices: list[str] = []
-    sections = [("calibration.data", cfg.calibration.data)]
+    sections = [("calibration.data", cfg.calibration.data), *_shared_pool(cfg)]
     if cfg.evaluation.enabled:
         sections.append(("evaluation.data", cfg.evaluation.data))
     for section, sources in sections:
@@ -358,7 +378,7 @@ def _check_source(cfg: RunConfig, adapter: Adapter, section: str, task: str, sou
                            ds.column_names, where)
     if builder.padding_notice:
         notices.append(builder.padding_notice)
-    if section == "calibration.data" and cfg.calibration.views.count and (not builder.is_text or adapter.has_decoder):
+    if section != "evaluation.data" and cfg.calibration.views.count and (not builder.is_text or adapter.has_decoder):
         raise DataError(f"calibration.views.count: {cfg.calibration.views.count} views need token inputs of an "
                         f"encoder or a causal LM; {where} gives " +
                         ("images" if not builder.is_text else "encoder–decoder inputs") + "; expected views.count 0")
@@ -439,6 +459,7 @@ def preflight(cfg: RunConfig, quiet: bool = False) -> Checked:
         adapter = check_checkpoints(files)
         found += given_dtype_notice(files, adapter)
         check_method_reads(files)
+        check_shared_inputs(files, adapter)
         check_head_side(files, adapter)
         check_head_metric(files, adapter)
         found += check_head_refit(files, adapter)

@@ -55,8 +55,10 @@ def tokens_per_example(cfg: RunConfig, adapter: Adapter) -> int:
 
 
 def boundary_bytes(cfg: RunConfig, adapter: Adapter) -> int:
-    """One side of one task's boundary, as stored: examples (and their views) × tokens × hidden × activation bytes."""
-    rows = cfg.calibration.examples_per_task * (1 + cfg.calibration.views.count) * tokens_per_example(cfg, adapter)
+    """One side of one task's boundary, as stored: examples (its own and any foreign ones, and their views) × tokens ×
+    hidden × activation bytes."""
+    examples = cfg.calibration.examples_per_task + cfg.foreign_examples
+    rows = examples * (1 + cfg.calibration.views.count) * tokens_per_example(cfg, adapter)
     return rows * adapter.text_or_vision_config().hidden_size * activation_dtype(cfg.runtime.precision).itemsize
 
 

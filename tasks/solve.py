@@ -86,7 +86,7 @@ def solve(ctx: RunContext, layer: int, group: int = 0, groups: int = 1) -> tuple
     if not ctx.cfg.runtime.keep_freed_memory:
         release_freed_memory()
     fc = ctx.cfg.featcal
-    method = calibration_method(fc, ctx.cfg.runtime.solve_precision)
+    method = calibration_method(fc, ctx.cfg.runtime.solve_precision, ctx.cfg.calibration.shared_inputs.weights)
     weights = (_task_weights(ctx, layer, fc.task_weight_power, fc.task_weights) if method.weighs_tasks
                else [1.0] * len(ctx.tasks))
     merged = ctx.checkpoint(MERGED).with_prefix(ctx.adapter.block_prefix(layer))
