@@ -10,13 +10,14 @@ functions that need it: `START_ENV` must be the environment before anything, tor
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -134,3 +135,16 @@ def same_weights(a: Path, b: Path) -> bool:
 
     x, y = load_file(a / "calibrated" / "model.safetensors"), load_file(b / "calibrated" / "model.safetensors")
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def example_run(raw: dict[str, Any], root: Path, run_dir: Path) -> tuple[dict[str, dict[str, float]], float]:
+    """A tiny-example config (`raw`, relative to `root`) run into `run_dir`: per task, each evaluated model's test
+    accuracy; and the run's seconds."""
+    from featcal.config import config_from_dict
+    from flows.pipeline import run_pipeline
+
+    start = time.perf_counter()
+    run_pipeline(config_from_dict(raw, root), run_dir)
+    seconds = time.perf_counter() - start
+    report = json.loads((run_dir / "report.json").read_text())
+    return {t: s["accuracy"] for t, s in report["tasks"].items()}, seconds

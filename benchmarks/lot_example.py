@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import time
 from pathlib import Path
+from statistics import fmean
 
 import yaml
 
-from benchmarks.common import ROOT, command_line, commit_of, cpu_line
-from featcal.config import config_from_dict
+from benchmarks.common import ROOT, command_line, commit_of, cpu_line, example_run
 from featcal.modeling import calibrated_modules, linear_dims
 from featcal_bench.example import build_tiny_example
-from flows.pipeline import run_pipeline
 from storage.rundir import RunDir
 from tasks.context import context
 
@@ -38,10 +35,7 @@ def run(example: Path, work: Path, arch: str, method: str) -> tuple[dict[str, di
     raw["featcal"] = {"method": method}
     raw["evaluation"]["models"] = ["merged", "calibrated", "expert"]
     run_dir = work / f"{arch}-{method}"
-    start = time.perf_counter()
-    run_pipeline(config_from_dict(raw, example / arch), run_dir)
-    seconds = time.perf_counter() - start
-    report = json.loads((run_dir / "report.json").read_text())
+    accuracy, seconds = example_run(raw, example / arch, run_dir)
     kept = ""
     if method == "lot":
         ctx, record = context(run_dir), RunDir(run_dir).record
@@ -50,11 +44,7 @@ def run(example: Path, work: Path, arch: str, method: str) -> tuple[dict[str, di
                  for name, rank in record(f"solve/l{layer:02d}")["info"]["pinv_rank"].items()]
         partial = [f"{rank}/{width}" for rank, width in short if rank < width]
         kept = f"{len(short) - len(partial)} of {len(short)}" + (f" (others: {', '.join(partial)})" if partial else "")
-    return {t: s["accuracy"] for t, s in report["tasks"].items()}, seconds, kept
-
-
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values)
+    return accuracy, seconds, kept
 
 
 def main() -> None:
@@ -68,9 +58,9 @@ def main() -> None:
     for arch in ("bert", "clip"):
         for method in METHODS:
             acc, seconds, kept = run(example, args.work, arch, method)
-            merged = mean([a["merged"] for a in acc.values()])
-            solved = mean([a["calibrated"] for a in acc.values()])
-            expert = mean([a["expert"] for a in acc.values()])
+            merged = fmean([a["merged"] for a in acc.values()])
+            solved = fmean([a["calibrated"] for a in acc.values()])
+            expert = fmean([a["expert"] for a in acc.values()])
             per_task = ", ".join(f"{t} {100 * a['calibrated']:.1f}" for t, a in acc.items())
             rows.append(f"| {arch} | {method} | {100 * expert:.1f} | {100 * merged:.1f} | {100 * solved:.1f} | "
                         f"{per_task} | {kept or '–'} | {seconds:.0f} |")

@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import time
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 import yaml
 
-from benchmarks.common import ROOT, command_line, commit_of, cpu_line
-from featcal.config import config_from_dict
+from benchmarks.common import ROOT, command_line, commit_of, cpu_line, example_run
 from featcal_bench.example import build_tiny_example
-from flows.pipeline import run_pipeline
 
 MERGES = ("task_arithmetic", "ties", "tsv_m", "iso_c", "iso_cts", "wudi")
 SETTINGS: dict[str, dict[str, Any]] = {"λ 0.05, ρ 2.2": {}, "λ, ρ auto": {"lambda": "auto", "rho": "auto"}}
@@ -36,15 +33,7 @@ def run(example: Path, work: Path, arch: str, merge: str, setting: str) -> tuple
     raw["featcal"] = {**raw["featcal"], **SETTINGS[setting]}
     raw["evaluation"]["models"] = ["merged", "calibrated", "expert"]
     run_dir = work / f"{arch}-{merge}-{'auto' if SETTINGS[setting] else 'fixed'}"
-    start = time.perf_counter()
-    run_pipeline(config_from_dict(raw, example / arch), run_dir)
-    seconds = time.perf_counter() - start
-    report = json.loads((run_dir / "report.json").read_text())
-    return {t: s["accuracy"] for t, s in report["tasks"].items()}, seconds
-
-
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values)
+    return example_run(raw, example / arch, run_dir)
 
 
 def main() -> None:
@@ -61,9 +50,9 @@ def main() -> None:
         for setting in settings:
             for merge in MERGES:
                 acc, seconds = run(example, args.work, arch, merge, setting)
-                merged = mean([a["merged"] for a in acc.values()])
-                calibrated = mean([a["calibrated"] for a in acc.values()])
-                expert = mean([a["expert"] for a in acc.values()])
+                merged = fmean([a["merged"] for a in acc.values()])
+                calibrated = fmean([a["calibrated"] for a in acc.values()])
+                expert = fmean([a["expert"] for a in acc.values()])
                 worst = min(a["calibrated"] - a["merged"] for a in acc.values())
                 rows.append(f"| {arch} | {merge} | {setting} | {100 * expert:.1f} | {100 * merged:.1f} | "
                             f"{100 * calibrated:.1f} | {100 * (calibrated - merged) / (expert - merged):.0f} % | "

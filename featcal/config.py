@@ -18,6 +18,13 @@ class ConfigError(ValueError):
     """A configuration problem, with the offending field named in the message."""
 
 
+def _non_negative_or_auto(value: float | Literal["auto"]) -> float | Literal["auto"]:
+    """A strength that is a number >= 0 or chosen without labels ('auto'): λ, the shared inputs' weight."""
+    if not isinstance(value, str) and value < 0:
+        raise ValueError(f"must be >= 0 or 'auto', got {value}")
+    return value
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -88,12 +95,7 @@ class SharedInputsConfig(_Strict):
                                     "task's foreign rows; None: the other tasks' inputs only")
     pool_examples: int = Field(256, ge=1, description="examples drawn from pool (seeded by calibration.seed)")
 
-    @field_validator("weight")
-    @classmethod
-    def _non_negative_weight(cls, weight: float | Literal["auto"]) -> float | Literal["auto"]:
-        if not isinstance(weight, str) and weight < 0:
-            raise ValueError(f"must be >= 0 or 'auto', got {weight}")
-        return weight
+    _non_negative_weight = field_validator("weight")(_non_negative_or_auto)
 
     @field_validator("grid")
     @classmethod
@@ -196,12 +198,7 @@ class FeatCalConfig(_Strict):
                            "expert's logits, ridge towards the expert's head, λ from lambda_grid on held-out rows (no "
                            "labels; docs/design.md §2.11); a head the tasks share (an LM head) is left")
 
-    @field_validator("lam")
-    @classmethod
-    def _non_negative(cls, lam: float | Literal["auto"]) -> float | Literal["auto"]:
-        if not isinstance(lam, str) and lam < 0:
-            raise ValueError(f"must be >= 0 or 'auto', got {lam}")
-        return lam
+    _non_negative = field_validator("lam")(_non_negative_or_auto)
 
     @field_validator("task_weights")
     @classmethod
