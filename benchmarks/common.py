@@ -148,3 +148,17 @@ def example_run(raw: dict[str, Any], root: Path, run_dir: Path) -> tuple[dict[st
     seconds = time.perf_counter() - start
     report = json.loads((run_dir / "report.json").read_text())
     return {t: s["accuracy"] for t, s in report["tasks"].items()}, seconds
+
+
+def model_means(accuracy: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Each evaluated model's accuracy averaged over the tasks of `example_run`'s first result."""
+    models = next(iter(accuracy.values()))
+    return {m: sum(a[m] for a in accuracy.values()) / len(accuracy) for m in models}
+
+
+def results_header(title: str) -> list[str]:
+    """A results file's first lines: its title, then the machine, the date, the command and the code it ran on."""
+    import datetime
+
+    return [f"# {title}", "", f"Machine: {cpu_line()}. Date: {datetime.date.today()}. Command: `{command_line()}`. "
+            f"Code: {commit_of(ROOT)}.", ""]

@@ -12,12 +12,11 @@ its draws (`{run}_draw{k}`, from `--draws`). A run that is missing stops the too
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from benchmarks.common import ROOT, command_line, commit_of, cpu_line
+from benchmarks.common import results_header
 
 # The rule's thresholds, as docs/benchmarks.md states them.
 MIN_GAIN = 0.5  # points of validation agreement over the last adopted candidate, averaged over benchmarks
@@ -138,8 +137,7 @@ def main() -> None:
                  f"`head_refit: {str(adopted.head_refit).lower()}`, "
                  f"shared inputs {'on at 8 examples a task' if adopted.shared else 'off'}.")
     header = [
-        "# The rule that sets the label-free defaults, applied (issue 54 §5)", "",
-        f"Machine: {cpu_line()}. Date: {datetime.date.today()}. Command: `{command_line()}`. Code: {commit_of(ROOT)}.",
+        *results_header("The rule that sets the label-free defaults, applied (issue 54 §5)"),
         "Benchmarks: " + ", ".join(f"{b} (`{d}`, head checks on {rows[b] or 'all'} {splits[b]} rows a task)"
                                    for b, d in dirs.items()) + ".", "",
         "The rule: docs/benchmarks.md, *The rule that sets the label-free defaults*. Validation rows only, read "

@@ -12,13 +12,11 @@ the three closed forms behave on them, not how they rank on real benchmarks (the
 from __future__ import annotations
 
 import argparse
-import datetime
 from pathlib import Path
-from statistics import fmean
 
 import yaml
 
-from benchmarks.common import ROOT, command_line, commit_of, cpu_line, example_run
+from benchmarks.common import example_run, model_means, results_header
 from featcal.modeling import calibrated_modules, linear_dims
 from featcal_bench.example import build_tiny_example
 from storage.rundir import RunDir
@@ -58,16 +56,13 @@ def main() -> None:
     for arch in ("bert", "clip"):
         for method in METHODS:
             acc, seconds, kept = run(example, args.work, arch, method)
-            merged = fmean([a["merged"] for a in acc.values()])
-            solved = fmean([a["calibrated"] for a in acc.values()])
-            expert = fmean([a["expert"] for a in acc.values()])
+            means = model_means(acc)
+            merged, solved, expert = means["merged"], means["calibrated"], means["expert"]
             per_task = ", ".join(f"{t} {100 * a['calibrated']:.1f}" for t, a in acc.items())
             rows.append(f"| {arch} | {method} | {100 * expert:.1f} | {100 * merged:.1f} | {100 * solved:.1f} | "
                         f"{per_task} | {kept or '–'} | {seconds:.0f} |")
             print(rows[-1], flush=True)
-    lines = ["# LOT Merging, RegMean and RegMean++ on the tiny example (`benchmarks/lot_example.py`)", "",
-             f"Machine: {cpu_line()}. Date: {datetime.date.today()}. Command: `{command_line()}`. Code: "
-             f"{commit_of(ROOT)}.", "",
+    lines = [*results_header("LOT Merging, RegMean and RegMean++ on the tiny example (`benchmarks/lot_example.py`)"),
              "Mean test accuracy over the example's 3 tasks (BERT: topic, negation, count; CLIP: quadrant, colour, "
              "stripes), %, each method from the average merge (`merge.method: average`, whose biases, norms and "
              "outside-block parameters RegMean keeps and LOT keeps but for the norm scales). `full rank`: of LOT's "

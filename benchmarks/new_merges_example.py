@@ -12,14 +12,12 @@ the merges and FeatCal behave on them, not how they rank on real benchmarks.
 from __future__ import annotations
 
 import argparse
-import datetime
 from pathlib import Path
-from statistics import fmean
 from typing import Any
 
 import yaml
 
-from benchmarks.common import ROOT, command_line, commit_of, cpu_line, example_run
+from benchmarks.common import example_run, model_means, results_header
 from featcal_bench.example import build_tiny_example
 
 MERGES = ("task_arithmetic", "ties", "tsv_m", "iso_c", "iso_cts", "wudi")
@@ -50,17 +48,15 @@ def main() -> None:
         for setting in settings:
             for merge in MERGES:
                 acc, seconds = run(example, args.work, arch, merge, setting)
-                merged = fmean([a["merged"] for a in acc.values()])
-                calibrated = fmean([a["calibrated"] for a in acc.values()])
-                expert = fmean([a["expert"] for a in acc.values()])
+                means = model_means(acc)
+                merged, calibrated, expert = means["merged"], means["calibrated"], means["expert"]
                 worst = min(a["calibrated"] - a["merged"] for a in acc.values())
                 rows.append(f"| {arch} | {merge} | {setting} | {100 * expert:.1f} | {100 * merged:.1f} | "
                             f"{100 * calibrated:.1f} | {100 * (calibrated - merged) / (expert - merged):.0f} % | "
                             f"{100 * worst:+.1f} | {seconds:.0f} |")
                 print(rows[-1], flush=True)
-    lines = ["# The new merges alone and + FeatCal on the tiny example (`benchmarks/new_merges_example.py`)", "",
-             f"Machine: {cpu_line()}. Date: {datetime.date.today()}. Command: `{command_line()}`. Code: "
-             f"{commit_of(ROOT)}.", "",
+    lines = [*results_header("The new merges alone and + FeatCal on the tiny example "
+                             "(`benchmarks/new_merges_example.py`)"),
              "Mean test accuracy over the example's 3 tasks (BERT: topic, negation, count; CLIP: quadrant, colour, "
              "stripes), %. TA and TIES at scale 0.3; TSV-M, Iso-C, Iso-CTS at α 1 and WUDI with 300 Adam steps at "
              "1e-5 (FusionBench's defaults). `gap closed`: (FeatCal − merge) / (expert − merge) on the means; "
