@@ -585,6 +585,9 @@ def plots(report: dict[str, Any], out_dir: Path, stem: str, curves: Mapping[str,
 def save_report(bench: Path, stem: str, report: dict[str, Any], results: dict[str, dict[str, Any]], out_dir: str | None,
                 study: Study) -> tuple[list[str], dict[str, Any]]:
     """The accuracy benchmarks' report stage: its files with the plots, and each method's average."""
+    if not report["methods"]:
+        raise ValueError(f"report: no row of the study reads the runs that ran ({', '.join(sorted(results))}); give "
+                         "them rows in the study's `rows:` (runs without rows are still kept under results/)")
     (bench / "report").mkdir(parents=True, exist_ok=True)
     drawn = plots(report, bench / "report", stem, study.curves)
     files = saved_report_files(bench, stem, report, results, out_dir, markdown(report, study), drawn)
