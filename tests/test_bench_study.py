@@ -122,3 +122,15 @@ def test_mergebenchs_study_runs_at_the_settings_its_report_states():
     assert runs["ta_featcal"].scaling == runs["ties_featcal"].scaling == llm_spec.TA_SCALING
     assert runs["regmean"].featcal == {"regmean_off_diagonal": llm_spec.REGMEAN_OFF_DIAGONAL}
     assert runs["regmean_pp"].featcal == {"regmean_off_diagonal": llm_spec.REGMEAN_PP_OFF_DIAGONAL}
+
+
+def test_a_report_whose_runs_no_row_reads_is_refused_naming_them(tmp_path):
+    """`bench run --runs` of runs the study gives no row (a rule's candidate, a draw) ran them, but a report of no row
+    has nothing to show: one line says which runs and where their rows go, before any file is written."""
+    from featcal_bench.report import save_report
+
+    study = load_study(SHARED.parent / "minilm" / "study.yaml")
+    with pytest.raises(ValueError, match=r"no row of the study reads the runs that ran \(a_run, b_run\); give them "
+                                         r"rows in the study's `rows:`"):
+        save_report(tmp_path, "demo", {"methods": []}, {"b_run": {}, "a_run": {}}, None, study)
+    assert not (tmp_path / "report").exists()
