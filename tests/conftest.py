@@ -18,6 +18,12 @@ import yaml
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# One torch thread per process, in every test worker and every `featcal` process a test starts (they inherit it):
+# the tensors are tiny, and on CI's 2 cores two xdist workers of two threads each spin-wait on each other's core (a
+# tiny T5's 40 training steps took 160 s of wall time on two threads on a busy 2-core host, 5 s on one). Results
+# then do not depend on the core count either. A run that must use more sets runtime.threads, as a user would.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # torch is imported already: its pool is sized
 # Prefect's state, the SQLite database of each run's temporary server included, in a home of this session's own
 # (each xdist worker is a session): two sessions creating ~/.prefect's database at once would race on its migrations.
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="featcal-tests-prefect-")
