@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -82,6 +82,22 @@ def featcal_process(*args: str, **kw) -> subprocess.Popen:
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1"}
     return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+@pytest.fixture(scope="session")
+def example_runs(tiny_example, tmp_path_factory) -> Callable[[str], tuple[RunConfig, Path, dict]]:
+    """The example of an architecture run as shipped (three experts, evaluation on), once per session: `(config, run
+    directory, run_pipeline's records)`. Tests only read it; one that changes a run makes its own."""
+    done: dict[str, tuple[RunConfig, Path, dict]] = {}
+
+    def run_of(arch: str) -> tuple[RunConfig, Path, dict]:
+        if arch not in done:
+            cfg = example_config(tiny_example, arch)
+            run_dir = tmp_path_factory.mktemp(f"example-run-{arch}")
+            done[arch] = (cfg, run_dir, run_pipeline(cfg, run_dir))
+        return done[arch]
+
+    return run_of
 
 
 @pytest.fixture(scope="session")
