@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,12 @@ import yaml
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# One torch thread per process, in every test worker and every `featcal` process a test starts (they inherit it):
+# the tensors are tiny, and on CI's 2 cores two xdist workers of two threads each spin-wait on each other's core (a
+# tiny T5's 40 training steps took 160 s of wall time on two threads on a busy 2-core host, 5 s on one). Results
+# then do not depend on the core count either. A run that must use more sets runtime.threads, as a user would.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # torch is imported already: its pool is sized
 # Prefect's state, the SQLite database of each run's temporary server included, in a home of this session's own
 # (each xdist worker is a session): two sessions creating ~/.prefect's database at once would race on its migrations.
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="featcal-tests-prefect-")
@@ -76,6 +82,22 @@ def featcal_process(*args: str, **kw) -> subprocess.Popen:
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1"}
     return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+@pytest.fixture(scope="session")
+def example_runs(tiny_example, tmp_path_factory) -> Callable[[str], tuple[RunConfig, Path, dict]]:
+    """The example of an architecture run as shipped (three experts, evaluation on), once per session: `(config, run
+    directory, run_pipeline's records)`. Tests only read it; one that changes a run makes its own."""
+    done: dict[str, tuple[RunConfig, Path, dict]] = {}
+
+    def run_of(arch: str) -> tuple[RunConfig, Path, dict]:
+        if arch not in done:
+            cfg = example_config(tiny_example, arch)
+            run_dir = tmp_path_factory.mktemp(f"example-run-{arch}")
+            done[arch] = (cfg, run_dir, run_pipeline(cfg, run_dir))
+        return done[arch]
+
+    return run_of
 
 
 @pytest.fixture(scope="session")

@@ -9,10 +9,8 @@ import pytest
 import torch
 
 from featcal.evaluation import TaskScores, head_error_sums
-from flows.pipeline import run_pipeline
 from tasks.context import context
 from tasks.evaluate import head_errors
-from tests.conftest import example_config
 
 
 def test_head_error_sums_match_brute_force():
@@ -43,11 +41,10 @@ def test_task_scores_keep_head_errors_per_model():
     assert "expert_agreement" not in TaskScores().summary()
 
 
-def test_head_errors_of_a_run_read_each_tasks_own_head(tiny_example, tmp_path):
+def test_head_errors_of_a_run_read_each_tasks_own_head(example_runs):
     """head_errors on any rows, and the evaluate stage's report on the evaluation rows, give the same figures."""
-    cfg = example_config(tiny_example, "bert")
-    run_pipeline(cfg, tmp_path / "run")
-    ctx = context(tmp_path / "run")
+    cfg, run_dir, _ = example_runs("bert")
+    ctx = context(run_dir)
     task = cfg.tasks[0]
     source = cfg.calibration.data[task]
     errors = head_errors(ctx, task, source, f"calibration.data.{task}", ("expert", "merged", "calibrated"))
@@ -55,11 +52,11 @@ def test_head_errors_of_a_run_read_each_tasks_own_head(tiny_example, tmp_path):
     for name in ("merged", "calibrated"):
         assert errors[name]["kl"] > 0 and 0.0 <= errors[name]["agreement"] <= 1.0
     assert errors["merged"] != errors["calibrated"]
-    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    report = json.loads((run_dir / "report.json").read_text())
     for t in cfg.tasks:
         on_eval = head_errors(ctx, t, cfg.evaluation.data[t], f"evaluation.data.{t}")
         reported = report["tasks"][t]
         for name in ("merged", "calibrated"):
             assert reported["expert_agreement"][name] == on_eval[name]["agreement"]
             assert reported["expert_kl"][name] == pytest.approx(on_eval[name]["kl"], rel=1e-9)
-    assert "## Agreement with each task's expert (no labels)" in (tmp_path / "run" / "report.md").read_text()
+    assert "## Agreement with each task's expert (no labels)" in (run_dir / "report.md").read_text()

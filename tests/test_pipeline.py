@@ -21,12 +21,8 @@ ARCHS = ["bert", "clip"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def three_expert_run(request, tiny_example, tmp_path_factory):
-    arch = request.param
-    cfg = example_config(tiny_example, arch)
-    run_dir = tmp_path_factory.mktemp(f"run-{arch}")
-    records = run_pipeline(cfg, run_dir)
-    return arch, cfg, run_dir, records
+def three_expert_run(request, example_runs):
+    return request.param, *example_runs(request.param)
 
 
 def test_calibration_reduces_drift_at_every_block(three_expert_run):
