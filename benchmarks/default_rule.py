@@ -24,6 +24,7 @@ MAX_LOSS = 0.5  # points lower on any one benchmark
 BAR = -1.0  # the worst task's change against the merge, points
 COSTLY = 2.0  # a candidate that more than doubles calibration's time...
 COSTLY_GAIN = 1.0  # ...must gain this much
+REQUIRED = ("minilm8", "demo")  # a default changes only on evidence from both
 
 
 @dataclass(frozen=True)
@@ -132,10 +133,14 @@ def main() -> None:
                      + ("adopted; " if ok else "rejected; ") + why)
         if ok:
             adopted = candidate
-    lines.append(f"\n**Outcome:** the defaults the rule selects: `lambda: {'auto' if adopted.auto else 0.05}`, "
-                 f"`head_metric: {1.0 if adopted.head_metric else 0.0}`, "
-                 f"`head_refit: {str(adopted.head_refit).lower()}`, "
-                 f"shared inputs {'on at 8 examples a task' if adopted.shared else 'off'}.")
+    selected = (f"`lambda: {'auto' if adopted.auto else 0.05}`, `head_metric: {1.0 if adopted.head_metric else 0.0}`, "
+                f"`head_refit: {str(adopted.head_refit).lower()}`, shared inputs "
+                f"{'on at 8 examples a task' if adopted.shared else 'off'}")
+    missing = [b for b in REQUIRED if b not in dirs]
+    lines.append(f"\n**Outcome:** the defaults the rule selects: {selected}." if not missing else
+                 f"\n**Outcome:** no default changes: the rule needs {' and '.join(REQUIRED)}, and "
+                 f"{', '.join(missing)} was not measured. On {', '.join(dirs)} alone the verdicts above would select "
+                 f"{selected}.")
     header = [
         *results_header("The rule that sets the label-free defaults, applied (issue 54 §5)"),
         "Benchmarks: " + ", ".join(f"{b} (`{d}`, head checks on {rows[b] or 'all'} {splits[b]} rows a task)"
