@@ -295,8 +295,9 @@ def fit_sums(t: dict[str, torch.Tensor], fold: int = 0) -> dict[str, torch.Tenso
 
     def fitted(key: str, value: torch.Tensor) -> torch.Tensor:
         own = key[len(FOREIGN):] if key.startswith(FOREIGN) else key
-        held = (FOREIGN if key.startswith(FOREIGN) else "") + prefix + own
-        return value - t[held] if held in t else value
+        foreign = key.startswith(FOREIGN)
+        held = (FOREIGN if foreign else "") + prefix + own
+        return value - t[held] if held in t or not foreign else value  # own rows always have their fold's sums
 
     return {k: fitted(k, v) for k, v in t.items() if not k.startswith(("held", FOREIGN + "held"))}
 
