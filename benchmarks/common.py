@@ -162,3 +162,16 @@ def results_header(title: str) -> list[str]:
 
     return [f"# {title}", "", f"Machine: {cpu_line()}. Date: {datetime.date.today()}. Command: `{command_line()}`. "
             f"Code: {commit_of(ROOT)}.", ""]
+
+
+def bench_arguments(values: list[str]) -> dict[str, tuple[Path, str, int | None]]:
+    """`NAME=DIR[:SPLIT[:ROWS]]` arguments of the rules' tools → name: (directory, the split its head checks read
+    (default validation), how many of its rows a task, seeded (default all))."""
+    parsed = {}
+    for value in values:
+        name, _, rest = value.partition("=")
+        if not name or not rest:
+            raise SystemExit(f"--bench {value!r}: expected NAME=DIR[:SPLIT[:ROWS]]")
+        directory, split, rows = (rest.split(":") + ["", ""])[:3]
+        parsed[name] = (Path(directory), split or "validation", int(rows) if rows else None)
+    return parsed

@@ -16,7 +16,7 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from benchmarks.common import results_header
+from benchmarks.common import bench_arguments, results_header
 
 # The rule's thresholds, as docs/benchmarks.md states them.
 MIN_GAIN = 0.5  # points of validation agreement over the last adopted candidate, averaged over benchmarks
@@ -70,7 +70,9 @@ def _figures(bench: Path, split: str, rows: int | None, run: str, draws: int) ->
     per_task: dict[str, list[float]] = {}
     for name in names:
         tasks = head_check(bench, name, split, rows)["tasks"]
-        change = {t: 100 * (e["calibrated"]["agreement"] - e["merged"]["agreement"]) for t, e in tasks.items()}
+        # rounded: agreements are counts over the rows, so a change of exactly −1 point must not read as below it
+        change = {t: round(100 * (e["calibrated"]["agreement"] - e["merged"]["agreement"]), 9)
+                  for t, e in tasks.items()}
         gains.append(statistics.fmean(change.values()))
         worsts.append(min(change.values()))
         seconds.append(read_json(bench / "results" / f"{name}.json")["cost"]["calibration_seconds"])
@@ -107,11 +109,10 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=4, help="draws of the 8-example runs (default 4)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    benches = dict(b.split("=", 1) for b in args.bench)
-    parts = {name: (d.split(":") + ["", ""])[:3] for name, d in benches.items()}
-    dirs = {name: Path(p[0]) for name, p in parts.items()}
-    splits = {name: p[1] or "validation" for name, p in parts.items()}
-    rows = {name: int(p[2]) if p[2] else None for name, p in parts.items()}
+    benches = bench_arguments(args.bench)
+    dirs = {name: b[0] for name, b in benches.items()}
+    splits = {name: b[1] for name, b in benches.items()}
+    rows = {name: b[2] for name, b in benches.items()}
 
     table: list[str] = []
     seen: dict[str, dict[str, Figures]] = {}

@@ -1,7 +1,8 @@
 """tinyllama-domains (issue 33 §4): every label-free FeatCal row against RegMean, paired on the same held-out rows.
 
     featcal bench run BENCH                        # every run of the recipe (results/*.json, runs/*)
-    python -m benchmarks.tinyllama_paired BENCH --out benchmarks/results/tinyllama_paired.md
+    python -m benchmarks.tinyllama_paired BENCH --out benchmarks/results/tinyllama_paired.md \
+        [--pair iso_c_featcal iso_c_featcal:merged ...]
 
 Each model's next-token loss is recomputed row by row on each domain's held-out rows (the sums match the report's
 losses; checked below). A bootstrap then redraws every domain's rows with replacement, the same rows for every
@@ -78,10 +79,16 @@ def average(losses: dict[str, np.ndarray]) -> float:
     return float(np.mean([v[:, 0].sum() / v[:, 1].sum() for _, v in sorted(losses.items())]))
 
 
-def markdown(bench: Path) -> str:
+def markdown(bench: Path, pairs: list[tuple[str, str]]) -> str:
+    """The table of ROWS against RegMean (rows whose runs were not made are named and left out), then each of
+    `pairs`, RUN:MODEL against RUN:MODEL, as a loss difference on the same bootstrap draws."""
     started = time.time()
+    made = {label: run for label, run in ROWS.items() if (bench / "results" / f"{run}.json").is_file()}
     models = {label: row_losses(bench, run, model) for label, (run, model) in REFERENCES.items()}
-    models |= {label: row_losses(bench, run, "calibrated") for label, run in ROWS.items()}
+    models |= {label: row_losses(bench, run, "calibrated") for label, run in made.items()}
+    for row in {r for pair in pairs for r in pair} - set(models):
+        run, _, model = row.partition(":")
+        models[row] = row_losses(bench, run, model or "calibrated")
     rng = np.random.default_rng(SEED)
     draws = {t: rng.integers(0, len(v), size=(RESAMPLES, len(v))) for t, v in sorted(models["RegMean"].items())}
     boot = {label: resampled_average(losses, draws) for label, losses in models.items()}
@@ -97,7 +104,7 @@ def markdown(bench: Path) -> str:
              "the same rows for every model).", "",
              "| row | average loss | gap closed | RegMean − row (nats) [95 % CI] | gap closed / RegMean's [95 % CI] |",
              "|---|---:|---:|---:|---:|"]
-    for label in ROWS:
+    for label in made:
         diff = boot[rm] - boot[label]
         ratio = (boot[ta] - boot[label]) / (boot[ta] - boot[rm])
         d_lo, d_hi = np.percentile(diff, [2.5, 97.5])
@@ -106,6 +113,17 @@ def markdown(bench: Path) -> str:
         lines.append(f"| {label} | {point[label]:.4f} | {closed:.1f} % | {point[rm] - point[label]:+.4f} "
                      f"[{d_lo:+.4f}, {d_hi:+.4f}] | {(point[ta] - point[label]) / (point[ta] - point[rm]):.2f} "
                      f"[{r_lo:.2f}, {r_hi:.2f}] |")
+    if len(made) < len(ROWS):
+        lines += ["", "Not run on this build: " + ", ".join(f"{label} (`{ROWS[label]}`)" for label in ROWS
+                                                        if label not in made) + "."]
+    if pairs:
+        lines += ["", "| row | against | row − against (nats) [95 % CI] | gap closed: row, against |",
+                  "|---|---|---:|---:|"]
+    for a, b in pairs:
+        lo, hi = np.percentile(boot[a] - boot[b], [2.5, 97.5])
+        shares = [100 * (point[ta] - point[x]) / (point[ta] - point[ex]) for x in (a, b)]
+        lines.append(f"| `{a}` | `{b}` | {point[a] - point[b]:+.4f} [{lo:+.4f}, {hi:+.4f}] | "
+                     f"{shares[0]:.1f} %, {shares[1]:.1f} % |")
     return "\n".join(lines) + "\n"
 
 
@@ -113,9 +131,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("bench", type=Path, help="a built tinyllama-domains benchmark whose runs have run")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--pair", nargs=2, action="append", default=[], metavar=("A", "B"),
+                        help="also A's average loss minus B's, each RUN[:MODEL] (model: calibrated unless named)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    text = markdown(args.bench.resolve())
+    text = markdown(args.bench.resolve(), [(a, b) for a, b in args.pair])
     args.out.write_text(text)
     print(text)
 
