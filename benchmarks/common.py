@@ -175,3 +175,15 @@ def bench_arguments(values: list[str]) -> dict[str, tuple[Path, str, int | None]
         directory, split, rows = (rest.split(":") + ["", ""])[:3]
         parsed[name] = (Path(directory), split or "validation", int(rows) if rows else None)
     return parsed
+
+
+def benches_line(benches: dict[str, tuple[Path, str, int | None]]) -> str:
+    """The rules' reports: which benchmarks, and which rows their head checks read."""
+    return "Benchmarks: " + ", ".join(f"{b} (`{d}`, head checks on {rows or 'all'} {split} rows a task)"
+                                      for b, (d, split, rows) in benches.items()) + "."
+
+
+def write_rule_report(out: Path, header: list[str], table: list[str], verdicts: list[str]) -> None:
+    """A rule's report: its header, its figures' table, then its verdicts; printed as written."""
+    out.write_text("\n".join(header + table + ["", "## Verdicts", ""] + verdicts) + "\n")
+    print(out.read_text())

@@ -16,7 +16,7 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from benchmarks.common import bench_arguments, results_header
+from benchmarks.common import bench_arguments, benches_line, results_header, write_rule_report
 
 # The rule's thresholds, as docs/benchmarks.md states them.
 MIN_GAIN = 0.5  # points of validation agreement over the last adopted candidate, averaged over benchmarks
@@ -144,16 +144,14 @@ def main() -> None:
                  f"{selected}.")
     header = [
         *results_header("The rule that sets the label-free defaults, applied (issue 54 §5)"),
-        "Benchmarks: " + ", ".join(f"{b} (`{d}`, head checks on {rows[b] or 'all'} {splits[b]} rows a task)"
-                                   for b, d in dirs.items()) + ".", "",
+        benches_line(benches), "",
         "The rule: docs/benchmarks.md, *The rule that sets the label-free defaults*. Each benchmark's head-check "
         "rows as named above (never test rows, no labels), read through each task's head: *gain* is the task mean of "
         "the calibrated model's agreement with the task's expert minus the merge's (points), *worst* the lowest "
         "task's; 8-example rows are the mean over their draws (worst: the lowest over draws). Calibration seconds "
         "are wall time on a shared machine.", "",
         "| benchmark | run | gain | worst | calibration s | per task (points) |", "|---|---|---:|---:|---:|---|"]
-    args.out.write_text("\n".join(header + table + ["", "## Verdicts", ""] + lines) + "\n")
-    print(args.out.read_text())
+    write_rule_report(args.out, header, table, lines)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import bench_arguments, results_header
+from benchmarks.common import bench_arguments, benches_line, results_header, write_rule_report
 from benchmarks.default_rule import BAR, COSTLY, COSTLY_GAIN, MAX_LOSS, MIN_GAIN, REQUIRED
 
 BASELINE = ("task_arithmetic", "ta_featcal_paper")
@@ -104,15 +104,13 @@ def main() -> None:
                  f"and {', '.join(missing)} was not measured; on {', '.join(benches)} alone it would pick `{chosen}`.")
     header = [
         *results_header("The rule that picks the default starting merge, applied (issue 52 §5)"),
-        "Benchmarks: " + ", ".join(f"{b} (`{d}`, head checks on {rows or 'all'} {split} rows a task)"
-                                   for b, (d, split, rows) in benches.items()) + ".", "",
+        benches_line(benches), "",
         "The rule: docs/benchmarks.md, *The rule that picks the default starting merge*. *agreement*: the task mean "
         "of how often the calibrated model's top class is its expert's (points, no labels); *worst*: the lowest "
         "task's change in agreement against the run's own merge; seconds: merge + calibration, wall time on a "
         "shared machine.", "",
         "| benchmark | run | agreement | worst | seconds | per task |", "|---|---|---:|---:|---:|---|"]
-    args.out.write_text("\n".join(header + table + ["", "## Verdicts", ""] + lines) + "\n")
-    print(args.out.read_text())
+    write_rule_report(args.out, header, table, lines)
 
 
 if __name__ == "__main__":
