@@ -23,7 +23,7 @@ from featcal_bench.paired import compared
 from featcal_bench.report import correct_rows, draws_of
 from storage.atomic import read_json
 
-REFERENCE = "ta_featcal:merged"  # the merge the gains of `--few` are measured from (task arithmetic at 0.3)
+REFERENCE = "ta_featcal:merged"  # the MiniLM study's task arithmetic at 0.3: what `--few` measures gains from
 
 
 class Rows:
@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--pair", nargs=2, action="append", default=[], metavar=("A", "B"), help="A minus B")
     parser.add_argument("--few", action="append", default=[], metavar="RUN8=RUN256",
                         help="the share of RUN256's gain over task arithmetic that RUN8 keeps (mean over draws)")
+    parser.add_argument("--reference", default=REFERENCE, help=f"the row `--few` measures gains from ({REFERENCE})")
     parser.add_argument("--title", required=True)
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
@@ -111,7 +112,7 @@ def main() -> None:
         lines += [f"**Best {la} (`{a}`) minus best {lb} (`{b}`): {rows.paired(a, b)}.**", ""]
     for a, b in args.pair:
         lines.append(f"- `{a}` minus `{b}`: {rows.paired(a, b)}")
-    ta = rows.average(REFERENCE)
+    ta = rows.average(args.reference)
     for spec in args.few:
         few, full = spec.split("=", 1)
         gain_full = [statistics.fmean(d.values()) - ta for d in rows.draws(full)]
