@@ -57,6 +57,21 @@ class Figures:
     per_task: dict[str, float]
 
 
+def agreement_changes(tasks: dict[str, dict[str, dict[str, float]]]) -> dict[str, float]:
+    """Per task of a head check, the calibrated model's agreement with its expert minus the merge's, in points;
+    rounded, because agreements are counts over the rows and a change of exactly −1 point must not read as below it."""
+    return {t: round(100 * (e["calibrated"]["agreement"] - e["merged"]["agreement"]), 9) for t, e in tasks.items()}
+
+
+def shared_conditions(deltas: dict[str, float], seconds: dict[str, tuple[float, float]]) -> tuple[float, list[str],
+                                                                                                   list[str]]:
+    """What both rules ask of a candidate against its baseline, from each benchmark's Δ and (candidate, baseline)
+    seconds: the mean Δ, the benchmarks where it loses more than MAX_LOSS, those where it takes more than COSTLY×."""
+    mean = statistics.fmean(deltas.values())
+    return (mean, [b for b, d in deltas.items() if d < -MAX_LOSS],
+            [b for b, (new, old) in seconds.items() if new > COSTLY * old])
+
+
 def _figures(bench: Path, split: str, rows: int | None, run: str, draws: int) -> Figures:
     from featcal_bench.protect import head_check  # torch, transformers: only once the arguments are good
     from storage.atomic import read_json
@@ -69,10 +84,7 @@ def _figures(bench: Path, split: str, rows: int | None, run: str, draws: int) ->
     gains, worsts, seconds = [], [], []
     per_task: dict[str, list[float]] = {}
     for name in names:
-        tasks = head_check(bench, name, split, rows)["tasks"]
-        # rounded: agreements are counts over the rows, so a change of exactly −1 point must not read as below it
-        change = {t: round(100 * (e["calibrated"]["agreement"] - e["merged"]["agreement"]), 9)
-                  for t, e in tasks.items()}
+        change = agreement_changes(head_check(bench, name, split, rows)["tasks"])
         gains.append(statistics.fmean(change.values()))
         worsts.append(min(change.values()))
         seconds.append(read_json(bench / "results" / f"{name}.json")["cost"]["calibration_seconds"])
@@ -85,14 +97,13 @@ def _figures(bench: Path, split: str, rows: int | None, run: str, draws: int) ->
 def _verdict(new: dict[str, Figures], old: dict[str, Figures]) -> tuple[bool, str]:
     """The rule's three conditions, new candidate against the last adopted, over the benchmarks both were run on."""
     deltas = {b: new[b].gain - old[b].gain for b in new}
-    mean = statistics.fmean(deltas.values())
+    mean, losing, costly = shared_conditions(deltas, {b: (new[b].seconds, old[b].seconds) for b in new})
     reasons = []
     if mean < MIN_GAIN:
         reasons.append(f"mean gain {mean:+.2f} < +{MIN_GAIN}")
-    reasons += [f"{b} {d:+.2f} < −{MAX_LOSS}" for b, d in deltas.items() if d < -MAX_LOSS]
+    reasons += [f"{b} {deltas[b]:+.2f} < −{MAX_LOSS}" for b in losing]
     reasons += [f"{b}: worst task {new[b].worst:+.1f} < {BAR:+.0f} where it was {old[b].worst:+.1f}"
                 for b in new if new[b].worst < BAR <= old[b].worst]
-    costly = [b for b in new if new[b].seconds > COSTLY * old[b].seconds]
     if costly and mean < COSTLY_GAIN:
         reasons.append(f"more than {COSTLY:g}× calibration time on {', '.join(costly)} with mean gain {mean:+.2f} "
                        f"< +{COSTLY_GAIN}")

@@ -40,9 +40,14 @@ class Rows:
             raise SystemExit(f"{row}: no result of run {run} in the benchmark directory")
         return run, model or "calibrated"
 
-    def draws(self, row: str) -> list[dict[str, float]]:
+    def _runs(self, row: str) -> tuple[list[str], str]:
+        """The result names a row reads (a calibrated model: every draw; a merge or the experts: no draw changes
+        them) and its model."""
         run, model = self._split(row)
-        names = draws_of(self.results, run) if model == "calibrated" else [run]
+        return (draws_of(self.results, run) if model == "calibrated" else [run]), model
+
+    def draws(self, row: str) -> list[dict[str, float]]:
+        names, model = self._runs(row)
         return [{t: 100 * self.results[n]["accuracy"][t][model] for t in self.tasks} for n in names]
 
     def average(self, row: str) -> float:
@@ -53,8 +58,7 @@ class Rows:
         return {t: statistics.fmean(d[t] for d in draws) for t in self.tasks}
 
     def correct(self, row: str) -> list[dict[str, list[bool]]]:
-        run, model = self._split(row)
-        names = draws_of(self.results, run) if model == "calibrated" else [run]
+        names, model = self._runs(row)
         found = [correct_rows(self.results[n], model, self.tasks) for n in names]
         if any(c is None for c in found):
             raise SystemExit(f"{row}: its results keep no per-example predictions")
@@ -66,8 +70,8 @@ class Rows:
         return f"{100 * c['difference']:+.2f} [{low:+.2f}, {high:+.2f}] (over {c['covers']})"
 
 
-def _best(rows: Rows, label: str, specs: list[str]) -> tuple[list[str], str, str | None]:
-    """The table lines of one `--best` set, its best row, and that row's start (None if not given)."""
+def _best(rows: Rows, label: str, specs: list[str]) -> tuple[list[str], str]:
+    """The table lines of one `--best` set, and its best row."""
     starts: dict[str, str | None] = {}
     for spec in specs:
         row, _, named = spec.partition("=")
@@ -82,7 +86,7 @@ def _best(rows: Rows, label: str, specs: list[str]) -> tuple[list[str], str, str
             t = min(rows.tasks, key=lambda k: own[k] - start[k])
             worst = f"{t} {own[t] - start[t]:+.1f} (from `{start_row}`)"
         lines.append(f"| `{r}`{' **best**' if r == best else ''} | {avg:.2f} | {len(rows.draws(r))} | {worst} |")
-    return lines + [""], best, starts[best]
+    return lines + [""], best
 
 
 def main() -> None:
@@ -104,11 +108,11 @@ def main() -> None:
              "bootstrap (featcal_bench/paired.py).", ""]
     bests = []
     for label, *specs in args.best:
-        table, best, start = _best(rows, label, specs)
+        table, best = _best(rows, label, specs)
         lines += table
-        bests.append((label, best, start))
+        bests.append((label, best))
     if len(bests) >= 2:
-        (la, a, _), (lb, b, _) = bests[:2]
+        (la, a), (lb, b) = bests[:2]
         lines += [f"**Best {la} (`{a}`) minus best {lb} (`{b}`): {rows.paired(a, b)}.**", ""]
     for a, b in args.pair:
         lines.append(f"- `{a}` minus `{b}`: {rows.paired(a, b)}")

@@ -17,7 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import bench_arguments, benches_line, results_header, write_rule_report
-from benchmarks.default_rule import BAR, COSTLY, COSTLY_GAIN, MAX_LOSS, MIN_GAIN, REQUIRED
+from benchmarks.default_rule import (
+    BAR,
+    COSTLY,
+    COSTLY_GAIN,
+    MAX_LOSS,
+    MIN_GAIN,
+    REQUIRED,
+    agreement_changes,
+    shared_conditions,
+)
 
 BASELINE = ("task_arithmetic", "ta_featcal_paper")
 CANDIDATES = (("tsv_m", "tsv_m_featcal"), ("iso_c", "iso_c_featcal"), ("iso_cts", "iso_cts_featcal"),
@@ -44,8 +53,7 @@ def _agreement(bench: Path, split: str, rows: int | None, run: str) -> Agreement
         return None
     tasks = head_check(bench, run, split, rows)["tasks"]
     calibrated = {t: 100 * e["calibrated"]["agreement"] for t, e in tasks.items()}
-    # rounded: agreements are counts over the rows, and 0.73 − 0.74 must read as −1.0 points, not just below it
-    worst = round(min(100 * (e["calibrated"]["agreement"] - e["merged"]["agreement"]) for e in tasks.values()), 9)
+    worst = min(agreement_changes(tasks).values())
     cost = read_json(bench / "results" / f"{run}.json")["cost"]
     return Agreement(statistics.fmean(calibrated.values()), worst,
                      cost["calibration_seconds"] + cost["merge_seconds"], calibrated)
@@ -54,11 +62,10 @@ def _agreement(bench: Path, split: str, rows: int | None, run: str) -> Agreement
 def _passes(new: dict[str, Agreement], old: dict[str, Agreement]) -> tuple[bool, float, str]:
     """The rule's conditions, a candidate against TA + FeatCal: (passes, mean Δ agreement, why)."""
     deltas = {b: new[b].mean - old[b].mean for b in new}
-    mean = statistics.fmean(deltas.values())
+    mean, losing, costly = shared_conditions(deltas, {b: (new[b].seconds, old[b].seconds) for b in new})
     reasons = [f"mean Δ {mean:+.2f} < +{MIN_GAIN}"] if mean < MIN_GAIN else []
-    reasons += [f"{b} {d:+.2f} < −{MAX_LOSS}" for b, d in deltas.items() if d < -MAX_LOSS]
+    reasons += [f"{b} {deltas[b]:+.2f} < −{MAX_LOSS}" for b in losing]
     reasons += [f"{b}: worst task {new[b].worst:+.1f} against its merge" for b in new if new[b].worst < BAR]
-    costly = [b for b in new if new[b].seconds > COSTLY * old[b].seconds]
     if costly and mean < COSTLY_GAIN:
         reasons.append(f"more than {COSTLY:g}× the seconds on {', '.join(costly)} with mean Δ {mean:+.2f} "
                        f"< +{COSTLY_GAIN}")
