@@ -192,11 +192,13 @@ class FeatCalConfig(_Strict):
     calibrate_head_side: bool = Field(
         False, description="also calibrate the modules between the last block and the head (BERT's pooler, CLIP's "
                            "post_layernorm, a ViT's or decoder's final norm) as one more block")
-    head_refit: bool = Field(
-        False, description="after the body is calibrated, refit each task's own linear head (a classifier, zero-shot "
-                           "class embeddings) so that on its calibration rows it maps the calibrated features to the "
-                           "expert's logits, ridge towards the expert's head, λ from lambda_grid on held-out rows (no "
-                           "labels; docs/design.md §2.11); a head the tasks share (an LM head) is left")
+    head_refit: Literal["auto"] | bool = Field(
+        "auto", description="after the body is calibrated, refit each task's own linear head (a classifier, zero-shot "
+                            "class embeddings) so that on its calibration rows it maps the calibrated features to the "
+                            "expert's logits, ridge towards the expert's head, λ from lambda_grid on held-out rows (no "
+                            "labels; docs/design.md §2.11); a head the tasks share (an LM head) is left. auto: refit "
+                            "where every task has one linear head and a task has at least 64 calibration examples, "
+                            "leave the heads (and say why) otherwise; true: refit, refusing an expert without one")
 
     _non_negative = field_validator("lam")(_non_negative_or_auto)
 

@@ -141,6 +141,8 @@ def model_sections(bench: Path, tasks: list[str], run: MethodRun) -> dict[str, A
         "merge": merge,
         "featcal": {
             "method": run.method if run.method in CONFIG_METHODS else "featcal",
+            # a study row refits heads only where it says so: its rows keep their meaning whatever the default
+            "head_refit": False,
             **run.featcal,
         },
     }

@@ -37,6 +37,7 @@ from storage.rundir import MissingOutput, Record, RunDir
 from tasks import assemble, evaluate, gram, merge, prepare, propagate, solve
 from tasks.assemble import CALIBRATED
 from tasks.context import CONFIG_NAME, context
+from tasks.head_refit import refits_heads
 from tasks.merge import MERGED
 from tasks.preflight import preflight
 from tasks.record import StageFn, execute
@@ -224,7 +225,7 @@ class Pipeline:
         walk.prepare()
         for layer in range(self.ctx.calibrated_blocks):
             walk.block(layer)
-        refit = self.cfg.featcal.head_refit  # the head refit reads the model inputs once more, in assemble
+        refit = refits_heads(self.ctx)  # the head refit reads the model inputs once more, in assemble
         if not refit:
             walk.release_inputs()
         self.run.drop_spares()  # every Gram stage has written its statistics
@@ -250,10 +251,11 @@ class Pipeline:
         fields: dict[str, Any] = {"merged": walk.merged_digest,
                                   "blocks": [rec["outputs"][rel] for rel, rec in parts.items()]}
         needs = {rel: rec["stage"] for rel, rec in parts.items()}
-        if self.cfg.featcal.head_refit:  # each task's head refitted on its stored inputs, to its expert's logits
+        if refits_heads(self.ctx):  # each task's head refitted on its stored inputs, to its expert's logits
             fc = self.cfg.featcal
             inputs = {self.run.inputs(t): walk.prepared[t] for t in self.ctx.tasks}
-            fields["head_refit"] = {"lambda_grid": fc.lambda_grid, "holdout": [fc.holdout_every, fc.holdout_folds],
+            fields["head_refit"] = {"setting": fc.head_refit, "lambda_grid": fc.lambda_grid,
+                                    "holdout": [fc.holdout_every, fc.holdout_folds],
                                     "inputs": [rec["outputs"][rel] for rel, rec in inputs.items()],
                                     "experts": [self.inputs[f"expert/{t}"] for t in self.ctx.tasks]}
             needs.update({rel: rec["stage"] for rel, rec in inputs.items()})

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from storage.checkpoint import read_metadata, write_checkpoint
 from tasks.context import RunContext
-from tasks.head_refit import write_refitted_heads
+from tasks.head_refit import refits_heads, write_refitted_heads
 from tasks.merge import MERGED, head_file
 from tasks.propagate import calibrated_tensors
 
@@ -40,6 +40,6 @@ def run(ctx: RunContext) -> tuple[list[str], dict[str, Any]]:
                      extra_files={rel: load_file(path) for rel, path in paths.items()},
                      extra_metadata={rel: read_metadata(path) for rel, path in paths.items()})
     info: dict[str, Any] = {"blocks": ctx.num_blocks}
-    if ctx.cfg.featcal.head_refit:  # the calibrated body is written: each task's head is refitted to its features
+    if refits_heads(ctx):  # the calibrated body is written: each task's head is refitted to its features
         info.update(write_refitted_heads(ctx))
     return [CALIBRATED], info

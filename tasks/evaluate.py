@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import datasets
@@ -31,8 +32,8 @@ from featcal.modeling import task_model
 from featcal.t5 import answer_kind, decoder_batches, first_number, generated, predicted_ids, targets_of
 from featcal.zeroshot import ZeroShotClassifier
 from storage.atomic import atomic_path, write_bytes, write_json
-from tasks.context import RunContext
-from tasks.head_refit import shared_head, with_head
+from tasks.context import RunContext, context
+from tasks.head_refit import refits_heads, with_head
 from tasks.merge import MERGED, head_file
 
 log = logging.getLogger("featcal")
@@ -63,11 +64,18 @@ def _task_model(ctx: RunContext, task: str, name: str) -> torch.nn.Module:
     model's with featcal.head_refit, the head refitted at assembly (tasks/head_refit.py)."""
     model = task_model(ctx.checkpoint_dir(task), None if name == "expert" else ctx.canonical(name),
                        ctx.checkpoint_dir("base"))
-    if name == "calibrated" and ctx.cfg.featcal.head_refit and shared_head(ctx.adapter) is None:
+    if name == "calibrated" and refits_heads(ctx):
         return with_head(model, load_file(ctx.run / name / head_file(task)), ctx.cfg.zero_shot is not None)
     if ctx.cfg.zero_shot is None:
         return model
     return ZeroShotClassifier(model, load_file(ctx.run / MERGED / head_file(task)))
+
+
+def run_task_model(run_dir: str | Path, task: str, name: str = "calibrated") -> torch.nn.Module:
+    """Task `task`'s model from a run directory as the run's report scored it: checkpoint `name`'s body (`calibrated`
+    or `merged`) with the task's head, refitted where the run refitted heads (featcal.head_refit, on by default),
+    zero-shot where the run has zero-shot heads. The way to use a run's result for one task."""
+    return _task_model(context(run_dir), task, name)
 
 
 def _models(ctx: RunContext, task: str) -> tuple[dict[str, torch.nn.Module], list[str]]:

@@ -5,7 +5,7 @@ its own head reads) and through its expert (the logits to match), and the head r
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -14,11 +14,12 @@ from safetensors.torch import load_file
 from torch import nn
 
 from featcal.adapters import Adapter, UnsupportedModelError
+from featcal.config import RunConfig
 from featcal.head_refit import held_out_folds, refit_head
 from featcal.modeling import task_model
 from featcal.zeroshot import ZeroShotClassifier, zero_shot_logits
 from storage.atomic import atomic_path
-from storage.checkpoint import CanonicalCheckpoint, read_metadata, save_tensors
+from storage.checkpoint import CanonicalCheckpoint, CheckpointError, read_metadata, save_tensors
 from tasks.boundary import foreign_rows, stored_inputs
 from tasks.context import RunContext
 from tasks.merge import MERGED, head_file
@@ -29,12 +30,47 @@ CLASSIFIER = "classifier"  # the one linear head of BERT, ViT and CLIP image cla
 ZERO_SHOT_WEIGHT = "class_embeddings"  # a zero-shot head's linear part (featcal/zeroshot.py)
 
 
+AUTO_MIN_EXAMPLES = 64  # head_refit auto: below this a refit head was measured to hurt (docs/benchmarks.md, issue 54)
+
+
 def shared_head(adapter: Adapter) -> str | None:
     """Why the run has no per-task head to refit (the tasks read the merged LM head), or None."""
     if adapter.head_is_merged or not adapter.head_prefixes:
         return (f"featcal.head_refit: every task of a {adapter.architecture} reads the merged LM head, shared by all "
                 "tasks; it is left as merged (only per-task heads are refitted)")
     return None
+
+
+def heads_left(cfg: RunConfig, adapter: Adapter, expert_names: Callable[[str], Collection[str]]) -> str | None:
+    """Why this run leaves every task's head as its expert's (None: the assemble stage refits them). With `true` an
+    expert whose head is not one linear `classifier` is refused; with `auto` it, like too few calibration examples,
+    is a reason to leave the heads, said where the plan is shown."""
+    setting = cfg.featcal.head_refit
+    if setting is False:
+        return "featcal.head_refit is off"
+    if (why := shared_head(adapter)) is not None:
+        return why
+    examples = cfg.calibration.examples_per_task
+    if setting == "auto" and examples < AUTO_MIN_EXAMPLES:
+        return (f"featcal.head_refit auto: calibration.examples_per_task is {examples}, below "
+                f"{AUTO_MIN_EXAMPLES}, where a refitted head was measured to hurt; every task keeps its expert's head")
+    if cfg.zero_shot is not None:
+        return None
+    for task in cfg.tasks:
+        names = set(expert_names(task))
+        if f"{CLASSIFIER}.weight" not in names:
+            held = sorted(n for n in names if n.startswith(f"{CLASSIFIER}.")) or "none"
+            if setting is True:
+                raise CheckpointError(f"featcal.head_refit: experts.{task} has no linear head to refit: expected "
+                                      f"tensor {CLASSIFIER}.weight, its {CLASSIFIER} tensors are {held}")
+            return (f"featcal.head_refit auto: experts.{task} has no linear head (no tensor {CLASSIFIER}.weight; its "
+                    f"{CLASSIFIER} tensors are {held}); every task keeps its expert's head")
+    return None
+
+
+def refits_heads(ctx: RunContext) -> bool:
+    """Whether this run's assemble stage refits each task's head (`heads_left` is None)."""
+    return heads_left(ctx.cfg, ctx.adapter, lambda task: ctx.checkpoint(task).names()) is None
 
 
 def _classifier(model: nn.Module, where: str) -> nn.Linear:
@@ -83,16 +119,21 @@ def _expert_head(ctx: RunContext, task: str) -> tuple[torch.Tensor, torch.Tensor
     return head[f"{CLASSIFIER}.weight"], head.get(f"{CLASSIFIER}.bias")
 
 
-def refitted(ctx: RunContext, task: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def refitted(ctx: RunContext, task: str) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any]]:
     """Task `task`'s refitted head tensors (the names and dtypes of its head file) and what the stage records: the λ
-    chosen, the rows, and the relative error of the head's logits to the expert's on those rows, before and after."""
+    chosen, the rows, and the relative error of the head's logits to the expert's on those rows, before and after.
+    With head_refit auto, a task whose data held fewer than AUTO_MIN_EXAMPLES examples keeps its expert's head (None
+    and why)."""
     fc = ctx.cfg.featcal
     x, z = _rows(ctx, task)
     marks = foreign_rows(ctx, task)
     if marks is not None:  # calibration.shared_inputs: the head is refitted on the task's own rows only
         x, z = x[marks == 0], z[marks == 0]
-    w_e, b_e = _expert_head(ctx, task)
     examples = [r // (1 + ctx.cfg.calibration.views.count) for r in range(len(x))]
+    if fc.head_refit == "auto" and len(set(examples)) < AUTO_MIN_EXAMPLES:
+        return None, {"left": f"featcal.head_refit auto: {task} has {len(set(examples))} calibration examples, "
+                              f"below {AUTO_MIN_EXAMPLES}; it keeps its expert's head"}
+    w_e, b_e = _expert_head(ctx, task)
     fit = refit_head(x, z, w_e, b_e, fc.lambda_grid, held_out_folds(examples, fc.holdout_every, fc.holdout_folds))
     head = load_file(ctx.run / MERGED / head_file(task))
     if ctx.cfg.zero_shot is not None:
@@ -115,13 +156,12 @@ def _relative_error(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, b: torch.
 
 def write_refitted_heads(ctx: RunContext) -> dict[str, Any]:
     """Every task's head in calibrated/heads/ refitted (each file replaced whole), and the stage record's entry."""
-    why = shared_head(ctx.adapter)
-    if why is not None:
-        log.info("%s", why)
-        return {"head_refit": why}
     done: dict[str, Any] = {}
     for task in ctx.tasks:
         head, done[task] = refitted(ctx, task)
+        if head is None:
+            log.info("%s", done[task]["left"])
+            continue
         path = ctx.run / "calibrated" / head_file(task)
         metadata = read_metadata(path)
         with atomic_path(path) as tmp:

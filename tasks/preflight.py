@@ -32,7 +32,7 @@ from featcal_kernels.bf16 import cpu_has_native_bf16
 from storage.activations import ActivationError, ActivationStore
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
 from storage.lora import LoraCheckpoint, config_directory, is_lora_adapter
-from tasks.head_refit import CLASSIFIER, shared_head
+from tasks.head_refit import heads_left, shared_head
 
 log = logging.getLogger("featcal")
 GIB = 1024**3
@@ -268,22 +268,14 @@ def check_head_metric(cfg: RunConfig, adapter: Adapter) -> None:
 
 
 def check_head_refit(cfg: RunConfig, adapter: Adapter) -> list[str]:
-    """featcal.head_refit refits each task's one linear head (a zero-shot head is one): an expert whose head is some
-    other module is refused here, not after the body's calibration; where the tasks share a merged LM head there is
-    nothing to refit, which is said."""
-    if not cfg.featcal.head_refit:
+    """featcal.head_refit refits each task's one linear head (a zero-shot head is one): with `true` an expert whose
+    head is some other module is refused here, not after the body's calibration; where the heads are left (a merged
+    LM head the tasks share; with `auto` also too few examples or a head that is not one linear layer) it is said."""
+    setting = cfg.featcal.head_refit
+    if setting is False or (setting == "auto" and shared_head(adapter) is not None):  # nothing asked, nothing to say
         return []
-    if (why := shared_head(adapter)) is not None:
-        return [why]
-    if cfg.zero_shot is not None:
-        return []
-    for task in cfg.tasks:
-        names = set(_expert_checkpoint(cfg, task, adapter).names())
-        if f"{CLASSIFIER}.weight" not in names:
-            held = sorted(n for n in names if n.startswith(f"{CLASSIFIER}.")) or "none"
-            raise CheckpointError(f"featcal.head_refit: experts.{task} has no linear head to refit: expected tensor "
-                                  f"{CLASSIFIER}.weight, its {CLASSIFIER} tensors are {held}")
-    return []
+    why = heads_left(cfg, adapter, lambda task: _expert_checkpoint(cfg, task, adapter).names())
+    return [] if why is None else [why]
 
 
 def check_zero_shot(cfg: RunConfig) -> list[str]:

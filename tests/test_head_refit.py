@@ -2,6 +2,7 @@
 labels (featcal/head_refit.py). The closed form against torch.linalg.lstsq on the stacked augmented system, the
 held-out λ choice against a loop over the grid, and the tiny BERT example end to end."""
 
+import datasets
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -11,12 +12,12 @@ from featcal.adapters import adapter_for
 from featcal.config import config_from_dict
 from featcal.head_refit import held_out_folds, refit_head, solve_head
 from flows.pipeline import run_pipeline
-from storage.checkpoint import read_metadata
+from storage.checkpoint import CheckpointError, read_metadata
 from storage.rundir import RunDir
 from tasks.boundary import stored_inputs
 from tasks.context import RunContext
 from tasks.evaluate import _task_model
-from tasks.head_refit import shared_head
+from tasks.head_refit import heads_left, shared_head
 from tests.conftest import example_config
 from tests.llm_fixture import llm_config
 from tests.t5_fixture import t5_config
@@ -131,7 +132,7 @@ def test_the_tiny_example_refit_brings_every_tasks_logits_closer_to_its_experts(
     calibration rows the calibrated model's logits come closer to its expert's."""
     sections = {"evaluation": {"enabled": False}, "runtime": {"keep_activations": True}}
     run_dir = tmp_path / "run"
-    run_pipeline(example_config(tiny_example, "bert", **sections), run_dir)
+    run_pipeline(example_config(tiny_example, "bert", featcal__head_refit=False, **sections), run_dir)
     plain = {t: _logit_errors(run_dir, t)[0] for t in ("topic", "negation", "count")}
     body = load_file(run_dir / "calibrated" / "model.safetensors")
     run_pipeline(example_config(tiny_example, "bert", featcal__head_refit=True, **sections), run_dir, reuse=True)
@@ -183,3 +184,55 @@ def test_zero_shot_class_embeddings_are_refitted_and_read_by_the_evaluation(tmp_
                 z, y = (m(pixel_values=batch["pixel_values"]).logits.double() for m in (expert, calibrated))
                 diff, ref = diff + float(((y - z) ** 2).sum()), ref + float((z**2).sum())
         assert (diff / ref) ** 0.5 == pytest.approx(info["logit_error_after"], abs=1e-5)
+
+
+def test_which_runs_refit_their_heads(tiny_example):
+    """heads_left: None where the assemble stage refits (auto or true, one linear head a task, ≥ 64 examples); with
+    auto, too few examples or a head that is not one linear layer leave every head, said in one line; with true that
+    head is refused naming the expert; off says so; a shared LM head is left whatever is asked."""
+    linear = ["bert.pooler.dense.weight", "classifier.weight", "classifier.bias"]
+    nested = ["bert.pooler.dense.weight", "classifier.dense.weight", "classifier.out_proj.weight"]
+
+    def left(names, examples=64, **featcal):
+        cfg = example_config(tiny_example, "bert", calibration__examples_per_task=examples,
+                             **{f"featcal__{k}": v for k, v in featcal.items()})
+        return heads_left(cfg, adapter_for(BertConfig(architectures=["BertForSequenceClassification"])),
+                          lambda task: linear if task != "negation" else names)
+
+    assert left(linear) is None and left(linear, head_refit=True) is None and left(linear, examples=8,
+                                                                                    head_refit=True) is None
+    assert left(linear, examples=63) == (
+        "featcal.head_refit auto: calibration.examples_per_task is 63, below 64, where a refitted head was measured "
+        "to hurt; every task keeps its expert's head")
+    assert left(nested) == (
+        "featcal.head_refit auto: experts.negation has no linear head (no tensor classifier.weight; its classifier "
+        "tensors are ['classifier.dense.weight', 'classifier.out_proj.weight']); every task keeps its expert's head")
+    with pytest.raises(CheckpointError, match=r"^featcal.head_refit: experts.negation has no linear head to refit: "
+                                              r"expected tensor classifier.weight"):
+        left(nested, head_refit=True)
+    assert left(linear, head_refit=False) == "featcal.head_refit is off"
+    llm = example_config(tiny_example, "bert", featcal__head_refit=True)
+    assert "merged LM head, shared by all tasks" in heads_left(llm, adapter_for(llm_config(64)), lambda _t: linear)
+
+
+def test_auto_leaves_the_head_of_a_task_with_fewer_than_64_examples(tiny_example, tmp_path):
+    """The default (auto) at 64 examples a task refits every head, except that of a task whose data held only 40 rows
+    (fewer than examples_per_task asks): its calibrated head file is the merge's, bit for bit, and the record says
+    why."""
+    small = tmp_path / "topic40"
+    datasets.load_from_disk(str(tiny_example / "bert" / "data" / "topic")).filter(
+        lambda _row, i: i < 40, with_indices=True).save_to_disk(str(small))
+    cfg = example_config(tiny_example, "bert", evaluation={"enabled": False},
+                         calibration__data__topic__path=str(small))
+    assert cfg.featcal.head_refit == "auto" and cfg.calibration.examples_per_task == 64
+    run_pipeline(cfg, tmp_path / "run")
+    recorded = RunDir(tmp_path / "run").stage_records()["assemble"]["info"]["head_refit"]
+    assert recorded["topic"] == {"left": "featcal.head_refit auto: topic has 40 calibration examples, below 64; it "
+                                         "keeps its expert's head"}
+    assert recorded["negation"]["rows"] == recorded["count"]["rows"] == 64
+    heads = {side: load_file(tmp_path / "run" / side / "heads" / "topic.safetensors") for side in ("merged",
+                                                                                                    "calibrated")}
+    assert all(torch.equal(heads["merged"][k], heads["calibrated"][k]) for k in heads["merged"])
+    negation = {side: load_file(tmp_path / "run" / side / "heads" / "negation.safetensors")["classifier.weight"]
+                for side in ("merged", "calibrated")}
+    assert not torch.equal(negation["merged"], negation["calibrated"])

@@ -41,7 +41,7 @@ def test_featcal_options_that_lot_would_ignore_are_refused_before_the_run(tmp_pa
 
 def test_a_bench_run_of_lot_runs_the_pipeline_with_lot(tmp_path):
     sections = model_sections(tmp_path, ["a"], MethodRun("average", "lot", examples=16))
-    assert sections["merge"]["method"] == "average" and sections["featcal"] == {"method": "lot"}
+    assert sections["merge"]["method"] == "average" and sections["featcal"] == {"method": "lot", "head_refit": False}
 
 
 def _inputs(seed: int, rows: tuple[int, ...], rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

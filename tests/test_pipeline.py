@@ -14,6 +14,7 @@ from storage.atomic import digest
 from storage.checkpoint import CanonicalCheckpoint, CheckpointError
 from storage.rundir import RunDir
 from tasks.context import context
+from tasks.evaluate import run_task_model
 from tasks.solve import solve_groups
 from tests.conftest import example_config
 
@@ -72,9 +73,11 @@ def test_calibrated_checkpoint_loads_with_from_pretrained(three_expert_run):
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, blocks[name]), name
     task = cfg.tasks[0]
-    per_task = task_model(cfg.experts[task], CanonicalCheckpoint(run_dir / "calibrated", ctx.adapter))
+    per_task = run_task_model(run_dir, task)  # the run refitted its heads (featcal.head_refit auto, 64 examples)
     head = load_file(run_dir / "calibrated" / "heads" / f"{task}.safetensors")
     assert head and all(torch.equal(per_task.state_dict()[k], v) for k, v in head.items())
+    expert_head = task_model(cfg.experts[task], CanonicalCheckpoint(run_dir / "calibrated", ctx.adapter)).state_dict()
+    assert not all(torch.equal(expert_head[k], v) for k, v in head.items())
 
 
 def test_intermediates_are_released_but_records_kept(three_expert_run):
