@@ -220,8 +220,9 @@ def test_auto_leaves_the_head_of_a_task_with_fewer_than_64_examples(tiny_example
     (fewer than examples_per_task asks): its calibrated head file is the merge's, bit for bit, and the record says
     why."""
     small = tmp_path / "topic40"
+    # in memory: a filter's cache files would land in the shared example's data directory and change its fingerprint
     datasets.load_from_disk(str(tiny_example / "bert" / "data" / "topic")).filter(
-        lambda _row, i: i < 40, with_indices=True).save_to_disk(str(small))
+        lambda _row, i: i < 40, with_indices=True, keep_in_memory=True).save_to_disk(str(small))
     cfg = example_config(tiny_example, "bert", evaluation={"enabled": False},
                          calibration__data__topic__path=str(small))
     assert cfg.featcal.head_refit == "auto" and cfg.calibration.examples_per_task == 64
