@@ -229,7 +229,7 @@ class Pipeline:
         if not refit:
             walk.release_inputs()
         self.run.drop_spares()  # every Gram stage has written its statistics
-        out = {"merge": merged, "assemble": self.call(self._assemble_call(walk))}
+        out = {"merge": merged, "assemble": self.call(self._assemble_call(walk, refit))}
         if refit:
             walk.release_inputs()
         if self.cfg.evaluation.enabled:
@@ -246,12 +246,12 @@ class Pipeline:
             fields["given_merge"] = inputs["merge"]
         return StageCall("merge", "merge", "merge", self.key("merge", **fields))
 
-    def _assemble_call(self, walk: BlockWalk) -> StageCall:
+    def _assemble_call(self, walk: BlockWalk, refit: bool) -> StageCall:
         parts = {rel: rec for block in walk.solved for rel, rec in block.items()}
         fields: dict[str, Any] = {"merged": walk.merged_digest,
                                   "blocks": [rec["outputs"][rel] for rel, rec in parts.items()]}
         needs = {rel: rec["stage"] for rel, rec in parts.items()}
-        if refits_heads(self.ctx):  # each task's head refitted on its stored inputs, to its expert's logits
+        if refit:  # each task's head refitted on its stored inputs, to its expert's logits
             fc = self.cfg.featcal
             inputs = {self.run.inputs(t): walk.prepared[t] for t in self.ctx.tasks}
             fields["head_refit"] = {"setting": fc.head_refit, "lambda_grid": fc.lambda_grid,
