@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 from prefect import Flow, get_client, task
 from prefect.context import FlowRunContext
 from prefect.runtime import flow_run as current_flow_run
@@ -164,11 +165,15 @@ def featcal_flow(config_path: str, run_dir: str, overrides: list[str] | None = N
     known_secrets = secrets.found(plain)
     run_dir = str(Path(run_dir).resolve())
     labels = run_tags(cfg, run_dir)
-    _tag_this_flow_run(labels)
     task_tags = labels if tag_task_runs else []
     with ExitStack() as stack:
         api, ephemeral = run_api_url()
         watch = stack.enter_context(ApiWatch(api, run_dir, ephemeral=ephemeral))
+        try:  # the flow's first request of its own: under the watch, so a server gone by now costs one line
+            _tag_this_flow_run(labels)
+        except httpx.HTTPError as exc:
+            if watch.answers(f"tagging the flow run failed ({exc})"):
+                raise
         live = LiveArtifacts(run_dir, reachable=lambda: watch.up)
         if runner == "dask":
             from flows.dask_runner import dask_task_runner

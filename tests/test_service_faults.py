@@ -57,17 +57,19 @@ def _kill_group(pid: int) -> None:
     os.killpg(pid, signal.SIGKILL)
 
 
-def test_featcal_server_killed_mid_run_goes_on_in_one_line_and_a_rerun_reports_it(resume_config, reference_run,
-                                                                                  tmp_path):
-    """A user's `featcal server` dies (kill -9) two stages in: one line, the run completes with the weights of an
-    undisturbed run, nothing of Prefect's retries on the console; once the server is back, the same command reports
-    the run to it from the cache."""
+def test_featcal_server_killed_as_the_run_begins_goes_on_in_one_line_and_a_rerun_reports_it(resume_config,
+                                                                                           reference_run, tmp_path):
+    """A user's `featcal server` dies (kill -9) as the flow run begins, before any stage and before Prefect's log
+    worker has sent a batch (its client then does not retry a refused connection, and Prefect writes the failure to
+    stderr itself): one line, the run completes with the weights of an undisturbed run, nothing of Prefect's on the
+    console; once the server is back, the same command reports the run to it from the cache. (Prefect's temporary
+    server is killed two stages in, below.)"""
     home = tmp_path / "home"
     info, _ = server.start(home, port=0)
     run_dir = tmp_path / "run"
     command = ("run", str(resume_config), "--run-dir", str(run_dir))
     try:
-        out = _run_and_act(featcal(*command, env=cli_env(info)), "[  2/", lambda: _kill_group(info.pid))
+        out = _run_and_act(featcal(*command, env=cli_env(info)), "Beginning flow run", lambda: _kill_group(info.pid))
         faults = [line for line in out.splitlines() if "stopped answering" in line]
         assert len(faults) == 1, out
         assert (f"the Prefect server at {info.url} stopped answering" in faults[0]
@@ -121,6 +123,18 @@ def _moto(port: int) -> ThreadedMotoServer:
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     moto.start()
     return moto
+
+
+def test_a_server_gone_before_the_run_wrote_its_manifest_is_one_line(tmp_path):
+    """The flow's last request failed and the run directory has no manifest: the server went before the run began."""
+    from flows.cli import RunFailed, _outcome_without_server
+
+    with pytest.raises(RunFailed) as failed:
+        _outcome_without_server(tmp_path)
+    assert str(failed.value) == (
+        f"the Prefect server stopped answering before the run began ({tmp_path / 'manifest.json'} was not written); "
+        "rerun the same command: a featcal server that is gone is passed over (ephemeral mode), a PREFECT_API_URL is "
+        "waited for")
 
 
 def test_s3_store_unreachable_mid_run_stops_in_one_line_and_resumes(resume_config, reference_run, tmp_path):
