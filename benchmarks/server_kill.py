@@ -1,14 +1,18 @@
-"""A run whose Prefect server is killed mid-run against an undisturbed run, measured side by side in one invocation.
+"""A run whose Prefect server is killed (mid-run, or as the flow run begins) against an undisturbed run, measured side
+by side in one invocation.
 
     python -m benchmarks.server_kill --out benchmarks/results/server_kill.md [--example DIR] [--repeats 2]
 
 Each repeat runs the tiny example without evaluation (built into a temporary directory unless --example names
-one) twice, as a user would with `featcal server start` and `featcal run`: once undisturbed, once with the server
-killed (SIGKILL to its process group) as soon as the second stage has finished. Each run gets a fresh server and
-run directory. Reported per case: the process's wall time, the stages' span (first stage start to last stage end,
-from the run's events), the longest wait between one stage's end and the next one's start, the slowest stage's
-ratio to the same stage in the undisturbed run of the same repeat, the lines the run printed about the fault, and
-whether the weights are the undisturbed run's bit for bit.
+one) three times, as a user would with `featcal server start` and `featcal run`: undisturbed; with the server
+killed (SIGKILL to its process group) as soon as the second stage has finished; and with it killed as the flow run
+begins, before any stage and before Prefect's log worker has sent a batch (its client does not retry a refused
+connection until it has connected once). Each run gets a fresh server and run directory. Reported per case: the
+process's wall time, the stages' span (first stage start to last stage end, from the run's events), the longest
+wait between one stage's end and the next one's start, the slowest stage's ratio to the same stage in the
+undisturbed run of the same repeat, the lines the run printed about the fault (or its last line, for a run that
+failed before its first stage), Prefect's lines on the console, and whether the weights are the undisturbed run's
+bit for bit.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -33,10 +38,12 @@ from flows.pipeline import machine
 from storage.atomic import digest
 from storage.rundir import RunDir
 
-KILL_AFTER = "[  2/"  # the progress line of the second stage
+CASES = {"undisturbed": None, "server killed": "[  2/", "server killed at the start": "Beginning flow run"}  # the
+# line after which the server is killed: the second stage's progress line, Prefect's first line of the flow run
+NOISE = ("Unable to connect", "EventsWorker", "Error logging to API", "Traceback", "Encountered retryable")
 
 
-def run_once(config: Path, run_dir: Path, home: Path, kill: bool) -> dict:
+def run_once(config: Path, run_dir: Path, home: Path, kill_after: str | None) -> dict:
     info, _ = server.start(home, port=0)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_")}
     env.update({"FEATCAL_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1"})
@@ -48,7 +55,7 @@ def run_once(config: Path, run_dir: Path, home: Path, kill: bool) -> dict:
     lines, killed_at = [], None
     for line in proc.stdout:
         lines.append(line)
-        if kill and killed_at is None and KILL_AFTER in line:
+        if kill_after is not None and killed_at is None and kill_after in line:
             os.killpg(info.pid, signal.SIGKILL)
             killed_at = time.monotonic() - started
     code = proc.wait()
@@ -56,6 +63,9 @@ def run_once(config: Path, run_dir: Path, home: Path, kill: bool) -> dict:
     if server.running(home) is not None:
         server.stop(home)
     events = RunDir(run_dir).events()
+    if not events:  # the run failed before its first stage
+        return {"code": code, "wall": wall, "killed_at": killed_at, "failed": lines[-1].strip() if lines else "",
+                "noise": sum(any(n in line for n in NOISE) for line in lines), "fault_lines": []}
     starts = {e["stage"]: e["t"] for e in events if e["event"] == "start"}
     records = {str(p.relative_to(run_dir)): json.loads(p.read_text()) for p in (run_dir / "records").rglob("*.json")}
     seconds = {name: rec["seconds"] for name, rec in records.items() if isinstance(rec, dict) and "seconds" in rec}
@@ -66,8 +76,7 @@ def run_once(config: Path, run_dir: Path, home: Path, kill: bool) -> dict:
             "gap": max(gaps),
             "seconds": seconds, "weights": digest(run_dir / "calibrated" / "model.safetensors"),
             "fault_lines": [line.strip() for line in lines if "stopped answering" in line or "did not answer" in line],
-            "noise": sum(any(n in line for n in ("Unable to connect", "EventsWorker", "Error logging to API",
-                                                 "Traceback")) for line in lines)}
+            "noise": sum(any(n in line for n in NOISE) for line in lines)}
 
 
 def main() -> None:
@@ -82,10 +91,10 @@ def main() -> None:
         raw["evaluation"] = {"enabled": False}
         config = root / "bert" / "no-eval.yaml"  # beside example.yaml: its paths are relative to it
         config.write_text(yaml.safe_dump(raw))
-        results: dict[str, list[dict]] = {"undisturbed": [], "server killed": []}
+        results: dict[str, list[dict]] = {case: [] for case in CASES}
         for r in range(args.repeats):
-            for case, kill in (("undisturbed", False), ("server killed", True)):
-                out = run_once(config, Path(tmp) / f"run-{r}-{kill}", Path(tmp) / f"home-{r}-{kill}", kill)
+            for c, (case, kill_after) in enumerate(CASES.items()):
+                out = run_once(config, Path(tmp) / f"run-{r}-{c}", Path(tmp) / f"home-{r}-{c}", kill_after)
                 results[case].append(out)
                 print(f"repeat {r}: {case}: exit {out['code']}, {out['wall']:.1f} s", flush=True)
     write(args.out, results, args.repeats)
@@ -95,23 +104,22 @@ def write(out: Path, results: dict[str, list[dict]], repeats: int) -> None:
     base = results["undisturbed"]
     rows = []
     for case, runs in results.items():
-        ratios = []
-        for run, ref in zip(runs, base):
-            ratios.append(max(run["seconds"][s] / max(ref["seconds"][s], 0.05) for s in ref["seconds"]))
+        done = [(run, ref) for run, ref in zip(runs, base) if "failed" not in run]
+        ratios = [max(run["seconds"][s] / max(ref["seconds"][s], 0.05) for s in ref["seconds"]) for run, ref in done]
+        spans, gaps = [run["span"] for run, _ in done], [run["gap"] for run, _ in done]
         rows.append(f"| {case} | {statistics.median(r['wall'] for r in runs):.1f} | "
-                    f"{statistics.median(r['span'] for r in runs):.1f} | {max(r['gap'] for r in runs):.2f} | "
-                    f"{max(ratios):.2f} | "
+                    f"{_figure(spans, statistics.median, 1)} | {_figure(gaps, max, 2)} | {_figure(ratios, max, 2)} | "
                     f"{', '.join(str(r['code']) for r in runs)} | "
-                    f"{all(r['weights'] == ref['weights'] for r, ref in zip(runs, base))} | "
+                    f"{len(done) == len(runs) and all(run['weights'] == ref['weights'] for run, ref in done)} | "
                     f"{sum(r['noise'] for r in runs)} |")
-    killed = results["server killed"]
     lines = [
-        "# A run whose Prefect server is killed mid-run, against an undisturbed run",
+        "# A run whose Prefect server is killed, against an undisturbed run",
         "",
         f"`python -m benchmarks.server_kill` on {machine()}; the machine was shared with other jobs while it ran, so "
         "stage times vary by a few seconds from run to run. The tiny example without evaluation (23 stages), "
-        f"{repeats} repeat(s), the two cases alternating, each with a fresh `featcal server` and run directory; the "
-        "server is killed with SIGKILL to its process group once the second stage has finished.",
+        f"{repeats} repeat(s), the three cases in turn, each with a fresh `featcal server` and run directory; the "
+        "server is killed with SIGKILL to its process group once the second stage has finished, or as the flow run "
+        "begins (Prefect's `Beginning flow run` line).",
         "",
         "| case | wall s (median) | stages' span s (median) | longest wait between two stages s (worst) | "
         "slowest stage ÷ same stage undisturbed (worst) | exit codes | weights = undisturbed | "
@@ -124,12 +132,18 @@ def write(out: Path, results: dict[str, list[dict]], repeats: int) -> None:
         "divides by at least 0.05 s: the tiny example's stages take 0.05 to 5 s here, so that ratio says more about "
         "the shared machine than about the server. What the killed runs printed about it:",
         "",
-        *[f"- repeat {i}: killed at {r['killed_at']:.1f} s; " + " / ".join(f"`{line}`" for line in r["fault_lines"])
-          for i, r in enumerate(killed)],
+        *[f"- {case}, repeat {i}: killed at {r['killed_at']:.1f} s; "
+          + (f"failed: `{r['failed']}`" if "failed" in r else " / ".join(f"`{line}`" for line in r["fault_lines"]))
+          for case in CASES if CASES[case] is not None for i, r in enumerate(results[case])],
         "",
     ]
     out.write_text("\n".join(lines))
     print(out.read_text())
+
+
+def _figure(values: list[float], summary: Callable[[list[float]], float], digits: int) -> str:
+    """The summary of the runs that got to their stages, or a dash where none did."""
+    return f"{summary(values):.{digits}f}" if values else "—"
 
 
 if __name__ == "__main__":
