@@ -13,11 +13,13 @@ with them replaced by placeholders (featcal/secrets.py); the flow itself is call
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+from uuid import UUID
 
 import httpx
 from prefect import Flow, get_client, task
@@ -33,6 +35,8 @@ from flows.pipeline import STAGES, StageCall, run_pipeline
 from flows.server import is_loopback
 from storage.rundir import Record
 from tasks.record import execute
+
+log = logging.getLogger("featcal")
 
 RESULTS_DIR = ".prefect-results"
 RUNNERS = ("local", "pool", "dask")
@@ -95,14 +99,28 @@ def run_tags(cfg: RunConfig, run_dir: str | Path) -> list[str]:
     return ["featcal", f"model:{model}", f"merge:{cfg.merge.method}", f"run-dir:{Path(run_dir).resolve()}"]
 
 
-def _tag_this_flow_run(labels: list[str]) -> None:
+def _tag_this_flow_run(labels: list[str], watch: ApiWatch) -> None:
     ctx = FlowRunContext.get()
     if ctx is None or ctx.flow_run is None:
         return
     missing = [t for t in labels if t not in ctx.flow_run.tags]
     if missing:
-        with get_client(sync_client=True) as client:
-            client.update_flow_run(ctx.flow_run.id, tags=[*ctx.flow_run.tags, *missing])
+        tag_flow_run(ctx.flow_run.id, [*ctx.flow_run.tags, *missing], watch)
+
+
+def tag_flow_run(flow_run_id: UUID, tags: list[str], watch: ApiWatch) -> None:
+    """Tags are for finding the run in the UI: one request without retries, and a run that goes on untagged if it
+    fails (the watch's one line if the server is gone, else a warning). Without retries because Prefect's client,
+    its retries cut by the watch in the middle of their backoff, ends with an AssertionError, not the request's
+    error."""
+    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    try:
+        with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0}), get_client(sync_client=True) as client:
+            client.update_flow_run(flow_run_id, tags=tags)
+    except httpx.HTTPError as exc:
+        if watch.answers(f"tagging the flow run failed ({exc})"):
+            log.warning("could not tag this flow run (%s): the run goes on untagged", exc)
 
 
 def _api_for_workers(address: str | None) -> str:
@@ -169,11 +187,7 @@ def featcal_flow(config_path: str, run_dir: str, overrides: list[str] | None = N
     with ExitStack() as stack:
         api, ephemeral = run_api_url()
         watch = stack.enter_context(ApiWatch(api, run_dir, ephemeral=ephemeral))
-        try:  # the flow's first request of its own: under the watch, so a server gone by now costs one line
-            _tag_this_flow_run(labels)
-        except httpx.HTTPError as exc:
-            if watch.answers(f"tagging the flow run failed ({exc})"):
-                raise
+        _tag_this_flow_run(labels, watch)  # the flow's first request of its own: under the watch
         live = LiveArtifacts(run_dir, reachable=lambda: watch.up)
         if runner == "dask":
             from flows.dask_runner import dask_task_runner

@@ -1,6 +1,6 @@
-"""The watch's gate on stderr: a batch of log lines Prefect fails to send, before the watch's own checks notice
-anything, is kept in the run's prefect.log and makes the watch ask the server at once (tests/test_service_faults.py
-kills real servers; these drive the gate directly, with a port nobody listens on and a server that answers)."""
+"""The watch asked at once, by a failed request, rather than at its next check: a batch of log lines Prefect fails to
+send (kept in the run's prefect.log) and the flow's tagging request (tests/test_service_faults.py kills real servers;
+these drive the watch directly, with a port nobody listens on and a stand-in server that answers its health)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
+from uuid import uuid4
 
 import pytest
 
 from flows.api_watch import PREFECT_LOG, ApiWatch, unanswered
+from flows.prefect_flow import tag_flow_run
 from tests.dask_processes import free_port
 
 HEADER = "--- Error logging to API ---\n"
@@ -104,3 +106,29 @@ def test_a_failed_log_batch_with_the_server_up_is_one_warning_and_the_run_stays_
         f"the Prefect server at {answering_server.removesuffix('/api')} did not take a batch of this run's log lines "
         f"(Client error '413 Payload Too Large'): the UI misses them; they are on this console, and Prefect's "
         f"message is in {tmp_path / PREFECT_LOG}"]
+
+
+def test_a_flow_run_tagged_with_the_server_gone_is_the_one_fault_line(tmp_path: Path, warnings_logged):
+    """The flow's first request of its own: no retries (cut mid-backoff, Prefect's client ends in an AssertionError),
+    the watch's one line, and the run goes on untagged."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    api = f"http://127.0.0.1:{free_port()}/api"
+    with ApiWatch(api, tmp_path, interval=3600) as watch, temporary_settings(updates={PREFECT_API_URL: api}):
+        tag_flow_run(uuid4(), ["featcal"], watch)
+        assert not watch.up and watch.faults == 1
+    assert len(warnings_logged) == 1 and warnings_logged[0].startswith(
+        f"the Prefect server at {api.removesuffix('/api')} stopped answering (tagging the flow run failed ("), \
+        warnings_logged
+
+
+def test_a_flow_run_its_server_will_not_tag_goes_on_untagged_with_a_warning(tmp_path: Path, answering_server: str,
+                                                                             warnings_logged):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with ApiWatch(answering_server, tmp_path, interval=3600) as watch, \
+            temporary_settings(updates={PREFECT_API_URL: answering_server}):
+        tag_flow_run(uuid4(), ["featcal"], watch)  # the stand-in server answers a PATCH with 501
+        assert watch.up and watch.faults == 0
+    assert len(warnings_logged) == 1 and warnings_logged[0].startswith("could not tag this flow run (") \
+        and "501" in warnings_logged[0] and warnings_logged[0].endswith("): the run goes on untagged"), warnings_logged
