@@ -132,17 +132,17 @@ class ApiWatch:
     def log_batch_failed(self, error: str) -> None:
         """Prefect's log worker could not send a batch of this run's log lines, with `error`: keep its message in
         the run's prefect.log, and ask the server now rather than at the next check."""
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        message = error.strip() or "no message"
         path = self.run_dir / PREFECT_LOG
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as out:
-            out.write(f"{stamp} ERROR prefect's log worker: --- Error logging to API --- {error.strip()}\n")
-        if self.up and self.answers(f"a batch of log lines failed ({error.strip() or 'no message'})") \
-                and not self._refused:
+            out.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR prefect's log worker: --- Error logging to API "
+                      f"--- {message}\n")
+        if self.up and self.answers(f"a batch of log lines failed ({message})") and not self._refused:
             self._refused = True
             log.warning("the Prefect server at %s did not take a batch of this run's log lines (%s): the UI misses "
                         "them; they are on this console, and Prefect's message is in %s", ui_url(self.api_url),
-                        error.strip() or "no message", path)
+                        message, path)
 
     def answers(self, failed: str) -> bool:
         """Whether the server answers a health check now, asked after a request failed with `failed`: if not, the

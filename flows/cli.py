@@ -318,8 +318,8 @@ def _outcome_without_server(run_dir: Path) -> None:
         manifest = read_json(run_dir / "manifest.json")
     except FileNotFoundError:
         raise RunFailed(f"the Prefect server stopped answering before the run began ({run_dir / 'manifest.json'} "
-                        "was not written); rerun the same command: a featcal server that is gone is passed over "
-                        "(ephemeral mode), a PREFECT_API_URL is waited for") from None
+                        "was not written); rerun the same command: with the featcal server gone it runs in "
+                        "ephemeral mode; with PREFECT_API_URL set, rerun once that server answers") from None
     if manifest.get("status") == "complete":
         print("featcal: the run is complete; the Prefect server did not answer to record its end (rerun the same "
               "command once it is back to report it: every stage comes from the cache)", file=sys.stderr)

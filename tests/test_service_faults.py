@@ -133,8 +133,8 @@ def test_a_server_gone_before_the_run_wrote_its_manifest_is_one_line(tmp_path):
         _outcome_without_server(tmp_path)
     assert str(failed.value) == (
         f"the Prefect server stopped answering before the run began ({tmp_path / 'manifest.json'} was not written); "
-        "rerun the same command: a featcal server that is gone is passed over (ephemeral mode), a PREFECT_API_URL is "
-        "waited for")
+        "rerun the same command: with the featcal server gone it runs in ephemeral mode; with PREFECT_API_URL set, "
+        "rerun once that server answers")
 
 
 def test_s3_store_unreachable_mid_run_stops_in_one_line_and_resumes(resume_config, reference_run, tmp_path):
